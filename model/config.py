@@ -1,0 +1,89 @@
+"""LLaMA model configuration and named presets (nanoGPT/gpt-fast style `from_name`).
+
+A preset fixes the architecture; explicit shape flags on the command line override single fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    num_layers: int = 8
+    hidden_size: int = 128
+    ffn_hidden_size: int = 352
+    num_attention_heads: int = 4
+    num_query_groups: int = 2          # GQA: key/value heads; == num_attention_heads for MHA
+    vocab_size: int = 1024             # true vocabulary (tokenizer size); padded only inside the model
+    max_position_embeddings: int = 256
+    rope_theta: float = 10000.0
+    norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    make_vocab_size_divisible_by: int = 128
+    init_method_std: float = 0.02
+    recompute_granularity: Optional[str] = None   # None, "full" or "selective"
+    recompute_num_layers: Optional[int] = None    # full recompute: first N layers of each chunk (None: all)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp_size: int = 1) -> int:
+        """Megatron's vocabulary padding: round up to a multiple of divisible_by x tp."""
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    def replace(self, **changes) -> "LlamaConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_name(cls, name: str) -> "LlamaConfig":
+        if name not in PRESETS:
+            raise ValueError(f"--model {name} is not a known preset; choose one of {', '.join(PRESETS)}")
+        return cls(**PRESETS[name])
+
+    @classmethod
+    def from_args(cls, args) -> "LlamaConfig":
+        """Preset named by `args.model`, overridden by any explicit shape flag (None means unset)."""
+        base = PRESETS[args.model]
+        overrides = {
+            "num_layers": args.num_layers,
+            "hidden_size": args.hidden_size,
+            "ffn_hidden_size": args.ffn_hidden_size,
+            "num_attention_heads": args.num_attention_heads,
+            "num_query_groups": args.num_query_groups,
+            "vocab_size": args.vocab_size,
+            "max_position_embeddings": args.max_position_embeddings,
+            "rope_theta": args.rotary_base,
+            "norm_epsilon": args.norm_epsilon,
+            "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
+            "init_method_std": args.init_method_std,
+            "recompute_granularity": args.recompute_granularity,
+            "recompute_num_layers": args.recompute_num_layers,
+        }
+        fields = dict(base)
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        if args.untie_embeddings_and_output_weights:
+            fields["tie_word_embeddings"] = False
+        if args.tie_embeddings_and_output_weights:
+            fields["tie_word_embeddings"] = True
+        if args.num_attention_heads is not None and args.num_query_groups is None and not args.group_query_attention:
+            fields["num_query_groups"] = args.num_attention_heads
+        return cls(**fields)
+
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(num_layers=8, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4,
+                 num_query_groups=2, vocab_size=1024, max_position_embeddings=256),
+    "llama2-7b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,
+                      num_query_groups=32, vocab_size=32000, max_position_embeddings=4096),
+    "llama2-13b": dict(num_layers=40, hidden_size=5120, ffn_hidden_size=13824, num_attention_heads=40,
+                       num_query_groups=40, vocab_size=32000, max_position_embeddings=4096),
+    "llama2-70b": dict(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                       num_query_groups=8, vocab_size=32000, max_position_embeddings=4096),
+    "llama3-8b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                      num_query_groups=8, vocab_size=128256, max_position_embeddings=8192,
+                      rope_theta=500000.0),
+}

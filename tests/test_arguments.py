@@ -1,0 +1,132 @@
+"""Every inconsistent flag combination is rejected by core/arguments.py with one plain sentence."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from core.arguments import ArgumentError, build_parser, config_from_args, parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cfg(argv, world=1):
+    return config_from_args(build_parser().parse_args(["--mock-data"] + argv), world)
+
+
+def rejects(argv, world, *fragments):
+    with pytest.raises(ArgumentError) as info:
+        cfg(argv, world)
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_defaults_are_consistent():
+    c = cfg([])
+    assert (c.parallel.tp_size, c.parallel.pp_size, c.parallel.dp_size, c.parallel.vpp_size) == (1, 1, 1, 1)
+    assert c.parallel.pipeline_schedule == "1f1b"
+    assert c.training.num_microbatches == 1
+    assert c.model.num_layers == 8
+
+
+def test_derived_sizes_and_default_interleaved_schedule():
+    c = cfg(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+             "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "8"], world=8)
+    assert (c.parallel.dp_size, c.parallel.vpp_size, c.parallel.pipeline_schedule) == (2, 2, "interleaved")
+    assert c.training.num_microbatches == 4
+
+
+def test_preset_and_override():
+    c = cfg(["--model", "llama2-70b", "--num-layers", "4"])
+    assert (c.model.hidden_size, c.model.num_query_groups, c.model.num_layers) == (8192, 8, 4)
+
+
+CASES = [
+    (["--tensor-model-parallel-size", "3"], 4, ("world size 4", "--tensor-model-parallel-size (3)")),
+    (["--pipeline-model-parallel-size", "3"], 3, ("--num-layers 8", "(3)")),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+     ("layers per pipeline rank (4", "--num-layers-per-virtual-pipeline-stage (3)")),
+    (["--num-layers-per-virtual-pipeline-stage", "2"], 1, ("--pipeline-model-parallel-size > 1",)),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--global-batch-size", "4"], 2,
+     ("zbv", "exactly 2 model chunks", "got 1")),
+    (["--pipeline-schedule", "zbv"], 1, ("zbv", "--pipeline-model-parallel-size > 1")),
+    (["--global-batch-size", "10", "--micro-batch-size", "2"], 2,
+     ("--global-batch-size 10", "--micro-batch-size (2)", "data-parallel size (2)")),
+    (["--pipeline-model-parallel-size", "4", "--global-batch-size", "2"], 4,
+     ("number of microbatches (2", "--pipeline-model-parallel-size (4)")),
+    (["--num-attention-heads", "6", "--hidden-size", "192", "--tensor-model-parallel-size", "4"], 4,
+     ("--num-attention-heads 6", "(4)")),
+    (["--num-query-groups", "3", "--group-query-attention"], 1, ("--num-query-groups 3", "--num-attention-heads (4)")),
+    (["--num-query-groups", "1", "--tensor-model-parallel-size", "2"], 2,
+     ("--num-query-groups 1", "--tensor-model-parallel-size (2)")),
+    (["--hidden-size", "130"], 1, ("--hidden-size 130", "--num-attention-heads (4)")),
+    (["--seq-length", "512"], 1, ("--seq-length 512", "--max-position-embeddings (256)")),
+    (["--fp16", "--bf16"], 1, ("--fp16", "--bf16")),
+    (["--pipeline-schedule", "zb-h3"], 1, ("--pipeline-schedule zb-h3", "unknown")),
+    (["--load", "/nonexistent/ckpt"], 1, ("--load /nonexistent/ckpt",)),
+    (["--micro-batch-size", "0"], 1, ("--micro-batch-size 0", "positive")),
+    (["--train-iters", "-1"], 1, ("--train-iters -1", "positive")),
+    (["--lr", "0"], 1, ("--lr 0", "positive")),
+    (["--tokenizer-model", "/nonexistent/tok.model"], 1, ("--tokenizer-model /nonexistent/tok.model",)),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved"], 2, ("interleaved",)),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+      "--pipeline-schedule", "zb-h1", "--global-batch-size", "2"], 2, ("zb-h1", "one model chunk")),
+    (["--ffn-hidden-size", "351", "--tensor-model-parallel-size", "2"], 2, ("--ffn-hidden-size 351",)),
+    (["--split", "90,10"], 1, ("--split 90,10",)),
+]
+
+
+@pytest.mark.parametrize("argv,world,fragments", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_rejected_with_plain_sentence(argv, world, fragments):
+    rejects(argv, world, *fragments)
+
+
+def test_missing_data_path_files_are_named(tmp_path):
+    tok = tmp_path / "tok.model"
+    tok.write_bytes(b"x")
+    with pytest.raises(ArgumentError, match="corpus_text_document.bin does not exist"):
+        config_from_args(build_parser().parse_args(
+            ["--data-path", str(tmp_path / "corpus_text_document"), "--tokenizer-model", str(tok)]), 1)
+    with pytest.raises(ArgumentError, match="--mock-data"):
+        config_from_args(build_parser().parse_args([]), 1)
+
+
+def test_sequence_parallel_with_tp1_warns_and_turns_off(caplog):
+    from core.logger import get_logger
+    get_logger().propagate = True
+    try:
+        with caplog.at_level("WARNING", logger="llamapipe"):
+            c = cfg(["--sequence-parallel"])
+    finally:
+        get_logger().propagate = False
+    assert c.parallel.sequence_parallel is False
+    assert "--sequence-parallel" in caplog.text
+
+
+def test_parse_args_exits_2_printing_one_line(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--mock-data", "--tensor-model-parallel-size", "3"], world_size=4)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tensor-model-parallel-size (3)" in err[0]
+
+
+def test_cli_rejects_before_any_process_group():
+    """`WORLD_SIZE=4 pretrain_llama.py --tensor-model-parallel-size 3`: exit 2, one line, no traceback.
+
+    No MASTER_ADDR is set, so creating a process group would fail differently; the clean exit proves
+    validation ran first."""
+    env = dict(os.environ, WORLD_SIZE="4", RANK="0")
+    env.pop("MASTER_ADDR", None)
+    proc = subprocess.run([sys.executable, "pretrain_llama.py", "--mock-data", "--tensor-model-parallel-size", "3"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert "world size 4 is not divisible by --tensor-model-parallel-size (3)" in lines[0]
+    other = subprocess.run([sys.executable, "pretrain_llama.py", "--mock-data", "--tensor-model-parallel-size", "3"],
+                           cwd=ROOT, env=dict(env, RANK="1"), capture_output=True, text=True, timeout=120)
+    assert other.returncode == 2 and other.stderr.strip() == ""   # only rank 0 speaks
