@@ -1,0 +1,78 @@
+"""Pipeline schedules as data: the plan IR shared by builders, simulator, visualiser and executor.
+
+A plan is, for each pipeline rank, an ordered tuple of `Action(kind, chunk, microbatch)`. `chunk` is
+the *local* model-chunk index on that rank (0..vpp-1); the placement maps (rank, chunk) to the virtual
+stage it holds. Virtual stage v (0..pp*vpp-1) owns a contiguous range of layers, stage 0 the embedding
+and the last stage the head and loss.
+
+Kinds: F forward; B input-gradient backward; W weight-gradient backward; BW = B and W fused.
+Placements: "interleaved" (Megatron, arXiv 2104.04473): stage v on rank v % pp, chunk v // pp.
+"v" (ZB-V, arXiv 2401.10241): chunk 0 of rank r is stage r, chunk 1 is stage 2*pp-1-r.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+KINDS = ("F", "B", "W", "BW")
+PLACEMENTS = ("interleaved", "v")
+
+
+class Action(NamedTuple):
+    kind: str        # one of KINDS
+    chunk: int       # local model chunk on this rank
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
+
+
+def stage_of(rank: int, chunk: int, pp: int, placement: str = "interleaved") -> int:
+    """Virtual stage held by local `chunk` on pipeline `rank`."""
+    if placement == "interleaved":
+        return chunk * pp + rank
+    assert placement == "v" and chunk in (0, 1), "V placement holds exactly two chunks per rank"
+    return rank if chunk == 0 else 2 * pp - 1 - rank
+
+
+def rank_chunk_of(stage: int, pp: int, placement: str = "interleaved") -> tuple[int, int]:
+    """(pipeline rank, local chunk) holding virtual `stage`."""
+    if placement == "interleaved":
+        return stage % pp, stage // pp
+    assert placement == "v" and 0 <= stage < 2 * pp
+    return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete schedule: `actions[rank]` is that rank's ordered action list."""
+    name: str
+    pp: int
+    vpp: int
+    num_microbatches: int
+    placement: str
+    actions: tuple  # tuple[tuple[Action, ...], ...], one per pipeline rank
+
+    def __post_init__(self) -> None:
+        assert self.placement in PLACEMENTS, self.placement
+        assert len(self.actions) == self.pp, "one action list per pipeline rank"
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vpp
+
+    def stage_of(self, rank: int, chunk: int) -> int:
+        return stage_of(rank, chunk, self.pp, self.placement)
+
+    def rank_chunk_of(self, stage: int) -> tuple[int, int]:
+        return rank_chunk_of(stage, self.pp, self.placement)
+
+    def to_json(self) -> dict:
+        """Plain data, e.g. to broadcast an `auto` plan from one rank to all."""
+        return {"name": self.name, "pp": self.pp, "vpp": self.vpp, "num_microbatches": self.num_microbatches,
+                "placement": self.placement, "actions": [[list(a) for a in rank] for rank in self.actions]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Plan":
+        actions = tuple(tuple(Action(str(k), int(c), int(m)) for k, c, m in rank) for rank in data["actions"])
+        return cls(data["name"], data["pp"], data["vpp"], data["num_microbatches"], data["placement"], actions)

@@ -1,0 +1,59 @@
+"""Deferral of weight-gradient GEMMs for zero-bubble B/W split (arXiv 2401.10241).
+
+Parallel linear layers never let autograd compute their weight gradient: their backward computes the
+input gradient and hands a closure that computes the weight gradient to `schedule()`. Outside a
+`capture(key)` block the closure runs at once (plain BW); inside, it is queued under `key` (the
+executor uses (chunk, microbatch)) and runs at that key's W action via `run(key)`. At the end of a step
+nothing may be left queued (`assert_empty`).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Hashable, Iterator, Optional
+
+_pending: dict = {}
+_capturing: Optional[list] = None
+
+
+def schedule(weight_grad_fn: Callable[[], None]) -> None:
+    """Run `weight_grad_fn` now, or queue it when a B action is capturing."""
+    if _capturing is None:
+        weight_grad_fn()
+    else:
+        _capturing.append(weight_grad_fn)
+
+
+@contextmanager
+def capture(key: Hashable) -> Iterator[None]:
+    """Queue every weight-gradient closure scheduled inside the block under `key`."""
+    global _capturing
+    assert _capturing is None, "capture blocks do not nest"
+    assert key not in _pending, f"weight gradients for {key} are already queued"
+    _capturing = []
+    try:
+        yield
+    finally:
+        _pending[key], _capturing = _capturing, None
+
+
+def run(key: Hashable) -> int:
+    """Compute the weight gradients queued under `key`; returns how many closures ran."""
+    fns = _pending.pop(key)
+    for fn in fns:
+        fn()
+    return len(fns)
+
+
+def pending_keys() -> list:
+    return list(_pending)
+
+
+def assert_empty() -> None:
+    assert not _pending, f"weight gradients still queued at step end: {sorted(map(str, _pending))}"
+
+
+def clear() -> None:
+    """Drop everything queued (after a failed step)."""
+    global _capturing
+    _pending.clear()
+    _capturing = None
