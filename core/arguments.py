@@ -161,7 +161,8 @@ def config_from_args(args: argparse.Namespace, world_size: int) -> Config:
     checkpoint = CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
                                   no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
                                   finetune=args.finetune, keep_last_n=args.keep_last_n)
-    if args.load is not None and not os.path.isdir(args.load):
+    # --load equal to --save may not exist yet: the first launch of a restartable (torchrun) job.
+    if args.load is not None and not os.path.isdir(args.load) and args.load != args.save:
         raise ArgumentError(f"--load {args.load} is not a directory")
     logging_cfg = LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
                                 metrics_jsonl=args.metrics_jsonl)

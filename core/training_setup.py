@@ -1,0 +1,105 @@
+"""Builds what the training loop runs on: the model config, this rank's model chunks, data iterators,
+and the Megatron-style `forward_step(data_iterator, model)` with its token-sum loss function.
+
+Chunk placement follows DESIGN.md section 3: virtual stage v holds layers [v*L/S, (v+1)*L/S) for
+S = pp*vpp stages; interleaved schedules place stage v on rank v % pp, ZB-V uses the V placement.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import torch
+
+from core.config import Config
+from core.logger import get_logger
+from core.parallel_state import ParallelState
+from core.pipeline_parallel.schedule_ir import stage_of
+from model.config import LlamaConfig
+
+log = get_logger()
+
+
+def placement_for(schedule: str) -> str:
+    return "v" if schedule == "zbv" else "interleaved"
+
+
+def model_config_for_run(config: Config) -> LlamaConfig:
+    """The model config with the tokenizer's vocabulary size when a tokenizer is given."""
+    model_cfg = config.model
+    if config.data.tokenizer_model:
+        from data.tokenizer import build_tokenizer
+        tokenizer = build_tokenizer(config.data.tokenizer_model)
+        if tokenizer.vocab_size != model_cfg.vocab_size:
+            log.info(f"vocabulary size {tokenizer.vocab_size} from --tokenizer-model {config.data.tokenizer_model}")
+        model_cfg = model_cfg.replace(vocab_size=tokenizer.vocab_size)
+    return model_cfg
+
+
+def params_dtype(config: Config) -> torch.dtype:
+    if config.optimizer.bf16:
+        return torch.bfloat16
+    if config.optimizer.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def chunk_stages(config: Config, ps: ParallelState) -> list[int]:
+    """Virtual stage of each local chunk."""
+    placement = placement_for(config.parallel.pipeline_schedule)
+    return [stage_of(ps.pp_rank, chunk, ps.pp_size, placement) for chunk in range(ps.vpp_size)]
+
+
+def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState,
+                       device: torch.device) -> tuple[list[torch.nn.Module], list[tuple[bool, bool]]]:
+    """This rank's model chunks and their (pre_process, post_process) roles."""
+    from model.llama import LlamaModel
+    num_stages = ps.pp_size * ps.vpp_size
+    per_stage = model_cfg.num_layers // num_stages
+    chunks, roles = [], []
+    for stage in chunk_stages(config, ps):
+        role = (stage == 0, stage == num_stages - 1)
+        chunk = LlamaModel(model_cfg, ps, layer_range=(stage * per_stage, (stage + 1) * per_stage),
+                           pre_process=role[0], post_process=role[1],
+                           sequence_parallel=config.parallel.sequence_parallel,
+                           params_dtype=params_dtype(config), seed=config.training.seed)
+        chunks.append(chunk.to(device))
+        roles.append(role)
+    return chunks, roles
+
+
+def build_iterators(config: Config, model_cfg: LlamaConfig, ps: ParallelState, roles: list[tuple[bool, bool]],
+                    consumed_samples: int) -> tuple[list, Optional[list]]:
+    """Per-chunk train and validation iterators; chunks that neither embed nor compute the loss get None."""
+    from data.sampler import build_data_iterators
+    train, valid = [], []
+    for pre, post in roles:
+        needs = pre or post
+        tr, va, _ = build_data_iterators(config.data, config.training, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
+                                         vocab_size=model_cfg.vocab_size, consumed_samples=consumed_samples,
+                                         needs_data=needs)
+        train.append(tr if needs else None)
+        valid.append(va if needs else None)
+    has_valid = config.training.eval_iters > 0
+    return train, (valid if has_valid else None)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Token-sum loss of one microbatch: (sum of masked token losses, token count, log values)."""
+    mask = loss_mask.to(output_tensor.device, torch.float32)
+    loss_sum = (output_tensor.float() * mask).sum()
+    num_tokens = mask.sum()
+    return loss_sum, num_tokens, {"lm loss": (loss_sum.detach(), num_tokens)}
+
+
+def forward_step(data_iterator, model: torch.nn.Module):
+    """Megatron's forward_step_func: read a microbatch when this chunk embeds or computes the loss."""
+    pre, post = model.pre_process, model.post_process
+    batch = next(data_iterator) if data_iterator is not None and (pre or post) else None
+    device = next(model.parameters()).device
+    tokens = batch["tokens"].to(device) if pre else None
+    labels = batch["labels"].to(device) if post else None
+    output = model(input_ids=tokens, labels=labels)
+    if not post:
+        return output, None
+    return output, partial(loss_func, batch["loss_mask"])
