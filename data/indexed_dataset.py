@@ -1,0 +1,131 @@
+"""Megatron-compatible indexed token files: a streaming `.bin/.idx` writer and a validated mmap reader.
+
+Format (Megatron-LM `MMapIndexedDataset`, little-endian):
+`.idx` = magic b"MMIDIDX\\x00\\x00" | version uint64 = 1 | dtype code uint8 | sequence count uint64 |
+document count uint64 | sequence lengths int32[seq count] | sequence pointers int64[seq count] (byte
+offsets into `.bin`) | document indices int64[doc count] (starts with 0, then one entry per document end,
+so doc count = documents + 1). `.bin` = the tokens of all sequences back to back.
+We write one sequence per document; readers of files with several sequences per document work too.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from array import array
+from typing import Optional
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+DTYPES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+                           6: np.float64, 7: np.float32, 8: np.uint16}
+_HEADER = struct.Struct("<9sQBQQ")
+
+
+def dtype_code(dtype: type) -> int:
+    for code, dt in DTYPES.items():
+        if np.dtype(dt) == np.dtype(dtype):
+            return code
+    raise ValueError(f"dtype {np.dtype(dtype)} has no Megatron index code")
+
+
+def best_dtype(vocab_size: int) -> type:
+    """Megatron's choice: uint16 tokens when the vocabulary fits comfortably, else int32."""
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+def data_file_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def index_file_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+class IndexedDatasetWriter:
+    """Streams tokens to `<prefix>.bin`; `finalize()` writes `<prefix>.idx`. Memory: 12 bytes per sequence."""
+
+    def __init__(self, prefix: str, dtype: type = np.uint16) -> None:
+        self.prefix = prefix
+        self.dtype = np.dtype(dtype)
+        dtype_code(self.dtype)
+        self._bin = open(data_file_path(prefix), "wb")
+        self._lengths = array("i")
+        self._doc_idx = array("q", [0])
+
+    def add_document(self, tokens: np.ndarray) -> None:
+        """One document as one sequence."""
+        self.add_sequences(np.asarray(tokens), np.array([len(tokens)], dtype=np.int32))
+
+    def add_sequences(self, flat_tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Many documents at once: `flat_tokens` is their concatenation, `lengths` their sizes."""
+        assert int(lengths.sum()) == len(flat_tokens), "lengths must add up to the token count"
+        self._bin.write(np.ascontiguousarray(flat_tokens, dtype=self.dtype).tobytes())
+        start = len(self._lengths)
+        self._lengths.extend(int(n) for n in lengths)
+        self._doc_idx.extend(range(start + 1, start + len(lengths) + 1))
+
+    def finalize(self) -> None:
+        self._bin.close()
+        lengths = np.frombuffer(self._lengths, dtype=np.int32) if self._lengths else np.zeros(0, np.int32)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        doc_idx = np.frombuffer(self._doc_idx, dtype=np.int64)
+        with open(index_file_path(self.prefix), "wb") as f:
+            f.write(_HEADER.pack(MAGIC, VERSION, dtype_code(self.dtype), len(lengths), len(doc_idx)))
+            f.write(lengths.tobytes())
+            f.write(pointers.tobytes())
+            f.write(doc_idx.tobytes())
+
+
+class IndexedDataset:
+    """Read-only mmap view of `<prefix>.bin/.idx`; checks magic, version, dtype and sizes on open."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
+        for path in (idx_path, bin_path):
+            if not os.path.isfile(path):
+                raise ValueError(f"indexed dataset file {path} does not exist")
+        idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        if len(idx) < _HEADER.size:
+            raise ValueError(f"index file {idx_path} is {len(idx)} bytes, shorter than the "
+                             f"{_HEADER.size}-byte header")
+        magic, version, code, n_seq, n_doc = _HEADER.unpack(idx[:_HEADER.size].tobytes())
+        if magic != MAGIC:
+            raise ValueError(f"index file {idx_path} has magic {magic!r}, not Megatron's {MAGIC!r}")
+        if version != VERSION:
+            raise ValueError(f"index file {idx_path} has version {version}, only version {VERSION} is supported")
+        if code not in DTYPES:
+            raise ValueError(f"index file {idx_path} has dtype code {code}, not one of {sorted(DTYPES)}")
+        expected = _HEADER.size + 12 * n_seq + 8 * n_doc
+        if len(idx) != expected:
+            raise ValueError(f"index file {idx_path} is {len(idx)} bytes but its header of {n_seq} sequences and "
+                             f"{n_doc} document indices needs {expected}")
+        self.dtype = np.dtype(DTYPES[code])
+        off = _HEADER.size
+        self.sequence_lengths = np.frombuffer(idx, dtype=np.int32, count=n_seq, offset=off)
+        self.sequence_pointers = np.frombuffer(idx, dtype=np.int64, count=n_seq, offset=off + 4 * n_seq)
+        self.document_indices = np.frombuffer(idx, dtype=np.int64, count=n_doc, offset=off + 12 * n_seq)
+        n_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
+        bin_size = os.path.getsize(bin_path)
+        if bin_size != n_tokens * self.dtype.itemsize:
+            raise ValueError(f"data file {bin_path} is {bin_size} bytes but its index {idx_path} describes "
+                             f"{n_tokens} tokens of {self.dtype.itemsize} bytes ({n_tokens * self.dtype.itemsize})")
+        self._idx = idx
+        self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if n_tokens else np.zeros(0, self.dtype)
+        self.num_tokens = n_tokens
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        """Tokens `offset : offset + length` of sequence `i` (a view into the mmap)."""
+        start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
+        if length is None:
+            length = int(self.sequence_lengths[i]) - offset
+        return self._bin[start:start + length]
