@@ -270,6 +270,13 @@ def _check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig) 
     if par.sequence_parallel and args.seq_length % tp:
         raise ArgumentError(f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
                             f"({tp}), which --sequence-parallel needs")
+    for flag in ("attention_dropout", "hidden_dropout"):
+        if getattr(args, flag):
+            raise ArgumentError(f"{_flag(flag)} {getattr(args, flag)} is not supported: LLaMA pretraining here "
+                                "uses no dropout (accepted only as 0 for Megatron script compatibility)")
+    if args.recompute_method == "uniform" and (args.recompute_num_layers or 1) > 1:
+        raise ArgumentError(f"--recompute-method uniform with --recompute-num-layers {args.recompute_num_layers} "
+                            "is not supported; use --recompute-method block (the first N layers of each chunk)")
     if m.tie_word_embeddings and pp > 1:
         raise ArgumentError("--tie-embeddings-and-output-weights is supported only with "
                             f"--pipeline-model-parallel-size 1 (got {pp})")

@@ -1,0 +1,40 @@
+"""The command line is frozen (torchtitan's idea): adding or removing a flag is a deliberate change
+here, and every flag is documented in README.md."""
+import os
+
+from core.arguments import build_parser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FLAGS = """
+--adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --clip-grad --data-cache-path --data-path
+--disable-bias-linear --distributed-backend --distributed-timeout-minutes --eval-interval --eval-iters
+--exit-duration-in-mins --exit-interval --exit-signal-handler --ffn-hidden-size --finetune --fp16
+--global-batch-size --group-query-attention --hidden-dropout --hidden-size --hysteresis --init-method-std
+--initial-loss-scale --keep-last-n --load --log-interval --loss-scale --loss-scale-window --lr --lr-decay-iters
+--lr-decay-style --lr-warmup-iters --make-vocab-size-divisible-by --max-position-embeddings --metrics-jsonl
+--micro-batch-size --min-loss-scale --min-lr --mock-data --model --no-load-optim --no-load-rng --norm-epsilon
+--normalization --num-attention-heads --num-layers --num-layers-per-virtual-pipeline-stage --num-query-groups
+--num-workers --optimizer --overlap-grad-reduce --parallel-order --pipeline-memory-limit
+--pipeline-model-parallel-size --pipeline-profile-iters --pipeline-schedule --position-embedding-type
+--recompute-granularity --recompute-method --recompute-num-layers --rotary-base --save --save-interval --seed
+--seq-length --sequence-parallel --skip-nonfinite-steps --split --swiglu --tensor-model-parallel-size
+--tensorboard-dir --tie-embeddings-and-output-weights --tokenizer-model --tokenizer-type --train-iters
+--untie-embeddings-and-output-weights --use-distributed-optimizer --use-rotary-position-embeddings
+--vocab-size --weight-decay
+""".split()
+
+
+def parser_flags():
+    return sorted(a.option_strings[0] for a in build_parser()._actions
+                  if a.option_strings and a.option_strings[0] != "-h")
+
+
+def test_cli_flag_set_is_pinned():
+    assert parser_flags() == sorted(FLAGS)
+
+
+def test_every_flag_is_documented_in_readme():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    missing = [flag for flag in parser_flags() if f"`{flag}" not in readme]
+    assert not missing, f"flags missing from README.md: {missing}"

@@ -1,0 +1,104 @@
+"""End to end through the CLI: every layout and schedule reproduces the single-process losses.
+
+fp32 on CPU with gloo. The reference is the same command on one process (tp=pp=dp=1).
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.cli import ROOT, TINY, free_port, read_metrics, torchrun, train
+
+ITERS = ["--train-iters", "5", "--micro-batch-size", "1", "--global-batch-size", "8"]
+
+LAYOUTS = {
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "dp2": (2, []),
+    "pp2-1f1b": (2, ["--pipeline-model-parallel-size", "2"]),
+    "pp2-gpipe": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe"]),
+    "pp2-vpp2-interleaved": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"]),
+    "pp2-zbh1": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]),
+    "pp2-zbh2": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h2"]),
+    "pp2-zbv": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+                    "--pipeline-schedule", "zbv"]),
+    "pp2-auto": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto",
+                     "--pipeline-profile-iters", "2"]),
+    "tp2-pp2-zbv": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "2", "--pipeline-schedule", "zbv"]),
+    "pp2-dp2-zbh1": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]),
+    "pp4-interleaved": (4, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ref") / "m.jsonl")
+    return [r["lm_loss"] for r in train(1, ITERS, path)]
+
+
+def test_reference_loss_falls(reference):
+    assert len(reference) == 5
+    assert reference[-1] < reference[0]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, reference, tmp_path):
+    nproc, flags = LAYOUTS[name]
+    losses = [r["lm_loss"] for r in train(nproc, ITERS + flags, str(tmp_path / "m.jsonl"))]
+    assert len(losses) == 5
+    for it, (got, want) in enumerate(zip(losses, reference), 1):
+        assert math.isclose(got, want, rel_tol=1e-5), f"{name} iteration {it}: {got} vs single-process {want}"
+
+
+def test_distributed_optimizer_matches_plain(tmp_path):
+    plain = train(2, ITERS, str(tmp_path / "plain.jsonl"))
+    zero1 = train(2, ITERS + ["--use-distributed-optimizer"], str(tmp_path / "zero1.jsonl"))
+    for a, b in zip(plain, zero1):
+        assert math.isclose(a["lm_loss"], b["lm_loss"], rel_tol=1e-5)
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_mixed_precision_trains(precision, tmp_path):
+    args = ["--train-iters", "12", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
+            "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", precision,
+            "--initial-loss-scale", "4096"]
+    rows = train(2, args, str(tmp_path / "m.jsonl"))
+    losses = [r["lm_loss"] for r in rows]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+
+
+def test_fp16_injected_inf_is_skipped_and_logged(tmp_path):
+    """tests/scripts/inject_inf.py makes iteration 3's loss gradient infinite; fp16 scaling must skip it."""
+    args = ["--train-iters", "6", "--micro-batch-size", "1", "--global-batch-size", "4", "--fp16",
+            "--initial-loss-scale", "1024", "--hysteresis", "1", "--pipeline-model-parallel-size", "2"]
+    proc = torchrun(2, ["--inject-inf-iteration", "3", "--"] + TINY + args +
+                    ["--metrics-jsonl", str(tmp_path / "m.jsonl")], script="tests/scripts/inject_inf.py")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout + proc.stderr
+    assert "skipped iteration 3" in out
+    rows = read_metrics(str(tmp_path / "m.jsonl"))
+    assert [r["iteration"] for r in rows] == [1, 2, 4, 5, 6]
+    assert rows[-1]["skipped_iterations"] == 1
+    assert rows[2]["loss_scale"] == rows[1]["loss_scale"] / 2   # backed off after the overflow
+
+
+def test_two_node_rendezvous_on_localhost(tmp_path):
+    """Two torchrun launchers (--nnodes 2, c10d) form one 2-process job with pp=2."""
+    port = free_port()
+    jsonl = str(tmp_path / "m.jsonl")
+    procs = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+               "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+               "--rdzv_id", "two-node-test", "pretrain_llama.py", *TINY, *ITERS,
+               "--pipeline-model-parallel-size", "2", "--metrics-jsonl", jsonl]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    assert len(read_metrics(jsonl)) == 5
