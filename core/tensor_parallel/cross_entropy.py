@@ -1,0 +1,67 @@
+"""Vocabulary-parallel cross entropy (Megatron-LM, arXiv 1909.08053, section 3).
+
+The logits stay split over TP ranks along the vocabulary: three all-reduces (max, target logit,
+sum of exponentials) give the exact per-token loss without ever gathering (b, s, vocab) logits.
+Computed in fp32 with max subtraction; columns at or past `vocab_size` (TP padding) are excluded.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from core.tensor_parallel.layers import tp_size_rank
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, tp_group: Any,
+                vocab_size: Optional[int]) -> torch.Tensor:
+        tp_size, tp_rank = tp_size_rank(tp_group)
+        shard = logits.shape[-1]
+        vocab_start = tp_rank * shard
+        logits32 = logits.float()  # (..., v/tp); a copy when logits are already fp32 is avoided below
+        if logits32.data_ptr() == logits.data_ptr():
+            logits32 = logits32.clone()
+        if vocab_size is not None and vocab_start + shard > vocab_size:
+            logits32[..., max(vocab_size - vocab_start, 0):] = float("-inf")
+        logits_max = logits32.max(dim=-1).values  # (...)
+        if tp_size > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
+        logits32.sub_(logits_max.unsqueeze(-1))
+
+        outside = (labels < vocab_start) | (labels >= vocab_start + shard)
+        local_labels = (labels - vocab_start).masked_fill(outside, 0)
+        target_logit = logits32.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp_logits = logits32.exp_()
+        sum_exp = exp_logits.sum(dim=-1)
+        if tp_size > 1:
+            both = torch.stack([target_logit, sum_exp])
+            dist.all_reduce(both, group=tp_group)
+            target_logit, sum_exp = both[0], both[1]
+        loss = torch.log(sum_exp) - target_logit  # (...)
+
+        exp_logits.div_(sum_exp.unsqueeze(-1))  # softmax, kept for the backward
+        ctx.save_for_backward(exp_logits, local_labels, outside)
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local_labels, outside = ctx.saved_tensors
+        grad = softmax  # reused in place: the softmax is not needed afterwards
+        inside = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -inside.unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tensor, tp_group: Optional[Any],
+                                 vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Per-token losses (same shape as `labels`, fp32) from logits split along the last dimension.
+
+    `vocab_size` excludes the padded columns (global index >= vocab_size); None keeps every column.
+    The caller does the token-weighted reduction.
+    """
+    return _VocabParallelCrossEntropy.apply(logits_shard, labels, tp_group, vocab_size)

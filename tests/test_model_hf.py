@@ -1,0 +1,146 @@
+"""Our LlamaModel against HF transformers LlamaForCausalLM (fp32, CPU, single process)."""
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from core.pipeline_parallel import weight_grad_store
+from model.config import LlamaConfig
+from model.hf_checkpoint import from_hf, to_hf
+from model.llama import LlamaModel
+
+VOCAB = 1003
+
+
+def _hf_model(tie: bool = False) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+                                   rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                                   attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF zero-inits nothing we care about, but make norms non-trivial
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _ours(hf: transformers.LlamaForCausalLM, **changes) -> LlamaModel:
+    config, state_dict = from_hf(hf.state_dict(), hf.config)
+    model = LlamaModel(config.replace(**changes))
+    model.load_state_dict(state_dict)
+    return model
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_logits_match_hf(tie):
+    """Logits of the converted model equal HF's (GQA 8 heads / 2 groups, odd vocab, rope_theta 5e4)."""
+    hf = _hf_model(tie)
+    ours = _ours(hf)
+    ids = torch.randint(0, VOCAB, (2, 24))
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+        got = ours(ids)
+    assert got.shape == (2, 24, VOCAB)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_position_ids_match_hf():
+    """Explicit (shifted) position ids go through RoPE like HF's."""
+    hf, ids = _hf_model(), torch.randint(0, VOCAB, (2, 16))
+    ours = _ours(hf)
+    pos = torch.arange(5, 21).expand(2, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, position_ids=pos), hf(input_ids=ids, position_ids=pos).logits,
+                                   rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("recompute", [None, "full", "selective"])
+def test_loss_and_grads_match_hf(recompute):
+    """Mean per-token loss on shifted labels equals HF's labels loss; embedding/q grads agree."""
+    hf = _hf_model()
+    ours = _ours(hf, recompute_granularity=recompute)
+    ids = torch.randint(0, VOCAB, (2, 20))
+    hf_loss = hf(input_ids=ids, labels=ids).loss
+    losses = ours(ids[:, :-1], labels=ids[:, 1:])
+    assert losses.shape == (2, 19) and losses.dtype == torch.float32
+    torch.testing.assert_close(losses.mean(), hf_loss, rtol=1e-6, atol=1e-6)
+    hf_loss.backward()
+    losses.mean().backward()
+    hf_params = dict(hf.named_parameters())
+    torch.testing.assert_close(ours.layers["0"].attention.q_proj.weight.grad,
+                               hf_params["model.layers.0.self_attn.q_proj.weight"].grad, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(ours.embedding.weight.grad[:VOCAB], hf_params["model.embed_tokens.weight"].grad,
+                               rtol=1e-4, atol=1e-7)
+    assert torch.count_nonzero(ours.output.weight.grad[VOCAB:]) == 0, "padding rows must not get gradient"
+
+
+def test_vocab_padding_is_excluded_from_loss():
+    """Large padding-row weights change nothing: loss equals F.cross_entropy on the unpadded logits."""
+    hf = _hf_model()
+    ours = _ours(hf)
+    with torch.no_grad():
+        ours.output.weight[VOCAB:] = 100.0
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        logits = ours(ids)
+        losses = ours(ids, labels=ids)
+    expected = F.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1), reduction="none").view(2, 12)
+    torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_to_hf_round_trip(tie):
+    """to_hf(from_hf(x)) gives back exactly HF's tensors and a config transformers accepts."""
+    hf = _hf_model(tie)
+    config, state_dict = from_hf(hf.state_dict(), hf.config.to_dict())
+    hf_sd, hf_cfg = to_hf(config, state_dict)
+    original = hf.state_dict()
+    assert set(hf_sd) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(hf_sd[name], tensor), name
+    rebuilt = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg))
+    rebuilt.load_state_dict(hf_sd)
+    assert rebuilt.config.rope_parameters["rope_theta"] == 50000.0
+
+
+def test_from_hf_rejects_rope_scaling():
+    hf = _hf_model()
+    cfg = hf.config.to_dict()
+    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    with pytest.raises(ValueError, match="rope type"):
+        from_hf(hf.state_dict(), cfg)
+
+
+def test_init_is_seeded_by_name():
+    """Same seed -> same weights; the output head starts with zero padding rows; different seeds differ."""
+    config = LlamaConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                         num_query_groups=2, vocab_size=100)
+    a, b, c = LlamaModel(config, seed=7), LlamaModel(config, seed=7), LlamaModel(config, seed=8)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    assert not torch.equal(a.output.weight, c.output.weight)
+    assert torch.count_nonzero(a.output.weight[100:]) == 0
+    assert {n for n, _ in a.named_parameters()} >= {"embedding.weight", "layers.1.mlp.down_proj.weight",
+                                                   "final_norm.weight", "output.weight"}
+
+
+def test_weight_grad_seam():
+    """Inside capture(key) linear weight grads stay None until run(key); then they equal the plain grads."""
+    config = LlamaConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                         num_query_groups=2, vocab_size=100)
+    plain, deferred = LlamaModel(config), LlamaModel(config)
+    ids = torch.randint(0, 100, (2, 8))
+    plain(ids, labels=ids).sum().backward()
+    with weight_grad_store.capture("mb0"):
+        deferred(ids, labels=ids).sum().backward()
+    linear = [n for n, p in deferred.named_parameters() if p.ndim == 2 and "embedding" not in n]
+    params = dict(deferred.named_parameters())
+    assert len(linear) == 2 * 7 + 1
+    assert all(params[n].grad is None for n in linear)
+    assert params["embedding.weight"].grad is not None and params["final_norm.weight"].grad is not None
+    assert weight_grad_store.run("mb0") == 2 * 4 + 1  # per layer: qkv, o, gate/up, down; plus the head
+    weight_grad_store.assert_empty()
+    for name, p in plain.named_parameters():
+        assert torch.equal(params[name].grad, p.grad), name
