@@ -1,0 +1,114 @@
+"""Pipeline schedule builders: pure functions that return a `Plan` (no torch.distributed).
+
+Why: one executor runs every schedule, so a schedule is only an ordering of F/B/W actions per rank.
+Fixed-order schedules live here: GPipe (Huang et al., arXiv 1811.06965), 1F1B and interleaved 1F1B
+(Narayanan et al., arXiv 2104.04473, Megatron's order) and ZB-H1 (Qi et al., arXiv 2401.10241,
+figure 3). Schedules found by the zero-bubble greedy heuristic (ZB-H2, ZB-V, auto) are in
+builders_zb.py; `build` dispatches on the --pipeline-schedule name.
+"""
+from __future__ import annotations
+
+from core.pipeline_parallel.builders_zb import auto, zb_h2, zbv
+from core.pipeline_parallel.schedule_ir import Action, Plan
+from core.pipeline_parallel.simulator import Costs
+
+__all__ = ["gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "zbv", "auto", "build"]
+
+
+def _check_sizes(name: str, pp: int, vpp: int, m: int) -> None:
+    if pp < 1 or vpp < 1 or m < 1:
+        raise ValueError(f"--pipeline-schedule {name} needs pipeline size ({pp}), model chunks ({vpp}) "
+                         f"and microbatches ({m}) of at least 1")
+
+
+def gpipe(pp: int, m: int) -> Plan:
+    """All forwards, then all fused backwards; peak memory m microbatches on every rank."""
+    _check_sizes("gpipe", pp, 1, m)
+    rank_actions = tuple(Action("F", 0, mb) for mb in range(m)) + tuple(Action("BW", 0, mb) for mb in range(m))
+    return Plan("gpipe", pp, 1, m, "interleaved", (rank_actions,) * pp)
+
+
+def one_f_one_b(pp: int, m: int) -> Plan:
+    """Megatron's non-interleaved 1F1B: pp-rank-1 warmup forwards, steady F/BW pairs, cooldown BWs."""
+    _check_sizes("1f1b", pp, 1, m)
+    actions = []
+    for rank in range(pp):
+        warmup = min(pp - rank - 1, m)
+        acts = [Action("F", 0, mb) for mb in range(warmup)]
+        for k in range(m - warmup):
+            acts += [Action("F", 0, warmup + k), Action("BW", 0, k)]
+        acts += [Action("BW", 0, mb) for mb in range(m - warmup, m)]
+        actions.append(tuple(acts))
+    return Plan("1f1b", pp, 1, m, "interleaved", tuple(actions))
+
+
+def _interleaved_table(pp: int, vpp: int, m: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of the k-th forward on every rank: groups of pp microbatches run through
+    chunk 0, then chunk 1, ..."""
+    return [(first + i, chunk) for first in range(0, m, pp) for chunk in range(vpp) for i in range(pp)]
+
+
+def interleaved(pp: int, vpp: int, m: int) -> Plan:
+    """Megatron's interleaved 1F1B over vpp model chunks per rank (placement: stage v on rank v % pp).
+
+    Warmup on rank r is 2*(pp-r-1) + (vpp-1)*pp forwards, then F/BW pairs, then the remaining BWs;
+    backwards walk the same table with chunks reversed. The order needs m % pp == 0 (a short last
+    group deadlocks), so other m are built for the next multiple of pp and the phantom microbatches
+    dropped: removing whole microbatches keeps a plan's dependency graph acyclic and its streams in order.
+    """
+    _check_sizes("interleaved", pp, vpp, m)
+    padded = -(-m // pp) * pp
+    table = _interleaved_table(pp, vpp, padded)
+    total = len(table)
+    fwd = [Action("F", chunk, mb) for mb, chunk in table]
+    bwd = [Action("BW", vpp - 1 - chunk, mb) for mb, chunk in table]
+    actions = []
+    for rank in range(pp):
+        warmup = min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+        acts = fwd[:warmup]
+        for k in range(total - warmup):
+            acts += [fwd[warmup + k], bwd[k]]
+        acts += bwd[total - warmup:]
+        actions.append(tuple(a for a in acts if a.microbatch < m))
+    return Plan("interleaved", pp, vpp, m, "interleaved", tuple(actions))
+
+
+def zb_h1(pp: int, m: int) -> Plan:
+    """ZB-H1: 1F1B with B and W split; rank r delays its W's by r microbatches, so the cooldown's
+    backward chain runs at B speed and the W's fill the bubbles. Bubble (p-1)(F+B-W) instead of
+    1F1B's (p-1)(F+B+W); in-flight forwards, hence peak memory p*M_B, as in 1F1B."""
+    _check_sizes("zb-h1", pp, 1, m)
+    actions = []
+    for rank in range(pp):
+        next_f = min(pp - rank, m)
+        acts = [Action("F", 0, mb) for mb in range(next_f)]
+        for k in range(m):
+            acts.append(Action("B", 0, k))
+            if k >= rank:
+                acts.append(Action("W", 0, k - rank))
+            if next_f < m:
+                acts.append(Action("F", 0, next_f))
+                next_f += 1
+        acts += [Action("W", 0, mb) for mb in range(max(m - rank, 0), m)]
+        actions.append(tuple(acts))
+    return Plan("zb-h1", pp, 1, m, "interleaved", tuple(actions))
+
+
+def build(schedule: str, pp: int, vpp: int, m: int, costs: Costs | None = None,
+          mem_limit: float | None = None) -> Plan:
+    """Plan for a --pipeline-schedule name; `costs` and `mem_limit` are used by auto only."""
+    one_chunk = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb-h1": zb_h1, "zb-h2": zb_h2}
+    if schedule in one_chunk:
+        if vpp != 1:
+            raise ValueError(f"--pipeline-schedule {schedule} uses one model chunk per rank, got {vpp}")
+        return one_chunk[schedule](pp, m)
+    if schedule == "interleaved":
+        return interleaved(pp, vpp, m)
+    if schedule == "zbv":
+        if vpp != 2:
+            raise ValueError(f"--pipeline-schedule zbv needs exactly 2 model chunks per rank, got {vpp}")
+        return zbv(pp, m)
+    if schedule == "auto":
+        return auto(pp, vpp, m, costs, mem_limit)
+    raise ValueError(f"--pipeline-schedule {schedule} is unknown; choose one of 1f1b, interleaved, gpipe, "
+                     f"zb-h1, zb-h2, zbv, auto")

@@ -1,0 +1,157 @@
+"""Zero-bubble schedules found by list scheduling: ZB-H2, ZB-V and `auto` (cost- and memory-aware).
+
+Why: the zero-bubble paper (Qi et al., arXiv 2401.10241, section 3.1) builds schedules greedily from
+F/B/W costs and a memory cap: as many F's as memory allows in the warmup, then B first (it is on the
+critical path), then F, and W only to fill a bubble at least as long as W, or to free memory when the
+cap blocks an F. Its handcrafted ZB-H2 is that heuristic at unit costs with cap (2p-1)*M_B, and ZB-V
+(Qi et al., "Pipeline parallelism with controllable memory", arXiv 2405.15362) the same on V placement
+with 1F1B's peak memory (p*M_B of a whole rank = 2p chunk units).
+
+The scheduler simulates time: the rank with the earliest clock picks next, so every other rank's
+clock is later and the arrivals it sees are final. Each stage runs F's and B's in microbatch order,
+so messages on every stream arrive in the order they are consumed.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from core.pipeline_parallel.schedule_ir import Action, Plan, rank_chunk_of, stage_of
+from core.pipeline_parallel.simulator import Costs
+
+_EPS = 1e-9
+
+
+@dataclass
+class _Rank:
+    next_f: list[int]
+    next_b: list[int]
+    clock: float = 0.0
+    mem: float = 0.0
+    pending_w: deque = field(default_factory=deque)
+    actions: list[Action] = field(default_factory=list)
+
+
+class _Greedy:
+    def __init__(self, pp: int, vpp: int, m: int, placement: str, costs: Costs, mem_limit: float, fused: bool):
+        self.pp, self.vpp, self.m, self.placement = pp, vpp, m, placement
+        self.costs, self.mem_limit, self.fused = costs, mem_limit, fused
+        self.last = pp * vpp - 1
+        self.ranks = [_Rank([0] * vpp, [0] * vpp) for _ in range(pp)]
+        self.f_end: dict = {}
+        self.b_end: dict = {}
+
+    def _arrival(self, rank: int, stage: int, kind: str, mb: int) -> float | None:
+        """When the input of F/B (stage, mb) is on `rank`; None while its producer has not run."""
+        if (kind == "F" and stage == 0) or (kind == "B" and stage == self.last):
+            return 0.0
+        src = stage - 1 if kind == "F" else stage + 1
+        end = (self.f_end if kind == "F" else self.b_end).get((src, mb))
+        if end is None:
+            return None
+        return end + (self.costs.comm if rank_chunk_of(src, self.pp, self.placement)[0] != rank else 0.0)
+
+    def _candidates(self, rank: int, kind: str) -> list[tuple[float | None, int, int, int]]:
+        """(arrival, mb, stage, chunk) of the next F or B of each chunk that may run on `rank`."""
+        st, out = self.ranks[rank], []
+        for chunk in range(self.vpp):
+            mb = st.next_f[chunk] if kind == "F" else st.next_b[chunk]
+            if mb >= (self.m if kind == "F" else st.next_f[chunk]):
+                continue
+            if kind == "F":
+                later_chunks = self.vpp - 1 - chunk   # keep room so a started microbatch can reach the loss
+                if st.mem + self.costs.act_mem * (1 + later_chunks) > self.mem_limit + _EPS:
+                    continue
+            stage = stage_of(rank, chunk, self.pp, self.placement)
+            out.append((self._arrival(rank, stage, kind, mb), mb, -stage, chunk))
+        return out
+
+    def _emit(self, rank: int, action: Action) -> None:
+        st, costs = self.ranks[rank], self.costs
+        st.clock += costs.duration(action.kind)
+        st.mem += costs.mem_delta(action.kind)
+        st.actions.append(action)
+        stage, mb = stage_of(rank, action.chunk, self.pp, self.placement), action.microbatch
+        if action.kind == "F":
+            st.next_f[action.chunk] += 1
+            self.f_end[(stage, mb)] = st.clock
+        elif action.kind in ("B", "BW"):
+            st.next_b[action.chunk] += 1
+            self.b_end[(stage, mb)] = st.clock
+            if action.kind == "B":
+                st.pending_w.append((action.chunk, mb))
+
+    def _next_arrival(self, rank: int) -> float:
+        arrivals = [c[0] for kind in ("B", "F") for c in self._candidates(rank, kind) if c[0] is not None]
+        return min(arrivals, default=math.inf)
+
+    def _try_act(self, rank: int) -> bool:
+        """Run one action on `rank` at its clock if the heuristic wants one now."""
+        st = self.ranks[rank]
+        for kind in ("B", "F"):
+            ready = sorted(c[1:] for c in self._candidates(rank, kind)
+                           if c[0] is not None and c[0] <= st.clock + _EPS)
+            if ready:
+                emitted = "BW" if kind == "B" and self.fused else kind
+                self._emit(rank, Action(emitted, ready[0][2], ready[0][0]))
+                return True
+        # a W fills a gap it fits in (or one of unknown length), or frees memory the cap holds back
+        if st.pending_w and self._next_arrival(rank) - st.clock >= self.costs.w - _EPS:
+            chunk, mb = st.pending_w.popleft()
+            self._emit(rank, Action("W", chunk, mb))
+            return True
+        return False
+
+    def _done(self, st: _Rank) -> bool:
+        return min(st.next_b) >= self.m and not st.pending_w
+
+    def run(self, name: str) -> Plan:
+        while True:
+            active = [r for r in range(self.pp) if not self._done(self.ranks[r])]
+            if not active:
+                break
+            now = min(self.ranks[r].clock for r in active)
+            waiting = [r for r in active if self.ranks[r].clock <= now + _EPS]
+            if any(self._try_act(r) for r in waiting):
+                continue
+            # nothing can start at `now`: jump to the next arrival or the next rank's decision
+            later = [self.ranks[r].clock for r in active if r not in waiting]
+            wake = min([self._next_arrival(r) for r in waiting] + later)
+            assert wake < math.inf, f"greedy schedule is stuck at time {now} (memory limit {self.mem_limit})"
+            for r in waiting:
+                self.ranks[r].clock = wake
+        actions = tuple(tuple(st.actions) for st in self.ranks)
+        return Plan(name, self.pp, self.vpp, self.m, self.placement, actions)
+
+
+def greedy_plan(name: str, pp: int, vpp: int, m: int, placement: str, costs: Costs,
+                mem_limit: float = math.inf, fused: bool = False) -> Plan:
+    """List-schedule F/B/W (or F/BW when `fused`) under `costs` and a per-rank activation-memory cap."""
+    if pp < 1 or m < 1:
+        raise ValueError(f"--pipeline-schedule {name} needs pipeline size ({pp}) and microbatches ({m}) "
+                         f"of at least 1")
+    need = vpp * costs.act_mem
+    if mem_limit < need - _EPS:
+        raise ValueError(f"--pipeline-memory-limit {mem_limit:g} is below the {need:g} activation units one "
+                         f"microbatch needs on all {vpp} model chunks of a rank")
+    return _Greedy(pp, vpp, m, placement, costs, mem_limit, fused).run(name)
+
+
+def zb_h2(pp: int, m: int) -> Plan:
+    """ZB-H2: zero bubble at F=B=W with peak memory (2p-1)*M_B (extra warmup F's, W's in the tail)."""
+    return greedy_plan("zb-h2", pp, 1, m, "interleaved", Costs(), mem_limit=2 * pp - 1)
+
+
+def zbv(pp: int, m: int) -> Plan:
+    """ZB-V: two chunks per rank in V placement, B/W split, peak memory as 1F1B (2p chunk units)."""
+    return greedy_plan("zbv", pp, 2, m, "v", Costs(), mem_limit=2 * pp)
+
+
+def auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: float | None = None) -> Plan:
+    """Zero-bubble heuristic for measured `costs` under `mem_limit` activation units per rank
+    (default 2p: ZB-2p for one chunk, 1F1B's memory for two). vpp=1, or vpp=2 on V placement."""
+    if vpp not in (1, 2):
+        raise ValueError(f"--pipeline-schedule auto supports 1 or 2 model chunks per rank, got {vpp}")
+    limit = 2 * pp if mem_limit is None else mem_limit
+    return greedy_plan("auto", pp, vpp, m, "interleaved" if vpp == 1 else "v", costs or Costs(), limit)
