@@ -43,10 +43,12 @@ class SentencePieceTokenizer:
         assert self.eos_id is not None, "tokenizer has no eos piece to mark document ends"
         return self.eos_id
 
-    def encode(self, text: Union[str, Sequence[str]], bos: bool = False,
-               eos: bool = False) -> Union[list[int], list[list[int]]]:
+    def encode(self, text: Union[str, Sequence[str]], bos: bool = False, eos: bool = False,
+               num_threads: int = 1) -> Union[list[int], list[list[int]]]:
         """One text -> ids; a list of texts -> list of ids (sentencepiece's fast batch path)."""
-        return self._sp.encode(text if isinstance(text, str) else list(text), add_bos=bos, add_eos=eos)
+        if isinstance(text, str):
+            return self._sp.encode(text, add_bos=bos, add_eos=eos)
+        return self._sp.encode(list(text), add_bos=bos, add_eos=eos, num_threads=num_threads)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
