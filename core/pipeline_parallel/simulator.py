@@ -37,12 +37,16 @@ class Costs:
         if not 0 <= self.w_mem <= self.act_mem or self.act_mem <= 0:
             raise ValueError(f"memory model needs 0 <= w_mem ({self.w_mem}) <= act_mem ({self.act_mem}) "
                              f"and act_mem > 0")
+        # lookup tables: the simulator and the greedy builder ask these for every action
+        object.__setattr__(self, "_duration", {"F": self.f, "B": self.b, "W": self.w, "BW": self.b + self.w})
+        object.__setattr__(self, "_mem_delta", {"F": self.act_mem, "B": self.w_mem - self.act_mem,
+                                                "W": -self.w_mem, "BW": -self.act_mem})
 
     def duration(self, kind: str) -> float:
-        return {"F": self.f, "B": self.b, "W": self.w, "BW": self.b + self.w}[kind]
+        return self._duration[kind]
 
     def mem_delta(self, kind: str) -> float:
-        return {"F": self.act_mem, "B": self.w_mem - self.act_mem, "W": -self.w_mem, "BW": -self.act_mem}[kind]
+        return self._mem_delta[kind]
 
 
 @dataclass

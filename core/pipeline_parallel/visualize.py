@@ -53,7 +53,9 @@ def plot_timeline(plan: Plan, result: Result, path: str, title: str | None = Non
     makespan = max(result.makespan, 1e-9)
     fig_w = min(max(6.0, 0.22 * len(max(result.timeline, key=len)) + 1.5), 18.0)
     fig, ax = plt.subplots(figsize=(fig_w, 0.45 * plan.pp + 1.1), dpi=100)
-    font = max(4.0, min(8.0, 140.0 / max(1, len(max(result.timeline, key=len)))))
+    shortest = min((e - s for row in result.timeline for s, e, _ in row if e > s), default=makespan)
+    box_points = 72 * 0.8 * fig_w * shortest / makespan   # width of the shortest box, axes ~80% of figure
+    font = max(4.0, min(8.0, 0.45 * box_points))
     for rank, row in enumerate(result.timeline):
         for start, end, a in row:
             colour = _COLOURS[a.kind][min(a.chunk, 3)]
