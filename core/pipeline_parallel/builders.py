@@ -8,9 +8,11 @@ builders_zb.py; `build` dispatches on the --pipeline-schedule name.
 """
 from __future__ import annotations
 
-from core.pipeline_parallel.builders_zb import auto, zb_h2, zbv
+import dataclasses
+
+from core.pipeline_parallel.builders_zb import greedy_plan, zb_h2, zbv
 from core.pipeline_parallel.schedule_ir import Action, Plan
-from core.pipeline_parallel.simulator import Costs
+from core.pipeline_parallel.simulator import Costs, simulate
 
 __all__ = ["gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "zbv", "auto", "build"]
 
@@ -92,6 +94,26 @@ def zb_h1(pp: int, m: int) -> Plan:
         acts += [Action("W", 0, mb) for mb in range(max(m - rank, 0), m)]
         actions.append(tuple(acts))
     return Plan("zb-h1", pp, 1, m, "interleaved", tuple(actions))
+
+
+def auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: float | None = None) -> Plan:
+    """Fastest plan under measured `costs` within `mem_limit` activation units per rank (default 2p:
+    ZB-2p for one chunk, 1F1B's memory for two chunks on V placement). Candidates: the zero-bubble
+    greedy heuristic, plus ZB-H1 and 1F1B for one chunk when they fit (the greedy is a heuristic, so
+    this keeps auto never slower than those under the same costs)."""
+    if vpp not in (1, 2):
+        raise ValueError(f"--pipeline-schedule auto supports 1 or 2 model chunks per rank, got {vpp}")
+    costs = costs or Costs()
+    limit = 2 * pp if mem_limit is None else mem_limit
+    candidates = [greedy_plan("auto", pp, vpp, m, "interleaved" if vpp == 1 else "v", costs, limit)]
+    if vpp == 1:
+        candidates += [zb_h1(pp, m), one_f_one_b(pp, m)]
+    best = None
+    for plan in candidates:
+        result = simulate(plan, costs)
+        if max(result.peak_memory) <= limit + 1e-9 and (best is None or result.makespan < best[0] - 1e-9):
+            best = (result.makespan, plan)
+    return dataclasses.replace(best[1], name="auto")
 
 
 def build(schedule: str, pp: int, vpp: int, m: int, costs: Costs | None = None,

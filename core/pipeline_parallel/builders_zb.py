@@ -1,4 +1,4 @@
-"""Zero-bubble schedules found by list scheduling: ZB-H2, ZB-V and `auto` (cost- and memory-aware).
+"""Zero-bubble schedules found by list scheduling: ZB-H2, ZB-V and the heuristic behind `auto`.
 
 Why: the zero-bubble paper (Qi et al., arXiv 2401.10241, section 3.1) builds schedules greedily from
 F/B/W costs and a memory cap: as many F's as memory allows in the warmup, then B first (it is on the
@@ -52,19 +52,19 @@ class _Greedy:
             return None
         return end + (self.costs.comm if rank_chunk_of(src, self.pp, self.placement)[0] != rank else 0.0)
 
-    def _candidates(self, rank: int, kind: str) -> list[tuple[float | None, int, int, int]]:
-        """(arrival, mb, stage, chunk) of the next F or B of each chunk that may run on `rank`."""
+    def _candidates(self, rank: int, kind: str) -> list[tuple[float | None, int, int, int, bool]]:
+        """(arrival, mb, -stage, chunk, fits in memory) of the next F or B of each chunk on `rank`."""
         st, out = self.ranks[rank], []
         for chunk in range(self.vpp):
             mb = st.next_f[chunk] if kind == "F" else st.next_b[chunk]
             if mb >= (self.m if kind == "F" else st.next_f[chunk]):
                 continue
+            fits = True
             if kind == "F":
                 later_chunks = self.vpp - 1 - chunk   # keep room so a started microbatch can reach the loss
-                if st.mem + self.costs.act_mem * (1 + later_chunks) > self.mem_limit + _EPS:
-                    continue
+                fits = st.mem + self.costs.act_mem * (1 + later_chunks) <= self.mem_limit + _EPS
             stage = stage_of(rank, chunk, self.pp, self.placement)
-            out.append((self._arrival(rank, stage, kind, mb), mb, -stage, chunk))
+            out.append((self._arrival(rank, stage, kind, mb), mb, -stage, chunk, fits))
         return out
 
     def _emit(self, rank: int, action: Action) -> None:
@@ -82,26 +82,30 @@ class _Greedy:
             if action.kind == "B":
                 st.pending_w.append((action.chunk, mb))
 
-    def _next_arrival(self, rank: int) -> float:
-        arrivals = [c[0] for kind in ("B", "F") for c in self._candidates(rank, kind) if c[0] is not None]
-        return min(arrivals, default=math.inf)
-
     def _try_act(self, rank: int) -> bool:
         """Run one action on `rank` at its clock if the heuristic wants one now."""
         st = self.ranks[rank]
+        cands = {kind: self._candidates(rank, kind) for kind in ("B", "F")}
         for kind in ("B", "F"):
-            ready = sorted(c[1:] for c in self._candidates(rank, kind)
-                           if c[0] is not None and c[0] <= st.clock + _EPS)
+            ready = sorted(c[1:4] for c in cands[kind] if c[4] and c[0] is not None and c[0] <= st.clock + _EPS)
             if ready:
                 emitted = "BW" if kind == "B" and self.fused else kind
                 self._emit(rank, Action(emitted, ready[0][2], ready[0][0]))
                 return True
-        # a W fills a gap it fits in (or one of unknown length), or frees memory the cap holds back
-        if st.pending_w and self._next_arrival(rank) - st.clock >= self.costs.w - _EPS:
+        if not st.pending_w:
+            return False
+        # W fills a gap it fits in (or one of unknown length), or frees memory when the cap holds back an F
+        blocked = any(not c[4] and c[0] is not None and c[0] <= st.clock + _EPS for c in cands["F"])
+        if blocked or self._next_arrival(rank, cands) - st.clock >= self.costs.w - _EPS:
             chunk, mb = st.pending_w.popleft()
             self._emit(rank, Action("W", chunk, mb))
             return True
         return False
+
+    def _next_arrival(self, rank: int, cands: dict | None = None) -> float:
+        cands = cands or {kind: self._candidates(rank, kind) for kind in ("B", "F")}
+        return min((c[0] for kind in ("B", "F") for c in cands[kind] if c[4] and c[0] is not None),
+                   default=math.inf)
 
     def _done(self, st: _Rank) -> bool:
         return min(st.next_b) >= self.m and not st.pending_w
@@ -146,12 +150,3 @@ def zb_h2(pp: int, m: int) -> Plan:
 def zbv(pp: int, m: int) -> Plan:
     """ZB-V: two chunks per rank in V placement, B/W split, peak memory as 1F1B (2p chunk units)."""
     return greedy_plan("zbv", pp, 2, m, "v", Costs(), mem_limit=2 * pp)
-
-
-def auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: float | None = None) -> Plan:
-    """Zero-bubble heuristic for measured `costs` under `mem_limit` activation units per rank
-    (default 2p: ZB-2p for one chunk, 1F1B's memory for two). vpp=1, or vpp=2 on V placement."""
-    if vpp not in (1, 2):
-        raise ValueError(f"--pipeline-schedule auto supports 1 or 2 model chunks per rank, got {vpp}")
-    limit = 2 * pp if mem_limit is None else mem_limit
-    return greedy_plan("auto", pp, vpp, m, "interleaved" if vpp == 1 else "v", costs or Costs(), limit)
