@@ -88,7 +88,8 @@ def test_tokenizer_ids_and_vocab_check(tmp_path):
     assert tok.decode(ids) == "some words repeat ✓"
     assert tok.encode(["a b", "some words"]) == [tok.encode("a b"), tok.encode("some words")]
     check_vocab(300, 384)
-    with pytest.raises(ValueError, match=r"padded vocabulary \(256\) is smaller than the tokenizer's vocabulary \(300\)"):
+    with pytest.raises(ValueError, match=r"padded vocabulary \(256\) is smaller than the tokenizer's "
+                                         r"vocabulary \(300\)"):
         check_vocab(300, 256)
     with pytest.raises(ValueError, match="does not exist"):
         build_tokenizer(str(tmp_path / "none.model"))

@@ -1,6 +1,5 @@
 """DP-sharded resumable sampling: resume at consumed_samples = k equals the uninterrupted run from k on,
 and the union over DP ranks of every global batch is the dp=1 global batch (mock and indexed data)."""
-import numpy as np
 import pytest
 import torch
 
