@@ -23,7 +23,8 @@ from core.checkpoint_io import latest_checkpoint  # noqa: F401  (part of this mo
 from core.config import Config
 from core.logger import get_logger
 from core.parallel_state import ParallelState
-from core.resharding import TensorSpec, named_tensors, padded_rows_for, pp_rank_of, spec_of, split_shard
+from core.resharding import TensorSpec, named_tensors, padded_rows_for, spec_of, split_shard
+from core.tensor_parallel.random import get_rng_tracker
 from model.config import LlamaConfig
 
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -176,6 +177,7 @@ def _rng_state() -> dict:
              "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
+    state["tp_tracker"] = get_rng_tracker().get_states()
     return state
 
 
@@ -185,6 +187,10 @@ def _load_rng(reader: cio.CheckpointReader, ps: ParallelState) -> None:
             get_logger().warning(f"checkpoint {reader.path} was saved with layout {reader.meta['layout']}; "
                                  "random states are per rank, so they are not restored in this layout")
         return
+    if cio.rng_name(ps.rank) not in reader.meta["files"]:
+        if ps.rank == 0:
+            get_logger().warning(f"checkpoint {reader.path} has no random states (e.g. converted from HF)")
+        return
     state = reader.load_pt(cio.rng_name(ps.rank))
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
@@ -192,3 +198,4 @@ def _load_rng(reader: cio.CheckpointReader, ps: ParallelState) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    get_rng_tracker().set_states(state["tp_tracker"])

@@ -1,0 +1,119 @@
+"""scripts/convert_hf.py: a tiny random HF LLaMA (GQA, odd vocabulary) imported into tp=2 pp=2 and exported
+back gives the identical HF state dict and logits; the checkpoint loads into our model; bad input exits 2."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from core import checkpoint_io as cio
+from core.checkpointing import LoadResult, load_checkpoint
+from core.config import Config
+from tests.harness import ROOT
+
+transformers = pytest.importorskip("transformers")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import convert_hf  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "scripts", "convert_hf.py")
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A random 4-layer GQA LlamaForCausalLM saved as model.safetensors + config.json."""
+    cfg = transformers.LlamaConfig(vocab_size=1001, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   rms_norm_eps=1e-5, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms start at 1.0; make them random so a mix-up would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    hf_dir = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    return model, str(hf_dir)
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_import_tp2_pp2_export_roundtrip(hf_model, tmp_path):
+    model, hf_dir = hf_model
+    proc = run_script("import", "--hf-dir", hf_dir, "--save", str(tmp_path / "ckpt"),
+                      "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    ckpt = tmp_path / "ckpt" / "iter_0000000"
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    assert meta["layout"]["tp"] == 2 and meta["layout"]["pp"] == 2
+    assert sorted(f for f in meta["files"] if f.startswith("model_")) == sorted([
+        cio.shard_name("model", t, p) for p in range(2) for t in range(2)])
+    proc = run_script("export", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    original = model.state_dict()
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    ids = torch.randint(0, 1001, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # same weights, same architecture: logits compared bit for bit
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_imported_checkpoint_loads_into_llama_model(hf_model, tmp_path):
+    """Our model, loaded from a tp=2 pp=2 vpp=2 import, reproduces HF's logits (fp32, 1e-5)."""
+    from model.hf_checkpoint import config_from_hf
+    from model.llama import LlamaModel
+    model, hf_dir = hf_model
+    convert_hf.import_hf(hf_dir, str(tmp_path), 2, 2, 1)
+    assert json.loads((tmp_path / "iter_0000000" / "metadata.json").read_text())["layout"]["vpp"] == 2
+    config = config_from_hf(model.config)
+    ours = LlamaModel(config).eval()
+    result = load_checkpoint(str(tmp_path), model_chunks=[ours], optimizer=None, scheduler=None,
+                             parallel_state=None, config=Config(model=config), finetune=True)
+    assert result == LoadResult(0, 0)
+    ids = torch.randint(0, 1001, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids), model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_pytorch_bin_is_read_weights_only(hf_model, tmp_path):
+    """A pytorch_model.bin.index.json over three .bin shards (written here, as older transformers did)."""
+    model, hf_dir = hf_model
+    original = model.state_dict()
+    names = sorted(original)
+    weight_map = {}
+    for i in range(3):
+        fname = f"pytorch_model-{i + 1:05d}-of-00003.bin"
+        torch.save({n: original[n].clone() for n in names[i::3]}, tmp_path / fname)
+        weight_map.update({n: fname for n in names[i::3]})
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(open(os.path.join(hf_dir, "config.json")).read())
+    state_dict, hf_config = convert_hf.read_hf_dir(str(tmp_path))
+    assert hf_config["num_key_value_heads"] == 2
+    assert set(state_dict) == set(original)
+    assert all(torch.equal(state_dict[k], v) for k, v in original.items())
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["export", "--load", "{tmp}/nothing", "--hf-dir", "{tmp}/out"], "holds no complete checkpoint"),
+    (["import", "--hf-dir", "{tmp}", "--save", "{tmp}/ckpt"], "has no config.json"),
+    (["import", "--hf-dir", "{hf}", "--save", "{tmp}/ckpt", "--tensor-model-parallel-size", "3"],
+     "--tensor-model-parallel-size 3"),
+    (["import", "--hf-dir", "{hf}", "--save", "{tmp}/ckpt", "--pipeline-model-parallel-size", "3"],
+     "--num-layers 4 is not divisible"),
+])
+def test_bad_input_is_one_line_and_exit_2(hf_model, tmp_path, capsys, argv, words):
+    argv = [a.format(tmp=tmp_path, hf=hf_model[1]) for a in argv]
+    with pytest.raises(SystemExit) as info:
+        convert_hf.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err
