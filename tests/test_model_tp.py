@@ -51,7 +51,8 @@ def _run_step(model: LlamaModel, input_ids, labels, tp_group) -> tuple[torch.Ten
     return loss.detach(), grads
 
 
-def _tp_worker(rank: int, world_size: int, cases: list) -> list:
+def _tp_worker(rank: int, world_size: int, cases: list, with_pipeline: bool) -> tuple:
+    """Every (sequence_parallel, recompute) case, then optionally the two-chunk split with sequence parallel."""
     from core.parallel_state import initialize_model_parallel
     state = initialize_model_parallel(tp=world_size)
     input_ids, labels = _batch()
@@ -63,7 +64,8 @@ def _tp_worker(rank: int, world_size: int, cases: list) -> list:
             logits = model(input_ids)
         loss, grads = _run_step(model, input_ids, labels, state.tp_group)
         out.append((loss, grads, logits) if rank == 0 else None)
-    return _portable(out)
+    pipeline = _pipeline_step(CONFIG, state, sequence_parallel=True) if with_pipeline else None
+    return _portable((out, pipeline))
 
 
 def _reference() -> tuple[torch.Tensor, dict, torch.Tensor]:
@@ -78,9 +80,13 @@ def _reference() -> tuple[torch.Tensor, dict, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.parametrize("tp_size, cases", [(2, CASES), (4, [CASES[1], CASES[2], CASES[5]])])
 def test_tp_matches_single_rank(tp_size, cases):
-    """Loss, logits and gathered grads at TP=2/4 (+SP, +full/selective recompute) equal TP=1 (rel 1e-5)."""
+    """Loss, logits and gathered grads at TP=2/4 (+SP, +full/selective recompute) equal TP=1 (rel 1e-5).
+
+    At TP=2 the same ranks also run two pipeline chunks with sequence parallel: they send (s/tp, b, h)
+    and match the whole TP=1 model.
+    """
     ref_loss, ref_grads, ref_logits = _reference()
-    results = _tensors(run_distributed(_tp_worker, tp_size, cases, timeout=240)[0])
+    results, pipeline = _tensors(run_distributed(_tp_worker, tp_size, cases, tp_size == 2, timeout=240)[0])
     for (sequence_parallel, recompute), (loss, grads, logits) in zip(cases, results):
         case = f"tp={tp_size} sp={sequence_parallel} recompute={recompute}"
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=case)
@@ -88,6 +94,12 @@ def test_tp_matches_single_rank(tp_size, cases):
         assert set(grads) == set(ref_grads), case
         for name, ref in ref_grads.items():
             torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=f"{case} {name}")
+    if pipeline is not None:
+        loss, grads, sent_shape = pipeline
+        assert sent_shape == (4, 2, CONFIG.hidden_size)  # (s/tp, b, h)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=f"pipeline tp=2 sp {name}")
 
 
 def _pipeline_step(config: LlamaConfig, state=None, sequence_parallel: bool = False) -> tuple[torch.Tensor, dict]:
@@ -112,12 +124,6 @@ def _pipeline_step(config: LlamaConfig, state=None, sequence_parallel: bool = Fa
     return loss.detach(), grads, tuple(sent.shape)
 
 
-def _pipeline_worker(rank: int, world_size: int) -> tuple:
-    from core.parallel_state import initialize_model_parallel
-    state = initialize_model_parallel(tp=world_size)
-    return _portable(_pipeline_step(CONFIG, state, sequence_parallel=True))
-
-
 def test_two_chunks_equal_whole_model():
     """Embedding chunk + head chunk (layer_range split, set_input_tensor) give the whole model's loss/grads."""
     ref_loss, ref_grads, _ = _reference()
@@ -125,17 +131,6 @@ def test_two_chunks_equal_whole_model():
     assert sent_shape == (8, 2, CONFIG.hidden_size)  # (s, b, h)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     assert set(grads) == set(ref_grads)
-    for name, ref in ref_grads.items():
-        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=name)
-
-
-@pytest.mark.slow
-def test_two_chunks_with_tp2_sequence_parallel():
-    """The same split at TP=2 with sequence parallel sends (s/tp, b, h) and matches the whole TP=1 model."""
-    ref_loss, ref_grads, _ = _reference()
-    loss, grads, sent_shape = _tensors(run_distributed(_pipeline_worker, 2, timeout=240)[0])
-    assert sent_shape == (4, 2, CONFIG.hidden_size)  # (s/tp, b, h)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     for name, ref in ref_grads.items():
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=name)
 
