@@ -1,0 +1,89 @@
+"""Timeline drawing (ASCII, PNG, SVG) and scripts/plot_schedule.py."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from core.config import SCHEDULES
+from core.pipeline_parallel.builders import one_f_one_b, zbv
+from core.pipeline_parallel.simulator import simulate
+from core.pipeline_parallel.visualize import ascii_timeline, plot_timeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "plot_schedule.py")
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("plot_schedule", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ascii_timeline_of_1f1b_by_hand():
+    """p=2, m=2, unit costs: rank 1 runs F0 [1,2] BW0 [2,4] F1 [4,5] BW1 [5,7]; rank 0 waits for them."""
+    plan = one_f_one_b(2, 2)
+    assert ascii_timeline(plan, simulate(plan)).splitlines() == [
+        "rank 0: F0  F1  ... ... BW0 === ... BW1 ===",
+        "rank 1: ... F0  BW0 === F1  BW1 === ... ...",
+    ]
+
+
+@pytest.mark.parametrize("suffix,magic", [(".png", b"\x89PNG"), (".svg", b"<?xml")])
+def test_plot_writes_small_picture(tmp_path, suffix, magic):
+    plan = zbv(2, 4)
+    path = tmp_path / f"t{suffix}"
+    plot_timeline(plan, simulate(plan), str(path))
+    data = path.read_bytes()
+    assert data.startswith(magic) and len(data) < 200_000
+    if suffix == ".svg":
+        assert b"<svg" in data
+
+
+def test_script_writes_a_png_for_every_schedule(tmp_path, capsys):
+    main = _script().main
+    for name in SCHEDULES:
+        out = tmp_path / f"{name}.png"
+        assert main(["--schedule", name, "--pp", "2", "--microbatches", "3", "--out", str(out)]) == 0
+        assert out.read_bytes().startswith(b"\x89PNG")
+        text = capsys.readouterr().out
+        assert "rank 1:" in text and "makespan" in text and "bubble rate" in text
+
+
+def test_script_json_from_repo_root(tmp_path):
+    out = subprocess.run([sys.executable, "scripts/plot_schedule.py", "--schedule", "1f1b", "--pp", "4",
+                          "--microbatches", "8", "--out", str(tmp_path / "t.svg"), "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert set(data) == {"schedule", "pp", "vpp", "microbatches", "makespan", "bubble_rate",
+                         "makespan_bubble_rate", "peak_activation_memory"}
+    assert data["makespan"] == 33 and data["bubble_rate"] == pytest.approx(9 / 33)
+    assert data["peak_activation_memory"] == [4, 3, 2, 1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--schedule", "zbv", "--pp", "4", "--vpp", "3", "--microbatches", "8"], "exactly 2"),
+    (["--schedule", "auto", "--pp", "4", "--microbatches", "8", "--costs", "1,x,1"], "--costs 1,x,1"),
+    (["--schedule", "auto", "--pp", "4", "--microbatches", "8", "--mem-limit", "0.5"], "memory-limit 0.5"),
+    (["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--out", "t.gif"], ".png or .svg"),
+    (["--schedule", "nope", "--pp", "4", "--microbatches", "8"], "invalid choice"),
+])
+def test_script_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(_script().main(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "auto"])
+def test_committed_figures_are_small_pngs(name):
+    path = os.path.join(ROOT, "docs", f"schedule_{name}.png")
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data.startswith(b"\x89PNG") and len(data) < 100_000
