@@ -3,6 +3,8 @@ gradient of the token-averaged loss; bucket size and overlap do not change a bit
 grads are summed over TP and the token count travels from the last pipeline stage."""
 from __future__ import annotations
 
+import io
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,6 +12,17 @@ from torch import nn
 from core.distributed import finalize_model_grads
 from core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.harness import run_distributed
+
+
+def _to_bytes(obj: object) -> bytes:
+    """Results travel as bytes: many tensors through the result queue can outlive their sender's fds."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _run(fn, world_size: int) -> list:
+    return [torch.load(io.BytesIO(b), weights_only=False) for b in run_distributed(fn, world_size, timeout=150)]
 
 
 def _toy_lm() -> nn.Module:
@@ -50,11 +63,11 @@ def _dp_rank(rank: int, world_size: int) -> dict:
         results["total"] = total
     results["reference"] = [p.grad.clone() for p in reference.parameters()]
     destroy_model_parallel()
-    return results
+    return _to_bytes(results)
 
 
 def test_dp_grads_equal_full_batch_gradient_for_any_bucketing():
-    for rank_result in run_distributed(_dp_rank, 2, timeout=120):
+    for rank_result in _run(_dp_rank, 2):
         assert rank_result["total"] == 8.0
         for got, want in zip(rank_result["default"], rank_result["reference"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
@@ -79,11 +92,11 @@ def _tp_pp_rank(rank: int, world_size: int) -> dict:
         out[label] = (finalize_model_grads([chunk], state, passed), chunk.norm.grad.clone(), chunk.w.grad.clone())
     out["rank"] = rank
     destroy_model_parallel()
-    return out
+    return _to_bytes(out)
 
 
 def test_sequence_parallel_sum_and_token_count_from_last_stage():
-    for r in run_distributed(_tp_pp_rank, 4, timeout=120):
+    for r in _run(_tp_pp_rank, 4):
         norm_sum = 3.0 + 20 * r["pp_rank"]  # (1 + 10 pp) + (2 + 10 pp) over the two TP ranks
         total, norm_grad, w_grad = r["divided"]
         assert total == 10.0
