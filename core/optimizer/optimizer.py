@@ -159,7 +159,8 @@ class Optimizer:
         """Per-parameter state, each tensor shaped like the local (TP-shard) parameter; collective over DP."""
         param_state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self.names}
         shapes = [p.shape for p in self.params]
-        for key in STATE_KEYS:
+        mixed = any(p.dtype != torch.float32 for p in self.params)  # same on every DP rank: safe collective
+        for key in STATE_KEYS if mixed else STATE_KEYS[:2]:
             shard = pack_shard(self.layout, self.segments, self._segment_values(key), torch.float32, self.device)
             full = gather_shards(shard, self.layout, self.parallel_state.dp_group)
             for name, p, value in zip(self.names, self.params, unflatten(full, self.layout, shapes)):
