@@ -51,10 +51,10 @@ def plot_timeline(plan: Plan, result: Result, path: str, title: str | None = Non
     from matplotlib.patches import Patch
 
     makespan = max(result.makespan, 1e-9)
-    fig_w = min(max(6.0, 0.22 * len(max(result.timeline, key=len)) + 1.5), 18.0)
-    fig, ax = plt.subplots(figsize=(fig_w, 0.45 * plan.pp + 1.1), dpi=100)
     shortest = min((e - s for row in result.timeline for s, e, _ in row if e > s), default=makespan)
-    box_points = 72 * 0.8 * fig_w * shortest / makespan   # width of the shortest box, axes ~80% of figure
+    fig_w = min(max(6.0, 0.25 * makespan / shortest + 2.0), 18.0)   # about a quarter inch per short box
+    fig, ax = plt.subplots(figsize=(fig_w, 0.45 * plan.pp + 1.1), dpi=100)
+    box_points = 72 * 0.8 * fig_w * shortest / makespan   # axes take about 80% of the figure width
     font = max(4.0, min(8.0, 0.45 * box_points))
     for rank, row in enumerate(result.timeline):
         for start, end, a in row:
