@@ -117,6 +117,8 @@ def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: 
             _load_optimizer(reader, optimizer, tensors, ps)
         if scheduler is not None and reader.meta["scheduler"] is not None:
             scheduler.load_state_dict(reader.meta["scheduler"])
+    elif optimizer is not None:
+        optimizer.reload_model_params()  # fp32 masters must follow the loaded (bf16/fp16) weights
     if not (finetune or no_load_rng):
         _load_rng(reader, ps)
     _barrier()
