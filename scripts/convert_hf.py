@@ -80,7 +80,8 @@ def import_hf(hf_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_s
     if layers_per_virtual_stage is not None:
         if config.num_layers % (pp * layers_per_virtual_stage):
             raise ValueError(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} x "
-                             f"--pipeline-model-parallel-size {pp} does not divide the model's {config.num_layers} layers")
+                             f"--pipeline-model-parallel-size {pp} does not divide the model's "
+                             f"{config.num_layers} layers")
         vpp = config.num_layers // (pp * layers_per_virtual_stage)
     try:
         specs = model_specs(config, tp)
