@@ -3,8 +3,8 @@
 Why: one executor runs every schedule, so a schedule is only an ordering of F/B/W actions per rank.
 Fixed-order schedules live here: GPipe (Huang et al., arXiv 1811.06965), 1F1B and interleaved 1F1B
 (Narayanan et al., arXiv 2104.04473, Megatron's order) and ZB-H1 (Qi et al., arXiv 2401.10241,
-figure 3). Schedules found by the zero-bubble greedy heuristic (ZB-H2, ZB-V, auto) are in
-builders_zb.py; `build` dispatches on the --pipeline-schedule name.
+figure 3). ZB-H2 and ZB-V come from the zero-bubble greedy heuristic in builders_zb.py, which `auto`
+runs on measured costs; `build` dispatches on the --pipeline-schedule name.
 """
 from __future__ import annotations
 

@@ -34,9 +34,9 @@ class _Rank:
 
 
 class _Greedy:
-    def __init__(self, pp: int, vpp: int, m: int, placement: str, costs: Costs, mem_limit: float, fused: bool):
+    def __init__(self, pp: int, vpp: int, m: int, placement: str, costs: Costs, mem_limit: float):
         self.pp, self.vpp, self.m, self.placement = pp, vpp, m, placement
-        self.costs, self.mem_limit, self.fused = costs, mem_limit, fused
+        self.costs, self.mem_limit = costs, mem_limit
         self.last = pp * vpp - 1
         self.ranks = [_Rank([0] * vpp, [0] * vpp) for _ in range(pp)]
         self.f_end: dict = {}
@@ -76,11 +76,10 @@ class _Greedy:
         if action.kind == "F":
             st.next_f[action.chunk] += 1
             self.f_end[(stage, mb)] = st.clock
-        elif action.kind in ("B", "BW"):
+        elif action.kind == "B":
             st.next_b[action.chunk] += 1
             self.b_end[(stage, mb)] = st.clock
-            if action.kind == "B":
-                st.pending_w.append((action.chunk, mb))
+            st.pending_w.append((action.chunk, mb))
 
     def _try_act(self, rank: int) -> bool:
         """Run one action on `rank` at its clock if the heuristic wants one now."""
@@ -89,8 +88,7 @@ class _Greedy:
         for kind in ("B", "F"):
             ready = sorted(c[1:4] for c in cands[kind] if c[4] and c[0] is not None and c[0] <= st.clock + _EPS)
             if ready:
-                emitted = "BW" if kind == "B" and self.fused else kind
-                self._emit(rank, Action(emitted, ready[0][2], ready[0][0]))
+                self._emit(rank, Action(kind, ready[0][2], ready[0][0]))
                 return True
         if not st.pending_w:
             return False
@@ -130,8 +128,8 @@ class _Greedy:
 
 
 def greedy_plan(name: str, pp: int, vpp: int, m: int, placement: str, costs: Costs,
-                mem_limit: float = math.inf, fused: bool = False) -> Plan:
-    """List-schedule F/B/W (or F/BW when `fused`) under `costs` and a per-rank activation-memory cap."""
+                mem_limit: float = math.inf) -> Plan:
+    """List-schedule F/B/W under `costs` and a per-rank activation-memory cap."""
     if pp < 1 or m < 1:
         raise ValueError(f"--pipeline-schedule {name} needs pipeline size ({pp}) and microbatches ({m}) "
                          f"of at least 1")
@@ -139,7 +137,7 @@ def greedy_plan(name: str, pp: int, vpp: int, m: int, placement: str, costs: Cos
     if mem_limit < need - _EPS:
         raise ValueError(f"--pipeline-memory-limit {mem_limit:g} is below the {need:g} activation units one "
                          f"microbatch needs on all {vpp} model chunks of a rank")
-    return _Greedy(pp, vpp, m, placement, costs, mem_limit, fused).run(name)
+    return _Greedy(pp, vpp, m, placement, costs, mem_limit).run(name)
 
 
 def zb_h2(pp: int, m: int) -> Plan:
