@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-docs", type=int, default=64)
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3, help="tokenization runs; the best is reported")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_data.json"))
     args = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="bench_data_")
@@ -104,11 +105,14 @@ def main(argv=None) -> int:
     model = args.tokenizer_model or _script("train_tokenizer").train([corpus], args.vocab_size,
                                                                       os.path.join(work, "tok"))
     preprocess = _script("preprocess_data").preprocess
-    results = {"raw": raw_encode_speed(corpus, model, args.batch_docs), "preprocess": {}}
+    # best of --repeats: the machine may be shared, and the fastest run is the least disturbed one
+    raws = [raw_encode_speed(corpus, model, args.batch_docs) for _ in range(args.repeats)]
+    results = {"raw": max(raws, key=lambda r: r["batch_encode_tokens_per_s"]), "preprocess": {}}
     for workers in (1, 2):
-        s = preprocess([corpus], os.path.join(work, f"w{workers}"), model, workers, append_eod=True,
-                       batch_docs=args.batch_docs, progress=False)
-        results["preprocess"][workers] = {k: s[k] for k in ("documents", "tokens", "seconds", "docs_per_s",
+        runs = [preprocess([corpus], os.path.join(work, f"w{workers}"), model, workers, append_eod=True,
+                           batch_docs=args.batch_docs, progress=False) for _ in range(args.repeats)]
+        s = max(runs, key=lambda r: r["tokens_per_s"])
+        results["preprocess"][str(workers)] = {k: s[k] for k in ("documents", "tokens", "seconds", "docs_per_s",
                                                             "tokens_per_s")}
     vocab = build_tokenizer(model).vocab_size
     read = read_speed(os.path.join(work, "w2_text_document"), args.seq_length, args.micro_batch_size,
@@ -116,8 +120,9 @@ def main(argv=None) -> int:
     step, params = tiny_step_seconds(vocab, args.micro_batch_size, args.seq_length)
     results["read"] = {**read, "tiny_step_seconds": step, "tiny_model_params": params,
                        "read_fraction_of_step": read["batch_seconds"] / step}
-    results["setup"] = {"cpus": os.cpu_count(), "vocab_size": vocab, "seq_length": args.seq_length,
-                        "micro_batch_size": args.micro_batch_size, "torch_threads": torch.get_num_threads()}
+    results["setup"] = {"cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0], "vocab_size": vocab,
+                        "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
+                        "torch_threads": torch.get_num_threads()}
     _print_table(results)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -128,12 +133,13 @@ def main(argv=None) -> int:
 
 def _print_table(r: dict) -> None:
     raw, pre, read = r["raw"], r["preprocess"], r["read"]
+    setup = r["setup"]
     print(f"corpus: {raw['documents']} documents, {raw['chars'] / 1e6:.2f} M chars, {raw['tokens'] / 1e6:.2f} M "
-          f"tokens (vocab {r['setup']['vocab_size']}, {r['setup']['cpus']} CPUs)")
+          f"tokens (vocab {setup['vocab_size']}, {setup['cpus']} CPUs, load average {setup['load_average_1min']:.1f})")
     rows = [("sentencepiece encode, 1 process, per document", raw["encode_tokens_per_s"]),
             ("sentencepiece batch encode, 1 process", raw["batch_encode_tokens_per_s"]),
-            ("preprocess_data.py --workers 1 (end to end)", pre[1]["tokens_per_s"]),
-            ("preprocess_data.py --workers 2 (end to end)", pre[2]["tokens_per_s"])]
+            ("preprocess_data.py --workers 1 (end to end)", pre["1"]["tokens_per_s"]),
+            ("preprocess_data.py --workers 2 (end to end)", pre["2"]["tokens_per_s"])]
     print(f"{'tokenization':<50}{'M tokens/s':>12}")
     for name, value in rows:
         print(f"{name:<50}{value / 1e6:>12.2f}")
