@@ -94,6 +94,9 @@ class FakeOptimizer:
     def load_state_dict(self, state: dict) -> None:
         self.state = state
 
+    def reload_model_params(self) -> None:
+        self.reloaded = True
+
 
 class FakeScheduler:
     def __init__(self, step: int = 0):
@@ -288,8 +291,10 @@ def test_missing_optimizer_state_names_no_load_optim(tmp_path):
     with pytest.raises(ValueError, match="--no-load-optim"):
         load_checkpoint(str(tmp_path), model_chunks=chunks, optimizer=FakeOptimizer(chunks), scheduler=None,
                         parallel_state=None, config=CONFIG)
-    assert load_checkpoint(str(tmp_path), model_chunks=chunks, optimizer=FakeOptimizer(chunks), scheduler=None,
+    optimizer = FakeOptimizer(chunks)
+    assert load_checkpoint(str(tmp_path), model_chunks=chunks, optimizer=optimizer, scheduler=None,
                            parallel_state=None, config=CONFIG, finetune=True) == LoadResult(0, 0)
+    assert optimizer.reloaded, "fp32 master weights were not refreshed from the loaded model"
 
 
 def test_no_checkpoint_returns_none_and_wrong_model_is_refused(tmp_path):
