@@ -164,7 +164,8 @@ def _load_optimizer(reader: cio.CheckpointReader, optimizer: Any, tensors: dict[
         if name not in fields:
             raise ValueError(f"checkpoint {reader.path} has no optimizer state for parameter {name}; {hint}")
         done.add(id(target))
-        param_state[name] = {field: _local_shard(target, reader, f"{name}/{field}", "optim", ps).clone()
+        param_state[name] = {field: _local_shard(target, reader, f"{name}/{field}", "optim", ps)
+                             .to(target.device, copy=True)
                              for field in fields[name]}
     common = reader.load_pt(cio.OPTIM_COMMON)
     try:
