@@ -288,6 +288,10 @@ def _training_config(args: argparse.Namespace, par: ParallelConfig) -> TrainingC
     if gbs % (mbs * dp):
         raise ArgumentError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size ({mbs}) "
                             f"x data-parallel size ({dp})")
+    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+    if args.lr_warmup_iters > decay_iters:
+        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} is longer than the decay length "
+                            f"({decay_iters}, from --lr-decay-iters or --train-iters)")
     if args.eval_interval is not None and args.eval_iters == 0:
         raise ArgumentError(f"--eval-interval {args.eval_interval} needs --eval-iters > 0")
     return TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, seq_length=args.seq_length,

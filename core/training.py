@@ -213,7 +213,8 @@ class Trainer:
                           "(pass --skip-nonfinite-steps to skip such steps instead)")
                 return 1
             return self._skip(f"lm loss is {loss}")
-        finalize_model_grads(self.chunks, self.ps, self._num_tokens)
+        finalize_model_grads(self.chunks, self.ps, self._num_tokens,
+                             overlap_grad_reduce=self.config.parallel.overlap_grad_reduce)
         result = self.optimizer.step()
         if not result.update_successful:
             if not fp16 and not cfg.skip_nonfinite_steps:

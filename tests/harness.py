@@ -8,6 +8,7 @@ with the first failing rank's traceback; a hung group is killed after `timeout` 
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -38,7 +39,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
     try:
         import torch.distributed as dist
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
+        # Plain pickle copies tensor data inline; the queue's own pickler would share storage through
+        # file descriptors that vanish when this process exits.
+        result = pickle.dumps(fn(rank, world_size, *args))
         out.put((rank, "ok", result))
         dist.barrier()
         dist.destroy_process_group()
@@ -77,7 +80,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 continue
             if status == "error":
                 raise RankFailure(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
     finally:
         _stop(procs)
     return [results[r] for r in range(world_size)]

@@ -76,6 +76,7 @@ CASES = [
       "--pipeline-schedule", "zb-h1", "--global-batch-size", "2"], 2, ("zb-h1", "one model chunk")),
     (["--ffn-hidden-size", "351", "--tensor-model-parallel-size", "2"], 2, ("--ffn-hidden-size 351",)),
     (["--split", "90,10"], 1, ("--split 90,10",)),
+    (["--lr-warmup-iters", "20", "--train-iters", "10"], 1, ("--lr-warmup-iters 20", "(10")),
     (["--attention-dropout", "0.1"], 1, ("--attention-dropout 0.1", "no dropout")),
     (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], 1,
      ("--recompute-method uniform",)),
