@@ -315,7 +315,12 @@ def _check_schedule(args: argparse.Namespace, par: ParallelConfig, m: int, num_l
     if s == "interleaved" and vpp < 2:
         raise ArgumentError("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
                             "giving 2 or more model chunks per pipeline rank")
-    if s in ("1f1b", "gpipe", "zb-h1", "zb-h2", "auto") and vpp > 1:
+    if s == "auto" and vpp > 2:
+        raise ArgumentError(f"--pipeline-schedule auto supports 1 or 2 model chunks per pipeline rank, got {vpp}")
+    if s == "auto" and par.pipeline_memory_limit is not None and par.pipeline_memory_limit < vpp:
+        raise ArgumentError(f"--pipeline-memory-limit {par.pipeline_memory_limit:g} is below the {vpp} activation "
+                            "units one microbatch needs on all model chunks of a rank")
+    if s in ("1f1b", "gpipe", "zb-h1", "zb-h2") and vpp > 1:
         raise ArgumentError(f"--pipeline-schedule {s} uses one model chunk per pipeline rank; drop "
                             f"--num-layers-per-virtual-pipeline-stage or use interleaved or zbv")
     if m < pp:

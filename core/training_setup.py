@@ -20,16 +20,19 @@ from model.config import LlamaConfig
 log = get_logger()
 
 
-def placement_for(schedule: str) -> str:
-    return "v" if schedule == "zbv" else "interleaved"
+def placement_for(schedule: str, vpp: int) -> str:
+    """ZB-V, and `auto` with two chunks per rank, use the V placement; everything else is interleaved."""
+    return "v" if schedule == "zbv" or (schedule == "auto" and vpp == 2) else "interleaved"
 
 
 def model_config_for_run(config: Config) -> LlamaConfig:
     """The model config with the tokenizer's vocabulary size when a tokenizer is given."""
     model_cfg = config.model
     if config.data.tokenizer_model:
-        from data.tokenizer import build_tokenizer
+        from data.tokenizer import build_tokenizer, check_vocab
         tokenizer = build_tokenizer(config.data.tokenizer_model)
+        check_vocab(tokenizer.vocab_size, model_cfg.replace(vocab_size=tokenizer.vocab_size)
+                    .padded_vocab_size(config.parallel.tp_size))
         if tokenizer.vocab_size != model_cfg.vocab_size:
             log.info(f"vocabulary size {tokenizer.vocab_size} from --tokenizer-model {config.data.tokenizer_model}")
         model_cfg = model_cfg.replace(vocab_size=tokenizer.vocab_size)
@@ -46,7 +49,7 @@ def params_dtype(config: Config) -> torch.dtype:
 
 def chunk_stages(config: Config, ps: ParallelState) -> list[int]:
     """Virtual stage of each local chunk."""
-    placement = placement_for(config.parallel.pipeline_schedule)
+    placement = placement_for(config.parallel.pipeline_schedule, ps.vpp_size)
     return [stage_of(ps.pp_rank, chunk, ps.pp_size, placement) for chunk in range(ps.vpp_size)]
 
 
