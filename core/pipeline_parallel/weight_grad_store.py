@@ -11,6 +11,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable, Hashable, Iterator, Optional
 
+import torch
+
 _pending: dict = {}
 _capturing: Optional[list] = None
 
@@ -37,10 +39,13 @@ def capture(key: Hashable) -> Iterator[None]:
 
 
 def run(key: Hashable) -> int:
-    """Compute the weight gradients queued under `key`; returns how many closures ran."""
+    """Compute the weight gradients queued under `key`; returns how many closures ran.
+
+    Closures run with grad mode off, as they would inside autograd's backward."""
     fns = _pending.pop(key)
-    for fn in fns:
-        fn()
+    with torch.no_grad():
+        for fn in fns:
+            fn()
     return len(fns)
 
 

@@ -1,0 +1,111 @@
+"""`--pipeline-schedule auto`: profile the first iterations, then switch to a cost-fitted zero-bubble plan.
+
+The zero-bubble paper (Qi et al., arXiv 2401.10241, section 3) builds its schedule from measured F, B
+and W times under a memory cap. `AutoSchedule` is a stateful forward-backward callable: for the first
+`profile_iters` iterations it runs 1F1B with every BW split into B then W, so the three are timed
+separately without changing order or memory (with two chunks per rank: ZB-V, auto's V placement). Then the slowest stage's
+median times (all-reduced MAX over the world, so every replica sees the same numbers) go to
+`builders.auto` on global rank 0 under the memory cap (default: what the profiling 1F1B plan needs);
+the plan is broadcast to all ranks as JSON bytes (no pickle) and used from then on.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from core.logger import get_logger
+from core.pipeline_parallel import builders, executor
+from core.pipeline_parallel.schedule_ir import Action, Plan
+from core.pipeline_parallel.simulator import Costs, simulate
+
+
+def split_bw(plan: Plan) -> Plan:
+    """The same plan with every fused BW replaced by B immediately followed by W."""
+    actions = tuple(tuple(x for a in rank for x in ((Action("B", a.chunk, a.microbatch),
+                                                     Action("W", a.chunk, a.microbatch)) if a.kind == "BW" else (a,)))
+                    for rank in plan.actions)
+    return Plan(plan.name + "-split", plan.pp, plan.vpp, plan.num_microbatches, plan.placement, actions)
+
+
+def profiling_plan(pp: int, vpp: int, m: int) -> Plan:
+    """1F1B with B/W split for one chunk; for two chunks ZB-V, which has auto's V placement."""
+    if vpp not in (1, 2):
+        raise ValueError(f"--pipeline-schedule auto supports 1 or 2 model chunks per rank, got {vpp}")
+    return split_bw(builders.one_f_one_b(pp, m)) if vpp == 1 else builders.zbv(pp, m)
+
+
+def measured_costs(action_times: list, group: Any = None) -> Costs:
+    """Median F, B, W seconds of this rank, then the MAX over `group` (the slowest stage bounds the step)."""
+    by_kind = {k: [t for a, t in action_times if a.kind == k] for k in "FBW"}
+    local = torch.tensor([statistics.median(by_kind[k]) if by_kind[k] else 0.0 for k in "FBW"],
+                         dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    f, b, w = (max(float(x), 1e-9) for x in local)
+    return Costs(f=f, b=b, w=w)
+
+
+def broadcast_plan(plan: Optional[Plan], src: int = 0, group: Any = None) -> Plan:
+    """Send `plan` (given on global rank `src`) to every rank of `group` as JSON bytes in a uint8 tensor."""
+    if not dist.is_initialized():
+        return plan
+    payload = json.dumps(plan.to_json()).encode() if dist.get_rank() == src else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+        torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=src, group=group)
+    return Plan.from_json(json.loads(bytes(data.tolist()).decode()))
+
+
+class AutoSchedule:
+    """Forward-backward callable for `auto`; `plan` is None while profiling."""
+
+    def __init__(self, parallel_state, *, memory_limit: Optional[float] = None, profile_iters: int = 3) -> None:
+        if profile_iters < 1:
+            raise ValueError(f"--pipeline-schedule auto needs at least 1 profiling iteration, got {profile_iters}")
+        self.ps, self.memory_limit, self.profile_iters = parallel_state, memory_limit, profile_iters
+        self.plan: Optional[Plan] = None
+        self.costs: Optional[Costs] = None
+        self._times: list = []
+        self._iters = 0
+
+    def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
+                 num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
+                 variable_seq_lengths: bool = False, **ignored: Any) -> list[dict]:
+        model = list(model) if isinstance(model, (list, tuple)) else [model]
+        pp, vpp, m = self.ps.pp_size, len(model), num_microbatches
+        profiling = self.plan is None or self.plan.num_microbatches != m
+        plan = profiling_plan(pp, vpp, m) if profiling else self.plan
+        times = [] if profiling and not forward_only else None
+        out = executor.run(plan, model_chunks=model, forward_step_func=forward_step_func,
+                           data_iterator=data_iterator, parallel_state=self.ps, num_microbatches=m,
+                           forward_only=forward_only, loss_scale=loss_scale,
+                           variable_seq_lengths=variable_seq_lengths, action_times=times)
+        if times is not None:
+            self._iters += 1
+            if self._iters > 1 or self.profile_iters == 1:      # the first iteration is warm-up
+                self._times += times
+            if self._iters >= self.profile_iters:
+                self._switch(pp, vpp, m)
+        return out
+
+    def _switch(self, pp: int, vpp: int, m: int) -> None:
+        self.costs = measured_costs(self._times)
+        reference = profiling_plan(pp, vpp, m)
+        limit = self.memory_limit or max(simulate(reference, self.costs).peak_memory)   # 1F1B's need
+        plan = builders.auto(pp, vpp, m, self.costs, limit) if not dist.is_initialized() or \
+            dist.get_rank() == 0 else None
+        self.plan = broadcast_plan(plan)
+        chosen, base = simulate(self.plan, self.costs), simulate(reference, self.costs)
+        get_logger().info(
+            f"auto schedule: F={self.costs.f * 1e3:.2f} ms B={self.costs.b * 1e3:.2f} ms "
+            f"W={self.costs.w * 1e3:.2f} ms, memory limit {limit:g} units -> {self.plan.name}: simulated "
+            f"bubble {chosen.bubble_rate:.1%} (1F1B {base.bubble_rate:.1%}), peak memory "
+            f"{max(chosen.peak_memory):g} units, makespan {chosen.makespan / base.makespan:.3f}x 1F1B")
+        self._times, self._iters = [], 0
