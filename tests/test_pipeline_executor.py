@@ -46,16 +46,16 @@ def _init(shape: tuple, seed: int) -> nn.Parameter:
 class ToyChunk(nn.Module):
     """Layers [start, end) of a toy LM; embedding on the first chunk, head and per-token loss on the last."""
 
-    def __init__(self, start: int, end: int, pre_process: bool, post_process: bool) -> None:
+    def __init__(self, start: int, end: int, pre_process: bool, post_process: bool, hidden: int = HIDDEN) -> None:
         super().__init__()
         self.pre_process, self.post_process, self.input_tensor = pre_process, post_process, None
-        self.embedding = nn.Embedding(VOCAB, HIDDEN) if pre_process else None
+        self.embedding = nn.Embedding(VOCAB, hidden) if pre_process else None
         if pre_process:
-            self.embedding.weight = _init((VOCAB, HIDDEN), 1)
-        self.weights = nn.ParameterDict({str(i): _init((HIDDEN, HIDDEN), 100 + i) for i in range(start, end)})
-        self.scales = nn.ParameterDict({str(i): nn.Parameter(torch.ones(HIDDEN) + 0.1 * i)
+            self.embedding.weight = _init((VOCAB, hidden), 1)
+        self.weights = nn.ParameterDict({str(i): _init((hidden, hidden), 100 + i) for i in range(start, end)})
+        self.scales = nn.ParameterDict({str(i): nn.Parameter(torch.ones(hidden) + 0.1 * i)
                                         for i in range(start, end)})
-        self.head = _init((VOCAB, HIDDEN), 2) if post_process else None
+        self.head = _init((VOCAB, hidden), 2) if post_process else None
 
     def set_input_tensor(self, tensor: torch.Tensor) -> None:
         self.input_tensor = tensor
