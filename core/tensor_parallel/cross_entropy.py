@@ -21,20 +21,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         tp_size, tp_rank = tp_size_rank(tp_group)
         shard = logits.shape[-1]
         vocab_start = tp_rank * shard
-        logits32 = logits.float()  # (..., v/tp); a copy when logits are already fp32 is avoided below
-        if logits32.data_ptr() == logits.data_ptr():
-            logits32 = logits32.clone()
-        if vocab_size is not None and vocab_start + shard > vocab_size:
-            logits32[..., max(vocab_size - vocab_start, 0):] = float("-inf")
-        logits_max = logits32.max(dim=-1).values  # (...)
+        real = shard if vocab_size is None else min(max(vocab_size - vocab_start, 0), shard)  # non-padding columns
+        if real > 0:
+            logits_max = logits[..., :real].max(dim=-1).values.float()  # (...)
+        else:  # this shard is all padding
+            logits_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
         if tp_size > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
-        logits32.sub_(logits_max.unsqueeze(-1))
+        shifted = logits - logits_max.unsqueeze(-1)  # fp32 by type promotion; one pass, no clone
+        if real < shard:
+            shifted[..., real:] = float("-inf")
 
         outside = (labels < vocab_start) | (labels >= vocab_start + shard)
         local_labels = (labels - vocab_start).masked_fill(outside, 0)
-        target_logit = logits32.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp_logits = logits32.exp_()
+        target_logit = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp_logits = shifted.exp_()
         sum_exp = exp_logits.sum(dim=-1)
         if tp_size > 1:
             both = torch.stack([target_logit, sum_exp])
@@ -42,18 +43,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             target_logit, sum_exp = both[0], both[1]
         loss = torch.log(sum_exp) - target_logit  # (...)
 
-        exp_logits.div_(sum_exp.unsqueeze(-1))  # softmax, kept for the backward
-        ctx.save_for_backward(exp_logits, local_labels, outside)
+        ctx.save_for_backward(exp_logits, sum_exp, local_labels, outside)
         ctx.logits_dtype = logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        softmax, local_labels, outside = ctx.saved_tensors
-        grad = softmax  # reused in place: the softmax is not needed afterwards
-        inside = (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -inside.unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
+        # d loss / d logit = softmax - onehot(target); softmax = exp / sum_exp is folded into one scaling pass
+        exp_logits, sum_exp, local_labels, outside = ctx.saved_tensors
+        grad = exp_logits.mul_((grad_loss / sum_exp).unsqueeze(-1))  # reused in place: needed only here
+        target_grad = (grad_loss * (~outside).to(grad.dtype)).unsqueeze(-1)
+        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -target_grad)
         return grad.to(ctx.logits_dtype), None, None, None
 
 

@@ -60,9 +60,10 @@ class LinearWithDeferredWeightGrad(torch.autograd.Function):
         weights, tp_group, mode = ctx.weights, ctx.tp_group, ctx.input_mode
         # Megatron re-gathers instead of keeping the gathered input alive between F and B.
         total = mappings.all_gather(x, tp_group, 0) if mode == INPUT_GATHER else x
-        grad_input = torch.matmul(grads[0], weights[0])
+        grad_input = torch.matmul(grads[0], weights[0])  # (s, b, in)
+        flat_grad_input = grad_input.view(-1, grad_input.shape[-1])
         for g, w in zip(grads[1:], weights[1:]):
-            grad_input.add_(torch.matmul(g, w))
+            flat_grad_input.addmm_(g.reshape(-1, g.shape[-1]), w)  # the sum happens inside the GEMM
         if mode == INPUT_COPY:
             mappings.all_reduce(grad_input, tp_group)
         elif mode == INPUT_GATHER:
@@ -71,11 +72,13 @@ class LinearWithDeferredWeightGrad(torch.autograd.Function):
         def weight_grad() -> None:
             flat_input = total.reshape(-1, total.shape[-1])  # (s*b, in)
             for g, w in zip(grads, weights):
-                grad_w = torch.matmul(g.reshape(-1, g.shape[-1]).t(), flat_input).to(w.dtype)  # (out, in)
+                flat_grad = g.reshape(-1, g.shape[-1]).t()  # (out, s*b)
                 if w.grad is None:
-                    w.grad = grad_w
+                    w.grad = torch.matmul(flat_grad, flat_input).to(w.dtype)  # (out, in)
+                elif w.grad.dtype == flat_input.dtype:
+                    w.grad.addmm_(flat_grad, flat_input)
                 else:
-                    w.grad.add_(grad_w)
+                    w.grad.add_(torch.matmul(flat_grad, flat_input))
 
         weight_grad_store.schedule(weight_grad)
         return (grad_input, None, None) + (None,) * len(weights)
