@@ -144,3 +144,16 @@ def test_weight_grad_seam():
     weight_grad_store.assert_empty()
     for name, p in plain.named_parameters():
         assert torch.equal(params[name].grad, p.grad), name
+
+
+def test_bf16_params_give_fp32_loss_close_to_fp32():
+    """params_dtype bf16: same seeded weights, loss stays fp32 and close to the fp32 model's; grads are bf16."""
+    config = LlamaConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                         num_query_groups=2, vocab_size=100)
+    full, half = LlamaModel(config), LlamaModel(config, params_dtype=torch.bfloat16)
+    ids = torch.randint(0, 100, (2, 8))
+    losses = half(ids, labels=ids)
+    assert losses.dtype == torch.float32
+    torch.testing.assert_close(losses, full(ids, labels=ids), rtol=2e-2, atol=2e-2)
+    losses.mean().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in half.parameters())
