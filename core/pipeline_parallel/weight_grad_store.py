@@ -15,6 +15,7 @@ import torch
 
 _pending: dict = {}
 _capturing: Optional[list] = None
+_capture_key: Hashable = None
 
 
 def schedule(weight_grad_fn: Callable[[], None]) -> None:
@@ -25,17 +26,30 @@ def schedule(weight_grad_fn: Callable[[], None]) -> None:
         _capturing.append(weight_grad_fn)
 
 
+def begin(key: Hashable) -> None:
+    """Start queueing closures under `key` (for runtimes that cannot wrap backward in `capture`)."""
+    global _capturing, _capture_key
+    assert _capturing is None, "capture blocks do not nest"
+    assert key not in _pending, f"weight gradients for {key} are already queued"
+    _capturing, _capture_key = [], key
+
+
+def end() -> Hashable:
+    """Stop queueing; returns the key the closures were queued under."""
+    global _capturing, _capture_key
+    assert _capturing is not None, "end() without begin()"
+    key, _pending[_capture_key], _capturing, _capture_key = _capture_key, _capturing, None, None
+    return key
+
+
 @contextmanager
 def capture(key: Hashable) -> Iterator[None]:
     """Queue every weight-gradient closure scheduled inside the block under `key`."""
-    global _capturing
-    assert _capturing is None, "capture blocks do not nest"
-    assert key not in _pending, f"weight gradients for {key} are already queued"
-    _capturing = []
+    begin(key)
     try:
         yield
     finally:
-        _pending[key], _capturing = _capturing, None
+        end()
 
 
 def run(key: Hashable) -> int:
@@ -59,6 +73,6 @@ def assert_empty() -> None:
 
 def clear() -> None:
     """Drop everything queued (after a failed step)."""
-    global _capturing
+    global _capturing, _capture_key
     _pending.clear()
-    _capturing = None
+    _capturing = _capture_key = None
