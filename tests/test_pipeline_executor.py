@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from core.pipeline_parallel import weight_grad_store
-from core.pipeline_parallel.schedule_ir import Action, Plan
 from tests.harness import run_distributed
 
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ = 32, 16, 8, 2, 6
