@@ -113,17 +113,25 @@ def global_num_tokens(num_tokens: Optional[torch.Tensor], parallel_state: Parall
 
 def finalize_model_grads(model_chunks: list[torch.nn.Module], parallel_state: ParallelState,
                          num_tokens: Optional[torch.Tensor], *, bucket_size: int = DEFAULT_BUCKET_SIZE,
-                         overlap_grad_reduce: bool = False) -> Optional[float]:
+                         overlap_grad_reduce: bool = False,
+                         global_tokens: Optional[float] = None) -> Optional[float]:
     """Reduce all grads of this rank's chunks over TP (sequence-parallel params) and DP; returns the token count.
 
     Collective over the TP, PP and DP groups of `parallel_state`; call once per step after the last W.
+    `global_tokens`, when the caller already reduced the step's token count over PP and DP, is used as is;
+    it is required when the loss is not on the last pipeline rank (ZB-V puts it on pp rank 0).
     """
     ps = parallel_state
     params = _model_params(model_chunks)
     sp_grads = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
     if sp_grads and group_size(ps.tp_group) > 1:
         all_reduce_bucketed(sp_grads, ps.tp_group, bucket_size, async_op=overlap_grad_reduce)
-    total = global_num_tokens(num_tokens, ps)
+    if global_tokens is None:
+        total = global_num_tokens(num_tokens, ps)
+    elif global_tokens <= 0:
+        raise ValueError("the global batch has no loss tokens (every loss_mask entry is 0), so the loss is undefined")
+    else:
+        total = float(global_tokens)
     if total is not None or group_size(ps.dp_group) > 1:  # dp=1 still divides in fp32, like dp>1
         all_reduce_bucketed([p.grad for p in params], ps.dp_group, bucket_size, divisor=total,
                             async_op=overlap_grad_reduce)

@@ -190,7 +190,6 @@ class Trainer:
         for out in losses:
             totals[0] += float(out["loss_sum"])
             totals[1] += float(out["num_tokens"])
-        self._num_tokens = totals[1].clone()
         for group, size in ((self.ps.dp_group, self.ps.dp_size), (self.ps.pp_group, self.ps.pp_size)):
             if size > 1:
                 dist.all_reduce(totals, group=group)
@@ -213,7 +212,7 @@ class Trainer:
                           "(pass --skip-nonfinite-steps to skip such steps instead)")
                 return 1
             return self._skip(f"lm loss is {loss}")
-        finalize_model_grads(self.chunks, self.ps, self._num_tokens,
+        finalize_model_grads(self.chunks, self.ps, None, global_tokens=tokens,
                              overlap_grad_reduce=self.config.parallel.overlap_grad_reduce)
         result = self.optimizer.step()
         if not result.update_successful:
