@@ -152,5 +152,7 @@ class LlamaModel(nn.Module):
         if labels is None:
             logits = mappings.gather_from_tensor_model_parallel_region(logits, self.tp_group)
             return logits[..., :self.config.vocab_size].transpose(0, 1).contiguous()  # (b, s, vocab)
-        losses = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size)  # (s, b)
+        # the logits are a temporary here: the loss may overwrite them
+        losses = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size,
+                                              inplace=True)  # (s, b)
         return losses.t().contiguous()  # (b, s)

@@ -149,3 +149,19 @@ def test_rng_tracker_fork_restores_default_stream():
     with pytest.raises(ValueError):
         with tracker.fork("missing"):
             pass
+
+
+def test_cross_entropy_inplace_matches_out_of_place():
+    """inplace=True (the model's output head) gives the same losses and logit gradients, padding excluded."""
+    labels = torch.randint(0, VOCAB - 3, (3, 5), generator=torch.Generator().manual_seed(3))
+    grad = torch.rand(3, 5, generator=torch.Generator().manual_seed(4))
+    results = []
+    for inplace in (False, True):
+        leaf = _data(1, 3, 5, VOCAB).requires_grad_()
+        logits = leaf * 1.0  # a temporary, as the head's GEMM output is
+        losses = vocab_parallel_cross_entropy(logits, labels, None, vocab_size=VOCAB - 3, inplace=inplace)
+        losses.backward(grad)
+        results.append((losses, leaf.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
+    assert torch.all(results[1][1][..., VOCAB - 3:] == 0)

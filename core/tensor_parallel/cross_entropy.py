@@ -17,18 +17,21 @@ from core.tensor_parallel.layers import tp_size_rank
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, tp_group: Any,
-                vocab_size: Optional[int]) -> torch.Tensor:
+                vocab_size: Optional[int], inplace: bool) -> torch.Tensor:
         tp_size, tp_rank = tp_size_rank(tp_group)
         shard = logits.shape[-1]
         vocab_start = tp_rank * shard
         real = shard if vocab_size is None else min(max(vocab_size - vocab_start, 0), shard)  # non-padding columns
         if real > 0:
-            logits_max = logits[..., :real].max(dim=-1).values.float()  # (...)
+            logits_max = logits[..., :real].amax(dim=-1).float()  # (...)
         else:  # this shard is all padding
             logits_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
         if tp_size > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
-        shifted = logits - logits_max.unsqueeze(-1)  # fp32 by type promotion; one pass, no clone
+        if inplace and logits.dtype == torch.float32:  # the caller's logits buffer becomes exp(shifted)
+            shifted = logits.sub_(logits_max.unsqueeze(-1))
+        else:
+            shifted = logits - logits_max.unsqueeze(-1)  # fp32 by type promotion; one pass, no clone
         if real < shard:
             shifted[..., real:] = float("-inf")
 
@@ -54,14 +57,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = exp_logits.mul_((grad_loss / sum_exp).unsqueeze(-1))  # reused in place: needed only here
         target_grad = (grad_loss * (~outside).to(grad.dtype)).unsqueeze(-1)
         grad.scatter_add_(-1, local_labels.unsqueeze(-1), -target_grad)
-        return grad.to(ctx.logits_dtype), None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tensor, tp_group: Optional[Any],
-                                 vocab_size: Optional[int] = None) -> torch.Tensor:
+                                 vocab_size: Optional[int] = None, *, inplace: bool = False) -> torch.Tensor:
     """Per-token losses (same shape as `labels`, fp32) from logits split along the last dimension.
 
     `vocab_size` excludes the padded columns (global index >= vocab_size); None keeps every column.
-    The caller does the token-weighted reduction.
+    The caller does the token-weighted reduction. `inplace=True` lets fp32 logits be overwritten (the caller
+    never reads them again), which saves allocating and page-faulting a second (tokens, vocab/tp) buffer.
     """
-    return _VocabParallelCrossEntropy.apply(logits_shard, labels, tp_group, vocab_size)
+    return _VocabParallelCrossEntropy.apply(logits_shard, labels, tp_group, vocab_size, inplace)
