@@ -44,9 +44,24 @@ def init_distributed(par: ParallelConfig) -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(par.distributed_backend,
-                                timeout=timedelta(minutes=par.distributed_timeout_minutes))
+        timeout = timedelta(minutes=par.distributed_timeout_minutes)
+        dist.init_process_group(par.distributed_backend, timeout=timeout, store=_elastic_store(timeout),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     return device
+
+
+def _elastic_store(timeout: timedelta) -> Optional[dist.Store]:
+    """Under torchrun, the agent's store with a prefix per restart attempt.
+
+    Workers of a restarted attempt share the agent's TCPStore with the dead attempt; without a prefix
+    gloo/NCCL can read a dead peer's address left over from the previous attempt and fail to connect.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"llamapipe/attempt_{attempt}", store)
 
 
 def set_seeds(seed: int) -> None:
@@ -121,7 +136,6 @@ class Trainer:
                                  no_load_optim=ckpt.no_load_optim, no_load_rng=ckpt.no_load_rng,
                                  finetune=ckpt.finetune)
         if result is None:
-            log.warning(f"--load {ckpt.load}: no complete checkpoint found; starting from iteration 0")
             return
         self.state.iteration, self.state.consumed_samples = result.iteration, result.consumed_samples
         log.info(f"resumed from {ckpt.load} at iteration {result.iteration} "
@@ -135,7 +149,6 @@ class Trainer:
         save_checkpoint(ckpt.save, self.state.iteration, model_chunks=self.chunks, optimizer=self.optimizer,
                         scheduler=self.scheduler, parallel_state=self.ps, config=self.config,
                         consumed_samples=self.state.consumed_samples, keep_last_n=ckpt.keep_last_n)
-        log.info(f"saved checkpoint at iteration {self.state.iteration} to {ckpt.save}")
 
     def train(self) -> int:
         cfg, st = self.config.training, self.state
