@@ -144,7 +144,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
         return config_from_args(args, world_size)
     except ArgumentError as err:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"pretrain_llama.py: error: {err}", file=sys.stderr)
+            sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
         raise SystemExit(2)
 
 
