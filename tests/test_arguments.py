@@ -138,3 +138,15 @@ def test_cli_rejects_before_any_process_group():
     other = subprocess.run([sys.executable, "pretrain_llama.py", "--mock-data", "--tensor-model-parallel-size", "3"],
                            cwd=ROOT, env=dict(env, RANK="1"), capture_output=True, text=True, timeout=120)
     assert other.returncode == 2 and other.stderr.strip() == ""   # only rank 0 speaks
+
+
+def test_under_torchrun_the_error_is_printed_once_by_rank_0_without_our_traceback():
+    """torchrun adds its own failure report after the workers exit 2; our part is exactly one line."""
+    from tests.cli import torchrun
+    proc = torchrun(4, ["--mock-data", "--tensor-model-parallel-size", "3"], timeout=120)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_llama.py: error:")]
+    assert ours == ["pretrain_llama.py: error: world size 4 is not divisible by --tensor-model-parallel-size (3) "
+                    "x --pipeline-model-parallel-size (1)"]
+    assert proc.stderr.splitlines()[0] == ours[0]
+    assert "[rank0]: Traceback" not in proc.stderr and "failed (exitcode: 2)" in proc.stderr
