@@ -10,7 +10,7 @@ setup(
     packages=["core", "core.tensor_parallel", "core.pipeline_parallel", "core.optimizer", "model", "data"],
     py_modules=["pretrain_llama"],
     install_requires=[
-        "torch>=2.1",
+        "torch>=2.5",  # F.rms_norm, SDPA enable_gqa
         "sentencepiece>=0.1.99",
         "datasets>=2.14",
         "numpy>=1.24",

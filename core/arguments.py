@@ -274,6 +274,8 @@ def _check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig) 
         if getattr(args, flag):
             raise ArgumentError(f"{_flag(flag)} {getattr(args, flag)} is not supported: LLaMA pretraining here "
                                 "uses no dropout (accepted only as 0 for Megatron script compatibility)")
+    if args.recompute_num_layers is not None and args.recompute_granularity != "full":
+        raise ArgumentError(f"--recompute-num-layers {args.recompute_num_layers} needs --recompute-granularity full")
     if args.recompute_method == "uniform" and (args.recompute_num_layers or 1) > 1:
         raise ArgumentError(f"--recompute-method uniform with --recompute-num-layers {args.recompute_num_layers} "
                             "is not supported; use --recompute-method block (the first N layers of each chunk)")
@@ -355,6 +357,9 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
     if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts) or \
             sum(float(p) for p in parts) <= 0:
         raise ArgumentError(f"--split {args.split} must be three non-negative numbers like 969,30,1")
+    if args.eval_iters and float(parts[1]) == 0:
+        raise ArgumentError(f"--eval-iters {args.eval_iters} needs validation data, but --split {args.split} "
+                            "gives the validation set weight 0")
     return DataConfig(data_path=tuple(args.data_path or ()), split=args.split, tokenizer_model=args.tokenizer_model,
                       mock_data=args.mock_data, data_cache_path=args.data_cache_path, num_workers=args.num_workers,
                       seq_length=args.seq_length, seed=args.seed)

@@ -27,8 +27,13 @@ from core.resharding import TensorSpec, named_tensors, padded_rows_for, spec_of,
 from core.tensor_parallel.random import get_rng_tracker
 from model.config import LlamaConfig
 
-_SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                 "vocab_size", "tie_word_embeddings")
+# Model fields a checkpoint fixes, with the flag that sets each (RoPE base and norm epsilon change the
+# function without changing any shape, so they are checked too).
+_MODEL_FIELDS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
+                 "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
+                 "vocab_size": "--vocab-size (or --tokenizer-model)",
+                 "tie_word_embeddings": "--tie-embeddings-and-output-weights", "rope_theta": "--rotary-base",
+                 "norm_epsilon": "--norm-epsilon"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +104,7 @@ def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: 
                     no_load_rng: bool = False, finetune: bool = False) -> Optional[LoadResult]:
     """Load the newest complete checkpoint into this rank's chunks; None when there is none."""
     ps = parallel_state or ParallelState()
-    found = cio.latest_checkpoint(load_dir)
+    found = _agreed_latest(load_dir)
     if found is None:
         get_logger().info(f"no complete checkpoint in {load_dir}; starting from scratch")
         return None
@@ -128,11 +133,30 @@ def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: 
     return LoadResult(iteration, int(reader.meta["consumed_samples"]))
 
 
+def _agreed_latest(load_dir: str) -> Optional[tuple[int, str]]:
+    """Rank 0 picks the checkpoint and every rank takes its word (file systems may disagree briefly)."""
+    found = cio.latest_checkpoint(load_dir) if _rank() == 0 else None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        choice = torch.tensor([found[0] if found else -1], dtype=torch.int64)
+        torch.distributed.broadcast(choice, src=0)
+        iteration = int(choice.item())
+        found = (iteration, cio.iter_dir(load_dir, iteration)) if iteration >= 0 else None
+    if found is not None and cio.incomplete_reason(found[1]) is not None:
+        raise ValueError(f"checkpoint {found[1]} chosen by rank 0 is not complete on this rank's file system")
+    return found
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
 def _check_model_config(saved: dict, current: LlamaConfig, path: str) -> None:
-    for field in _SHAPE_FIELDS:
-        if saved[field] != getattr(current, field):
-            raise ValueError(f"checkpoint {path} was saved with {field} {saved[field]} but the model has "
-                             f"{field} {getattr(current, field)}")
+    for field, flag in _MODEL_FIELDS.items():
+        if field in saved and saved[field] != getattr(current, field):
+            raise ValueError(f"checkpoint {path} was saved with {field} {saved[field]} but this run has "
+                             f"{getattr(current, field)}; set {flag} {saved[field]}")
 
 
 def _local_shard(param: torch.Tensor, reader: cio.CheckpointReader, key: str, kind: str,

@@ -19,8 +19,11 @@ def _rank() -> int:
 
 
 class _RankZeroFilter(logging.Filter):
+    """Rank 0 logs everything; other ranks only errors (their own failures), so warnings that every rank
+    reaches together (a skipped iteration, an incomplete checkpoint) are printed once."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return _rank() == 0 or record.levelno >= logging.WARNING
+        return _rank() == 0 or record.levelno >= logging.ERROR
 
 
 def get_logger() -> logging.Logger:

@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,7 +46,9 @@ def init_distributed(par: ParallelConfig) -> torch.device:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         timeout = timedelta(minutes=par.distributed_timeout_minutes)
-        dist.init_process_group(par.distributed_backend, timeout=timeout, store=_elastic_store(timeout),
+        # With NCCL, small CPU tensors (loss totals, exit flags, the auto plan) still need a backend: gloo.
+        backend = "cpu:gloo,cuda:nccl" if par.distributed_backend == "nccl" else par.distributed_backend
+        dist.init_process_group(backend, timeout=timeout, store=_elastic_store(timeout),
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     return device
 
@@ -64,10 +67,12 @@ def _elastic_store(timeout: timedelta) -> Optional[dist.Store]:
     return dist.PrefixStore(f"llamapipe/attempt_{attempt}", store)
 
 
-def set_seeds(seed: int) -> None:
+def set_seeds(seed: int, tp_rank: int) -> None:
+    """Python, numpy and torch from `seed`; the TP RNG tracker's stream differs per TP rank (Megatron)."""
+    from core.tensor_parallel.random import model_parallel_seed
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed)
+    model_parallel_seed(seed, tp_rank)
 
 
 @dataclass
@@ -95,15 +100,20 @@ def pretrain(config: Config) -> int:
     device = init_distributed(config.parallel)
     par = config.parallel
     ps = initialize_model_parallel(par.tp_size, par.pp_size, par.vpp_size, par.order)
-    set_seeds(config.training.seed)
-    model_cfg = model_config_for_run(config)
-    trainer = Trainer(config, model_cfg, ps, device)
+    set_seeds(config.training.seed, ps.tp_rank)
     try:
-        return trainer.train()
+        trainer = Trainer(config, model_config_for_run(config), ps, device)
+    except ValueError as err:  # user-caused (checkpoint/model mismatch, empty split): every rank meets it
+        if dist.get_rank() == 0:
+            sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
+        return 2
+    try:
+        status = trainer.train()
     finally:
-        trainer.metrics.close()
-        dist.barrier()
-        dist.destroy_process_group()
+        trainer.metrics.close()  # no collective here: a rank-local failure must exit, not wait in a barrier
+    dist.barrier()
+    dist.destroy_process_group()
+    return status
 
 
 class Trainer:
@@ -171,10 +181,10 @@ class Trainer:
                     self.save()
                 log.info(f"exiting at iteration {st.iteration}")
                 return 0
-        if cfg.eval_iters and cfg.eval_interval is None:
-            self.evaluate()
         if saved_at != st.iteration:
             self.save()
+        if cfg.eval_iters and cfg.eval_interval is None:
+            self.evaluate()
         return 0
 
     def _every(self, interval: Optional[int]) -> bool:

@@ -83,7 +83,7 @@ def build_iterators(config: Config, model_cfg: LlamaConfig, ps: ParallelState, r
                                          needs_data=needs)
         train.append(tr if needs else None)
         valid.append(va if needs else None)
-    has_valid = config.training.eval_iters > 0
+    has_valid = config.training.eval_iters > 0 and any(it is not None for it in valid)
     return train, (valid if has_valid else None)
 
 

@@ -52,6 +52,11 @@ class ReadStats:
                 f"first: {'; '.join(self.examples)}")
 
 
+def _looks_local(item: str) -> bool:
+    """A path rather than a hub name (`org/name`): absolute, relative with dots, ~, or nested deeper."""
+    return item.startswith(("/", ".", "~")) or item.count("/") >= 2
+
+
 def resolve_inputs(inputs: Sequence[str]) -> list[str]:
     """Expand directories (recursive) and globs into sorted data files; other names are hub datasets."""
     out: list[str] = []
@@ -66,8 +71,8 @@ def resolve_inputs(inputs: Sequence[str]) -> list[str]:
             if not found:
                 raise ValueError(f"input pattern {item} matches no {'/'.join(SUFFIXES)} files")
             out.extend(found)
-        elif item.endswith(SUFFIXES) and not os.path.isfile(item):
-            raise ValueError(f"input file {item} does not exist")
+        elif (item.endswith(SUFFIXES) or _looks_local(item)) and not os.path.exists(item):
+            raise ValueError(f"input {item} does not exist (hub datasets are named like org/name)")
         else:
             out.append(item)
     return out

@@ -63,6 +63,8 @@ class LlamaConfig:
             "recompute_granularity": args.recompute_granularity,
             "recompute_num_layers": args.recompute_num_layers,
         }
+        if args.recompute_method == "uniform":
+            overrides["recompute_num_layers"] = None   # Megatron uniform, 1 layer per group: every layer
         fields = dict(base)
         fields.update({k: v for k, v in overrides.items() if v is not None})
         if args.untie_embeddings_and_output_weights:

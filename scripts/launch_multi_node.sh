@@ -10,6 +10,9 @@ MASTER_PORT=${MASTER_PORT:-29500}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 NPROC=${GPUS_PER_NODE:-$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))")}
+# On SIGTERM torchrun waits this long for workers before SIGKILL: room for --exit-signal-handler to
+# finish the iteration and save (torch's default is 30 s).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}
 exec python3 -m torch.distributed.run \
   --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "${RDZV_ID:-llamapipe}" \

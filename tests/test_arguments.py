@@ -81,6 +81,8 @@ CASES = [
       "--global-batch-size", "2"], 2, ("--pipeline-memory-limit 0.5",)),
     (["--num-layers", "16", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
       "--pipeline-schedule", "auto", "--global-batch-size", "2"], 2, ("auto supports 1 or 2", "got 4")),
+    (["--split", "100,0,0", "--eval-iters", "2"], 1, ("--eval-iters 2", "--split 100,0,0")),
+    (["--recompute-num-layers", "2"], 1, ("--recompute-num-layers 2", "--recompute-granularity full")),
     (["--attention-dropout", "0.1"], 1, ("--attention-dropout 0.1", "no dropout")),
     (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], 1,
      ("--recompute-method uniform",)),
@@ -150,3 +152,10 @@ def test_under_torchrun_the_error_is_printed_once_by_rank_0_without_our_tracebac
                     "x --pipeline-model-parallel-size (1)"]
     assert proc.stderr.splitlines()[0] == ours[0]
     assert "[rank0]: Traceback" not in proc.stderr and "failed (exitcode: 2)" in proc.stderr
+
+
+def test_recompute_method_uniform_means_every_layer_and_block_the_first_n():
+    uniform = cfg(["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])
+    block = cfg(["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"])
+    assert uniform.model.recompute_num_layers is None          # None: every layer of each chunk
+    assert block.model.recompute_num_layers == 3

@@ -303,6 +303,6 @@ def test_no_checkpoint_returns_none_and_wrong_model_is_refused(tmp_path):
                            parallel_state=None, config=CONFIG) is None
     _save_single(str(tmp_path), 1, chunks)
     other = Config(model=CFG.replace(hidden_size=16))
-    with pytest.raises(ValueError, match="hidden_size 8 but the model has hidden_size 16"):
+    with pytest.raises(ValueError, match="hidden_size 8 but this run has 16; set --hidden-size 8"):
         load_checkpoint(str(tmp_path), model_chunks=chunks, optimizer=None, scheduler=None,
                         parallel_state=None, config=other)

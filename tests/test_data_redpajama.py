@@ -70,7 +70,7 @@ def test_json_keys_directories_and_globs(tmp_path):
     assert stats.skipped == {"missing 'title'": 1}
     assert resolve_inputs([str(tmp_path / "**" / "*.jsonl")]) == [str(tmp_path / "sub" / "x.jsonl"),
                                                                    str(tmp_path / "y.jsonl")]
-    with pytest.raises(ValueError, match="input file .*missing.jsonl does not exist"):
+    with pytest.raises(ValueError, match="input .*missing.jsonl does not exist"):
         resolve_inputs([str(tmp_path / "missing.jsonl")])
     with pytest.raises(ValueError, match="matches no"):
         resolve_inputs([str(tmp_path / "*.parquet")])

@@ -72,3 +72,15 @@ def test_hf_import_finetune_export_matches_our_loss(tmp_path):
     torch.testing.assert_close(our_loss, hf_loss, rtol=1e-5, atol=1e-6)
     original = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert not torch.equal(original.model.layers[0].mlp.up_proj.weight, exported.model.layers[0].mlp.up_proj.weight)
+
+
+def test_loading_into_a_different_model_is_one_error_line(tmp_path):
+    train(1, FLAGS + ["--train-iters", "1", "--save", str(tmp_path / "ckpt")], str(tmp_path / "m.jsonl"))
+    args = [a if a != "8" else "4" for a in TINY]   # --num-layers 8 -> 4
+    proc = subprocess.run([sys.executable, "pretrain_llama.py", *args, *FLAGS, "--train-iters", "2",
+                           "--load", str(tmp_path / "ckpt")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pretrain_llama.py: error: checkpoint ")
+    assert "num_layers 8 but this run has 4; set --num-layers 8" in lines[0]

@@ -79,6 +79,19 @@ def test_sigterm_on_one_rank_saves_same_iteration_everywhere_and_resume_continue
     assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in reference[stopped_at:]]
 
 
+def test_sigterm_to_torchrun_itself_saves_before_workers_are_killed(tmp_path):
+    """SLURM signals the launcher: torchrun forwards SIGTERM, the workers agree, save and exit in time."""
+    save, jsonl = str(tmp_path / "ckpt"), str(tmp_path / "run.jsonl")
+    proc = _launch(FLAGS + ["--train-iters", "1000", "--exit-signal-handler", "--save", save,
+                            "--metrics-jsonl", jsonl])
+    _wait_for_iteration(jsonl, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=180)
+    stopped_at = read_metrics(jsonl)[-1]["iteration"]
+    assert stopped_at < 1000
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == str(stopped_at)
+
+
 def test_torchrun_max_restarts_resumes_a_killed_worker_to_the_same_final_loss(tmp_path):
     ckpt, jsonl = str(tmp_path / "ckpt"), str(tmp_path / "run.jsonl")
     args = FLAGS + ["--train-iters", "10", "--save", ckpt, "--load", ckpt, "--save-interval", "2",
