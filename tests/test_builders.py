@@ -151,3 +151,16 @@ def test_single_rank_plans_run_in_microbatch_order():
 def test_bad_requests_raise_one_sentence(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("f,b,w", [(1, 1.3, 0.7), (1, 2, 1), (1, 1, 0.5), (59, 76, 39)])
+def test_zbv_beats_zb_h1_when_costs_are_not_equal(f, b, w):
+    """ZB-V's fixed order keeps the V full for any F:B:W ratio (a list schedule made at unit costs does
+    not): for m >= 2p it is faster than ZB-H1 and 1F1B under the same per-rank work and memory."""
+    for pp in (2, 3, 4, 8):
+        for m in (2 * pp, 4 * pp):
+            whole_rank, chunk = Costs(f=f, b=b, w=w), Costs(f=f / 2, b=b / 2, w=w / 2, act_mem=0.5, w_mem=0.25)
+            v = simulate(zbv(pp, m), chunk)
+            assert max(v.peak_memory) == pytest.approx(pp)
+            assert v.makespan < simulate(zb_h1(pp, m), whole_rank).makespan
+            assert v.makespan < simulate(one_f_one_b(pp, m), whole_rank).makespan

@@ -2,15 +2,17 @@
 
 Why: one executor runs every schedule, so a schedule is only an ordering of F/B/W actions per rank.
 Fixed-order schedules live here: GPipe (Huang et al., arXiv 1811.06965), 1F1B and interleaved 1F1B
-(Narayanan et al., arXiv 2104.04473, Megatron's order) and ZB-H1 (Qi et al., arXiv 2401.10241,
-figure 3). ZB-H2 and ZB-V come from the zero-bubble greedy heuristic in builders_zb.py, which `auto`
-runs on measured costs; `build` dispatches on the --pipeline-schedule name.
+(Narayanan et al., arXiv 2104.04473, Megatron's order), ZB-H1 (Qi et al., arXiv 2401.10241,
+figure 3) and ZB-V (Qi et al., arXiv 2405.15362; the handcrafted order of sail-sg/zero-bubble-pipeline-
+parallelism and torch.distributed.pipelining's ScheduleZBVZeroBubble). ZB-H2 comes from the zero-bubble
+greedy heuristic in builders_zb.py, which `auto` runs on measured costs; `build` dispatches on the
+--pipeline-schedule name.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from core.pipeline_parallel.builders_zb import greedy_plan, zb_h2, zbv
+from core.pipeline_parallel.builders_zb import greedy_plan, zb_h2
 from core.pipeline_parallel.schedule_ir import Action, Plan
 from core.pipeline_parallel.simulator import Costs, simulate
 
@@ -96,10 +98,47 @@ def zb_h1(pp: int, m: int) -> Plan:
     return Plan("zb-h1", pp, 1, m, "interleaved", tuple(actions))
 
 
+def zbv(pp: int, m: int) -> Plan:
+    """ZB-V: two chunks per rank in V placement (chunk 0 = stage r, chunk 1 = stage 2p-1-r), B/W split,
+    peak memory 2p chunk units (1F1B's). Rank r: 2(p-r)-1 chunk-0 F's, r pairs (F chunk 1, F chunk 0),
+    p-r rounds F B W on chunk 1, then steady rounds F B W on chunk 0 and chunk 1, and a cooldown of r
+    B pairs and p-r chunk-0 B W before the remaining W's. Each steady round holds B right after the F
+    that feeds it, so the V stays full whatever the F:B:W ratio, unlike a list schedule made at unit
+    costs. The order needs m >= 2p-1: smaller m are built for 2p-1 and the phantom microbatches dropped
+    (as in interleaved)."""
+    _check_sizes("zbv", pp, 2, m)
+    n = max(2 * pp - 1, m)
+    actions = []
+    for rank in range(pp):
+        acts: list[Action] = []
+        done = {kind: [0, 0] for kind in "FBW"}
+
+        def add(kind: str, chunk: int) -> None:
+            acts.append(Action(kind, chunk, done[kind][chunk]))
+            done[kind][chunk] += 1
+        for chunk in [0] * (2 * (pp - rank) - 1) + [1, 0] * rank:
+            add("F", chunk)
+        for _ in range(pp - rank):
+            add("F", 1), add("B", 1), add("W", 1)
+        while done["F"][1] < done["F"][0] or done["F"][0] < n:
+            if done["F"][0] < n:
+                add("F", 0)
+            add("B", 0), add("W", 0), add("F", 1), add("B", 1), add("W", 1)
+        for _ in range(rank):
+            add("B", 0), add("B", 1)
+        for _ in range(pp - rank):
+            add("B", 0), add("W", 0)
+        for chunk in (1, 0):
+            while done["W"][chunk] < done["B"][chunk]:
+                add("W", chunk)
+        actions.append(tuple(a for a in acts if a.microbatch < m))
+    return Plan("zbv", pp, 2, m, "v", tuple(actions))
+
+
 def auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: float | None = None) -> Plan:
     """Fastest plan under measured `costs` within `mem_limit` activation units per rank (default 2p:
     ZB-2p for one chunk, 1F1B's memory for two chunks on V placement). Candidates: the zero-bubble
-    greedy heuristic, plus ZB-H1 and 1F1B for one chunk when they fit (the greedy is a heuristic, so
+    greedy heuristic, plus ZB-H1 and 1F1B for one chunk, ZB-V for two, when they fit (the greedy is a heuristic, so
     this keeps auto never slower than those under the same costs)."""
     if vpp not in (1, 2):
         raise ValueError(f"--pipeline-schedule auto supports 1 or 2 model chunks per rank, got {vpp}")
@@ -108,6 +147,8 @@ def auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: float
     candidates = [greedy_plan("auto", pp, vpp, m, "interleaved" if vpp == 1 else "v", costs, limit)]
     if vpp == 1:
         candidates += [zb_h1(pp, m), one_f_one_b(pp, m)]
+    else:
+        candidates.append(zbv(pp, m))
     best = None
     for plan in candidates:
         result = simulate(plan, costs)

@@ -1,11 +1,10 @@
-"""Zero-bubble schedules found by list scheduling: ZB-H2, ZB-V and the heuristic behind `auto`.
+"""Zero-bubble schedules found by list scheduling: ZB-H2 and the heuristic behind `auto`.
 
 Why: the zero-bubble paper (Qi et al., arXiv 2401.10241, section 3.1) builds schedules greedily from
 F/B/W costs and a memory cap: as many F's as memory allows in the warmup, then B first (it is on the
 critical path), then F, and W only to fill a bubble at least as long as W, or to free memory when the
-cap blocks an F. Its handcrafted ZB-H2 is that heuristic at unit costs with cap (2p-1)*M_B, and ZB-V
-(Qi et al., "Pipeline parallelism with controllable memory", arXiv 2405.15362) the same on V placement
-with 1F1B's peak memory (p*M_B of a whole rank = 2p chunk units).
+cap blocks an F. Its handcrafted ZB-H2 is that heuristic at unit costs with cap (2p-1)*M_B; on V placement it is one
+of `auto`'s candidates (the fixed ZB-V order is in builders.py).
 
 The scheduler simulates time: the rank with the earliest clock picks next, so every other rank's
 clock is later and the arrivals it sees are final. Each stage runs F's and B's in microbatch order,
@@ -144,7 +143,3 @@ def zb_h2(pp: int, m: int) -> Plan:
     """ZB-H2: zero bubble at F=B=W with peak memory (2p-1)*M_B (extra warmup F's, W's in the tail)."""
     return greedy_plan("zb-h2", pp, 1, m, "interleaved", Costs(), mem_limit=2 * pp - 1)
 
-
-def zbv(pp: int, m: int) -> Plan:
-    """ZB-V: two chunks per rank in V placement, B/W split, peak memory as 1F1B (2p chunk units)."""
-    return greedy_plan("zbv", pp, 2, m, "v", Costs(), mem_limit=2 * pp)
