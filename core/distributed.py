@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from core.parallel_state import ParallelState
+from core.tensor_parallel.layers import grad_dtype
 
 DEFAULT_BUCKET_SIZE = 25_000_000  # elements per DP all-reduce bucket
 
@@ -34,11 +35,27 @@ def all_reduce_over(tensor: torch.Tensor, groups: Iterable[Any], op: Any = dist.
     return tensor
 
 
+def accumulate_grads_in_fp32(model_chunks: list[torch.nn.Module]) -> bool:
+    """Make bf16/fp16 parameters accumulate `.grad` in fp32 across microbatches (Megatron's fp32 main_grad).
+
+    Uses the tensor attribute `grad_dtype` (torch >= 2.10); returns False where torch lacks it, and the
+    gradients then accumulate in the parameters' own precision.
+    """
+    params = [p for chunk in model_chunks for p in chunk.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
+    if not params:
+        return True
+    if not hasattr(torch._C.TensorBase, "grad_dtype"):
+        return False
+    for p in params:
+        p.grad_dtype = torch.float32
+    return True
+
+
 def _model_params(model_chunks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
     params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:  # every DP rank must build identical buckets, so absent grads count as zeros
-            p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p, dtype=grad_dtype(p))
     return params
 
 

@@ -68,6 +68,10 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
                            params_dtype=params_dtype(config), seed=config.training.seed)
         chunks.append(chunk.to(device))
         roles.append(role)
+    from core.distributed import accumulate_grads_in_fp32
+    if not accumulate_grads_in_fp32(chunks):
+        log.warning("this torch has no per-tensor grad_dtype, so bf16/fp16 gradients accumulate in half "
+                    "precision across microbatches; torch >= 2.10 accumulates them in fp32")
     return chunks, roles
 
 

@@ -74,7 +74,7 @@ class LinearWithDeferredWeightGrad(torch.autograd.Function):
             for g, w in zip(grads, weights):
                 flat_grad = g.reshape(-1, g.shape[-1]).t()  # (out, s*b)
                 if w.grad is None:
-                    w.grad = torch.matmul(flat_grad, flat_input).to(w.dtype)  # (out, in)
+                    w.grad = torch.matmul(flat_grad, flat_input).to(grad_dtype(w))  # (out, in)
                 elif w.grad.dtype == flat_input.dtype:
                     w.grad.addmm_(flat_grad, flat_input)
                 else:
@@ -82,6 +82,12 @@ class LinearWithDeferredWeightGrad(torch.autograd.Function):
 
         weight_grad_store.schedule(weight_grad)
         return (grad_input, None, None) + (None,) * len(weights)
+
+
+def grad_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype `param.grad` accumulates in: fp32 for half-precision params once
+    `core.distributed.accumulate_grads_in_fp32` ran, else the param's own dtype."""
+    return getattr(param, "grad_dtype", None) or param.dtype
 
 
 def parallel_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], tp_group: Optional[Any],
