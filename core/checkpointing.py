@@ -65,7 +65,8 @@ def save_checkpoint(save_dir: str, iteration: int, *, model_chunks: list[nn.Modu
     _barrier()
     tensors = named_tensors(model_chunks)
     specs = {name: spec_of(t) for name, t in tensors.items()}
-    optim_state = optimizer.state_dict() if optimizer is not None else None  # collective under ZeRO-1
+    # collective under ZeRO-1; only dp_rank 0 (the writer) keeps the gathered state
+    optim_state = optimizer.state_dict(keep=ps.dp_rank == 0) if optimizer is not None else None
     if ps.dp_rank == 0:
         cio.write_shard_file(os.path.join(tmp, cio.shard_name("model", ps.tp_rank, ps.pp_rank)),
                              tensors, specs, ps.tp_rank, ps.pp_rank)

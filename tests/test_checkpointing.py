@@ -88,8 +88,8 @@ class FakeOptimizer:
             for name, p in chunk.named_parameters():
                 self.state["param_state"][name] = {"exp_avg": p.detach() * 2, "exp_avg_sq": p.detach() ** 2}
 
-    def state_dict(self) -> dict:
-        return self.state
+    def state_dict(self, *, keep: bool = True) -> dict:
+        return self.state if keep else {}
 
     def load_state_dict(self, state: dict) -> None:
         self.state = state

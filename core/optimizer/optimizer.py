@@ -155,17 +155,23 @@ class Optimizer:
             return self.mains
         return [get_adam_state(self.inner, main)[0 if key == "exp_avg" else 1] for main in self.mains]
 
-    def state_dict(self) -> dict:
-        """Per-parameter state, each tensor shaped like the local (TP-shard) parameter; collective over DP."""
+    def state_dict(self, *, keep: bool = True) -> dict:
+        """Per-parameter state, each tensor shaped like the local (TP-shard) parameter, on the CPU.
+
+        Collective over DP. `keep=False` (ranks that do not write the checkpoint) takes part in the gathers
+        but keeps nothing, so only the writer ever holds the full, unsharded ZeRO-1 state.
+        """
         param_state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self.names}
         shapes = [p.shape for p in self.params]
         mixed = any(p.dtype != torch.float32 for p in self.params)  # same on every DP rank: safe collective
         for key in STATE_KEYS if mixed else STATE_KEYS[:2]:
             shard = pack_shard(self.layout, self.segments, self._segment_values(key), torch.float32, self.device)
             full = gather_shards(shard, self.layout, self.parallel_state.dp_group)
+            if not keep:
+                continue
             for name, p, value in zip(self.names, self.params, unflatten(full, self.layout, shapes)):
                 if key != "master_param" or p.dtype != torch.float32:
-                    param_state[name][key] = value.clone()
+                    param_state[name][key] = value.to("cpu", copy=True)
         scaler = self.grad_scaler.state_dict() if self.grad_scaler is not None else {}
         return {"param_state": param_state, "step": self.num_steps, "grad_scaler": scaler}
 
