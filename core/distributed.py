@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from core.parallel_state import ParallelState
-from core.tensor_parallel.layers import grad_dtype
+from core.tensor_parallel.layers import allreduce_sequence_parallel_grads, grad_dtype
 
 DEFAULT_BUCKET_SIZE = 25_000_000  # elements per DP all-reduce bucket
 
@@ -140,9 +140,7 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module], parallel_state: Pa
     """
     ps = parallel_state
     params = _model_params(model_chunks)
-    sp_grads = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
-    if sp_grads and group_size(ps.tp_group) > 1:
-        all_reduce_bucketed(sp_grads, ps.tp_group, bucket_size, async_op=overlap_grad_reduce)
+    allreduce_sequence_parallel_grads(model_chunks, ps.tp_group)  # small norm grads: one coalesced all-reduce
     if global_tokens is None:
         total = global_num_tokens(num_tokens, ps)
     elif global_tokens <= 0:
