@@ -42,9 +42,22 @@ def test_every_builder_verifies(pp):
 
 @pytest.mark.parametrize("pp,m", [(2, 2), (4, 8), (4, 16), (8, 8), (8, 24), (3, 7)])
 def test_1f1b_bubble_rate_is_the_megatron_formula(pp, m):
-    result = simulate(one_f_one_b(pp, m), UNIT)
+    """With BW fused as in Megatron (early_send=False): the paper's formula."""
+    result = simulate(one_f_one_b(pp, m), UNIT, early_send=False)
     assert result.bubble_rate == pytest.approx((pp - 1) * 3 / (m * 3 + (pp - 1) * 3), abs=1e-12)
     assert result.makespan == pytest.approx(3 * (m + pp - 1))
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 4), (4, 8), (8, 8), (3, 7)])
+def test_early_gradient_send_saves_one_w_per_hop_in_1f1b(pp, m):
+    """Our executor sends a BW's input gradient before its W part: 1F1B's makespan drops by (p-1)*W."""
+    rng = random.Random(pp * 100 + m)
+    for _ in range(5):
+        costs = Costs(f=rng.uniform(0.5, 2), b=rng.uniform(0.5, 2), w=rng.uniform(0.1, 2))
+        fused = simulate(one_f_one_b(pp, m), costs, early_send=False)
+        early = simulate(one_f_one_b(pp, m), costs)
+        assert early.makespan == pytest.approx(fused.makespan - (pp - 1) * costs.w)
+        assert early.busy == pytest.approx(fused.busy) and early.peak_memory == fused.peak_memory
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(2, 2, 4), (4, 2, 8), (4, 3, 16), (4, 4, 8), (8, 2, 16), (3, 4, 9)])
@@ -52,8 +65,8 @@ def test_interleaved_bubble_time_is_one_over_vpp_of_1f1b(pp, vpp, m):
     """Megatron: bubble time (p-1)(t_f+t_b)/v for m % p == 0, where 1F1B runs a whole rank's layers
     (chunk costs x vpp) and interleaved runs chunks of cost 1."""
     whole_rank = Costs(f=vpp, b=vpp, w=vpp)
-    base = simulate(one_f_one_b(pp, m), whole_rank)
-    inter = simulate(interleaved(pp, vpp, m), UNIT)
+    base = simulate(one_f_one_b(pp, m), whole_rank, early_send=False)
+    inter = simulate(interleaved(pp, vpp, m), UNIT, early_send=False)
     base_bubble = base.makespan - 3 * vpp * m
     assert base_bubble == pytest.approx((pp - 1) * 3 * vpp)
     assert inter.makespan - 3 * vpp * m == pytest.approx(base_bubble / vpp)
@@ -73,7 +86,7 @@ def test_interleaved_without_divisible_microbatches_beats_1f1b(pp, vpp):
 def test_zb_h1_bubble_is_a_third_of_1f1b(pp, m):
     """ZB paper: ZB-H1 bubble (p-1)(T_F+T_B-T_W) vs 1F1B's (p-1)(T_F+T_B+T_W)."""
     h1 = simulate(zb_h1(pp, m), UNIT)
-    base = simulate(one_f_one_b(pp, m), UNIT)
+    base = simulate(one_f_one_b(pp, m), UNIT, early_send=False)
     h1_bubble = max(h1.span) - max(h1.busy)
     assert h1_bubble == pytest.approx((pp - 1) * (1 + 1 - 1))
     assert h1_bubble == pytest.approx((max(base.span) - max(base.busy)) / 3)

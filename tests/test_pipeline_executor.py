@@ -198,3 +198,64 @@ def test_schedules_match_single_rank(tp, pp, dp):
         if case[0] in ("zb-h1", "zb-h2", "auto") and case[1] == 1 and baseline in merged:
             for name, g in merged[baseline][1].items():
                 torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=0, msg=f"{case} vs 1F1B {name}")
+
+
+class _SlowW(torch.autograd.Function):
+    """Identity whose deferred weight gradient sleeps `w_s` and records when it ends."""
+
+    @staticmethod
+    def forward(ctx, x, weight, w_s, log):
+        ctx.weight, ctx.w_s, ctx.log = weight, w_s, log
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+
+        def weight_grad() -> None:
+            time.sleep(ctx.w_s)
+            ctx.weight.grad = torch.ones_like(ctx.weight)
+            ctx.log["w_end"] = time.monotonic()
+        weight_grad_store.schedule(weight_grad)
+        return grad.clone(), None, None, None
+
+
+class _SlowWChunk(nn.Module):
+    def __init__(self, pre: bool, post: bool, w_s: float, log: dict) -> None:
+        super().__init__()
+        self.pre_process, self.post_process, self.w_s, self.log = pre, post, w_s, log
+        self.weight, self.input_tensor = nn.Parameter(torch.zeros(1)), None
+
+    def set_input_tensor(self, t):
+        self.input_tensor = t
+
+    def forward(self, input_ids=None, labels=None):
+        x = input_ids.float() if self.pre_process else self.input_tensor
+        return _SlowW.apply(x, self.weight, self.w_s, self.log)
+
+
+def _early_send_worker(rank: int, world: int, fused_bw: bool) -> dict:
+    import time
+    from core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from core.pipeline_parallel import executor
+    from core.pipeline_parallel.builders import one_f_one_b
+    ps, log = initialize_model_parallel(1, 2), {}
+    try:
+        chunk = _SlowWChunk(rank == 0, rank == 1, 0.0 if rank == 0 else 0.6, log)
+        batch = {"tokens": torch.ones(2, 3), "labels": torch.ones(2, 3)}
+        executor.run(one_f_one_b(2, 1), model_chunks=[chunk], forward_step_func=forward_step,
+                     data_iterator=iter([batch]), parallel_state=ps, num_microbatches=1, fused_bw=fused_bw)
+        log["done"] = time.monotonic()
+        return log
+    finally:
+        destroy_model_parallel()
+
+
+@pytest.mark.parametrize("fused_bw", [False, True])
+def test_bw_sends_the_input_gradient_before_its_weight_gradients(fused_bw):
+    """Rank 1's W sleeps 0.6 s: rank 0 finishes before it ends, unless fused_bw (Megatron's order)."""
+    r0, r1 = run_distributed(_early_send_worker, 2, fused_bw)
+    if fused_bw:
+        assert r0["done"] > r1["w_end"]
+    else:
+        assert r0["done"] < r1["w_end"] - 0.3

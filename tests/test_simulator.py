@@ -12,9 +12,9 @@ def _plan(*ranks, vpp=1, m=1, placement="interleaved") -> Plan:
 
 
 def test_times_of_a_two_rank_plan_by_hand():
-    """F 1, B 2, W 3, comm 0.5: rank 0 F [0,1]; rank 1 F [1.5,2.5], BW [2.5,7.5]; rank 0 BW [8,13]."""
+    """F 1, B 2, W 3, comm 0.5, BW fused: rank 0 F [0,1]; rank 1 F [1.5,2.5], BW [2.5,7.5]; rank 0 BW [8,13]."""
     costs = Costs(f=1, b=2, w=3, comm=0.5)
-    result = simulate(_plan([F(0, 0), BW(0, 0)], [F(0, 0), BW(0, 0)]), costs)
+    result = simulate(_plan([F(0, 0), BW(0, 0)], [F(0, 0), BW(0, 0)]), costs, early_send=False)
     assert [(s, e) for s, e, _ in result.timeline[0]] == [(0, 1), (8, 13)]
     assert [(s, e) for s, e, _ in result.timeline[1]] == [(1.5, 2.5), (2.5, 7.5)]
     assert result.makespan == 13
@@ -22,6 +22,15 @@ def test_times_of_a_two_rank_plan_by_hand():
     assert result.bubble_rate == pytest.approx((13 - 6) / 13)
     assert result.makespan_bubble_rate == pytest.approx(1 - 12 / 26)
     assert result.peak_memory == [1, 1]
+
+
+def test_bw_sends_its_gradient_after_its_b_part():
+    """As the executor runs it: rank 1's BW [2.5,7.5] sends at 4.5, so rank 0's BW runs [5,10]."""
+    costs = Costs(f=1, b=2, w=3, comm=0.5)
+    result = simulate(_plan([F(0, 0), BW(0, 0)], [F(0, 0), BW(0, 0)]), costs)
+    assert [(s, e) for s, e, _ in result.timeline[0]] == [(0, 1), (5, 10)]
+    assert [(s, e) for s, e, _ in result.timeline[1]] == [(1.5, 2.5), (2.5, 7.5)]
+    assert result.makespan == 10
 
 
 def test_memory_model_b_frees_m_b_minus_m_w_and_w_the_rest():

@@ -2,8 +2,9 @@
 
 `run(plan, ...)` executes this rank's `plan.actions[pp_rank]` in order: F (forward, send the output),
 B (input-gradient backward with weight gradients deferred into `weight_grad_store`, send the input
-gradient), W (run the deferred weight gradients), BW (both). Every transfer is derived from the plan by
-`p2p_communication`; a hop between two chunks of one rank (ZB-V, arXiv 2401.10241) is a local hand-off.
+gradient), W (run the deferred weight gradients), BW (both; a BW that sends runs B, sends, then runs W,
+so the upstream rank waits one W less: the simulator's `early_send`). Every transfer is derived from the
+plan by `p2p_communication`; a hop between two chunks of one rank (ZB-V, arXiv 2401.10241) is a local hand-off.
 After an output is sent its data is freed and only its graph kept (Megatron-LM's deallocate-output
 trick, arXiv 2104.04473); backward then runs through the autograd engine directly to skip the shape check.
 
@@ -50,8 +51,10 @@ class _Step:
     """State of one rank during one step: live inputs/outputs per (chunk, mb) and local hand-offs."""
 
     def __init__(self, plan: Plan, pp_rank: int, comm: P2PCommunicator, model_chunks: list[nn.Module],
-                 forward_step_func: Callable, data_iterator: Any, forward_only: bool, loss_scale: float) -> None:
+                 forward_step_func: Callable, data_iterator: Any, forward_only: bool, loss_scale: float,
+                 fused_bw: bool = False) -> None:
         self.plan, self.pp_rank, self.comm, self.chunks = plan, pp_rank, comm, model_chunks
+        self.fused_bw = fused_bw
         self.forward_step_func, self.data_iterator = forward_step_func, data_iterator
         self.forward_only, self.loss_scale = forward_only, loss_scale
         self.inputs: dict[tuple, Optional[torch.Tensor]] = {}
@@ -104,11 +107,17 @@ class _Step:
         need, send = needs_and_sends(self.plan, self.pp_rank, action)
         grad = self._take(need) if need is not None else None
         out, x = self.outputs.pop(key), self.inputs.pop(key)
-        with weight_grad_store.capture(key) if action.kind == "B" else nullcontext():
+        # A BW that sends to another rank runs as B, send, W: the upstream rank gets its gradient one W
+        # earlier, at no memory cost (the simulator's early_send); fused_bw keeps Megatron's order.
+        split = action.kind == "B" or (not self.fused_bw and send is not None and send.src != send.dst)
+        with weight_grad_store.capture(key) if split else nullcontext():
             _backward(out, grad)
         if send is not None:
             assert x is not None and x.grad is not None, f"no input gradient for {action}"
             self._give(send, x.grad)
+        if split and action.kind == "BW":
+            self.comm.flush()
+            weight_grad_store.run(key)
 
     def execute(self, action: Action) -> None:
         if action.kind == "F":
@@ -121,11 +130,14 @@ class _Step:
 
 def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callable, data_iterator: Any,
         parallel_state, num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
-        variable_seq_lengths: bool = False, action_times: Optional[list] = None) -> list[dict]:
+        variable_seq_lengths: bool = False, action_times: Optional[list] = None,
+        fused_bw: bool = False) -> list[dict]:
     """Run this rank's part of `plan`; returns per-microbatch loss dicts on the last stage, else [].
 
     `model_chunks[c]` is local chunk c. `data_iterator` is one iterator or one per local chunk.
     `action_times`, when given, receives (action, compute seconds without receive waits) per action.
+    `fused_bw=True` sends a BW's input gradient only after its weight gradients (Megatron-LM's order;
+    benchmarks use it as the baseline); by default the gradient goes out between the B and W parts.
     """
     pp_rank = parallel_state.pp_rank
     if num_microbatches != plan.num_microbatches:
@@ -139,7 +151,8 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
     device = next(model_chunks[0].parameters()).device
     comm = P2PCommunicator(plan, pp_rank, parallel_state.pp_ranks, parallel_state.pp_group, device=device,
                            variable_seq_lengths=variable_seq_lengths, actions_of=actions_of)
-    step = _Step(plan, pp_rank, comm, model_chunks, forward_step_func, data_iterator, forward_only, loss_scale)
+    step = _Step(plan, pp_rank, comm, model_chunks, forward_step_func, data_iterator, forward_only, loss_scale,
+                 fused_bw)
     try:
         with torch.no_grad() if forward_only else nullcontext():
             _loop(step, actions, comm, action_times)

@@ -158,7 +158,7 @@ def _deadlock_message(plan: Plan, pos: list[int]) -> str:
     return "deadlock: " + "; ".join(stuck)
 
 
-def _run(plan: Plan, costs: Costs) -> list[list[tuple[float, float, Action]]]:
+def _run(plan: Plan, costs: Costs, early_send: bool) -> list[list[tuple[float, float, Action]]]:
     """Event order does not matter: each start is max(rank clock, input arrival)."""
     pos, clock = [0] * plan.pp, [0.0] * plan.pp
     f_end: dict = {}
@@ -178,8 +178,10 @@ def _run(plan: Plan, costs: Costs) -> list[list[tuple[float, float, Action]]]:
                 stage = plan.stage_of(rank, a.chunk)
                 if a.kind == "F":
                     f_end[(stage, a.microbatch)] = end
-                elif a.kind in ("B", "BW"):
+                elif a.kind == "B":
                     b_end[(stage, a.microbatch)] = end
+                elif a.kind == "BW":      # the executor sends a BW's input gradient before its W part
+                    b_end[(stage, a.microbatch)] = start + costs.b if early_send else end
                 timeline[rank].append((start, end, a))
                 pos[rank] += 1
                 progressed = True
@@ -200,11 +202,14 @@ def peak_memory(plan: Plan, costs: Costs) -> list[float]:
     return peaks
 
 
-def simulate(plan: Plan, costs: Costs | None = None) -> Result:
-    """Verify `plan`, then run it under `costs`; raises PlanError naming the rank and action."""
+def simulate(plan: Plan, costs: Costs | None = None, *, early_send: bool = True) -> Result:
+    """Verify `plan`, then run it under `costs`; raises PlanError naming the rank and action.
+
+    `early_send` models the executor: a BW sends its input gradient after its B part, then runs W.
+    With False a BW sends at its end, as in Megatron-LM and the zero-bubble paper's 1F1B baseline."""
     costs = costs or Costs()
     verify(plan)
-    timeline = _run(plan, costs)
+    timeline = _run(plan, costs, early_send)
     busy = [sum(e - s for s, e, _ in row) for row in timeline]
     span = [row[-1][1] - row[0][0] if row else 0.0 for row in timeline]
     makespan = max((row[-1][1] for row in timeline if row), default=0.0)
