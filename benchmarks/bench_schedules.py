@@ -5,8 +5,11 @@ al., arXiv 2401.10241). Modes:
   simulated  the simulator's makespan / bubble / peak memory table for p=4, m=8 and 16;
   synthetic  p=4 gloo ranks whose F/B/W sleep fixed times while real tensors cross p2p; measured step
              time / simulated makespan shows the runtime's own overhead independently of CPU count;
-  real       p=2 ranks, one thread each, a small LlamaModel: step time of every schedule, the ideal
-             (single-rank step / 2) and torch.distributed.pipelining's Schedule1F1B / ScheduleZBVZeroBubble.
+  real       p=2 ranks, one thread and one core each, a small LlamaModel: step time of every schedule
+             (and Megatron's fused-BW 1F1B), the ideal (single-rank step / 2), the busy ideal (both ranks
+             run the whole model on half the microbatches at once: the ideal with every core loaded) and
+             torch.distributed.pipelining's Schedule1F1B / ScheduleZBVZeroBubble (with its I/W split),
+             all timed round-robin in one run.
 Prints one table per mode and writes JSON (--out). Example: python benchmarks/bench_schedules.py --modes simulated
 """
 from __future__ import annotations
@@ -31,10 +34,11 @@ from core.pipeline_parallel.schedule_ir import stage_of  # noqa: E402
 from core.pipeline_parallel.simulator import Costs, simulate  # noqa: E402
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zbv", 2), ("auto", 1)]
+REAL_SCHEDULES = SCHEDULES[:2] + [("1f1b-fused", 1)] + SCHEDULES[2:]
 
 
 def _placement(schedule: str, vpp: int) -> str:
-    return "v" if schedule in ("zbv", "auto") and vpp == 2 else "interleaved"
+    return "v" if schedule in ("zbv", "auto", "torch-zbv") and vpp == 2 else "interleaved"
 
 
 def chunk_costs(vpp: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> Costs:
@@ -164,21 +168,39 @@ class _TorchStage(nn.Module):
         return self.chunk()                         # hidden (s, b, h), or logits (b, s, v) on the last stage
 
 
-def _no_deferred_weights():
-    return lambda: None
+class _CapturedWeightGrads:
+    """torch's `dw_builder` for our model: torch calls it right after each input backward (I) and runs
+    what it returns at the matching W. Our linears queue their weight gradients in `weight_grad_store`,
+    so the store captures continuously and each call cuts off the closures of the I that just ran."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def start(self) -> None:
+        weight_grad_store.begin(("torch-dw", self.count))
+
+    def __call__(self):
+        key = weight_grad_store.end()
+        self.count += 1
+        self.start()
+        return lambda: weight_grad_store.run(key)
+
+    def stop(self) -> None:
+        assert weight_grad_store.run(weight_grad_store.end()) == 0, "weight gradients left after the step"
 
 
 def _torch_step(config, ps, name: str, m: int, tokens: torch.Tensor, labels: torch.Tensor):
+    """torch.distributed.pipelining's Schedule1F1B, or ScheduleZBVZeroBubble with the real I/W split."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
-    vpp = 2 if name.startswith("torch-zbv") else 1
+    vpp = 2 if name == "torch-zbv" else 1
     chunks = _llama_chunks(config, ps, "zbv" if vpp == 2 else "1f1b", vpp)
+    dw = _CapturedWeightGrads() if vpp == 2 else None
     stages = [PipelineStage(_TorchStage(c), stage_of(ps.pp_rank, i, ps.pp_size, "v" if vpp == 2 else "interleaved"),
-                            ps.pp_size * vpp, torch.device("cpu"), group=ps.pp_group,
-                            dw_builder=_no_deferred_weights if name == "torch-zbv-fused-w" else None)
+                            ps.pp_size * vpp, torch.device("cpu"), group=ps.pp_group, dw_builder=dw)
               for i, c in enumerate(chunks)]
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="sum")
+        return logits.float().sum()                 # the same loss as _loss_step (target unused)
     schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn) if vpp == 2 else \
         Schedule1F1B(stages[0], m, loss_fn=loss_fn)
     holds_first = any(c.pre_process for c in chunks)
@@ -186,7 +208,13 @@ def _torch_step(config, ps, name: str, m: int, tokens: torch.Tensor, labels: tor
 
     def step() -> None:
         args = (tokens,) if holds_first else ()
-        schedule.step(*args, target=labels if holds_last else None)
+        if dw is not None:
+            dw.start()
+        try:
+            schedule.step(*args, target=labels if holds_last else None)
+        finally:
+            if dw is not None:
+                dw.stop()
     return step
 
 
@@ -207,31 +235,48 @@ def _timed_rounds(ps, steps: dict, rounds: int) -> dict:
 
 
 def _our_step(config, ps0, name: str, vpp: int, m: int, batches: list):
-    from core.pipeline_parallel.schedules import get_forward_backward_func
+    from core.pipeline_parallel import executor
+    from core.pipeline_parallel.schedules import cached_plan, get_forward_backward_func
     ps = dataclasses.replace(ps0, vpp_size=vpp)
     chunks = _llama_chunks(config, ps, name, vpp)
+    if name == "1f1b-fused":                  # Megatron-LM's 1F1B: a BW sends only after its weight grads
+        plan = cached_plan("1f1b", ps.pp_size, 1, m)
+        return lambda: executor.run(plan, model_chunks=chunks, forward_step_func=_loss_step,
+                                    data_iterator=[iter(batches)], parallel_state=ps, num_microbatches=m,
+                                    fused_bw=True)
     fb = get_forward_backward_func(ps, name, profile_iters=1)
     return lambda: fb(forward_step_func=_loss_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
                       num_microbatches=m)
 
 
+def _ideal_steps(config, rank: int, world: int, batches: list) -> dict:
+    """`single`: rank 0 runs the whole model on every microbatch (the others wait), so ideal = single / p;
+    `busy-ideal`: every rank runs the whole model on its 1/p of the microbatches at the same time, with no
+    communication: the ideal with every core busy (shared caches and memory bandwidth included)."""
+    from model.llama import LlamaModel
+    model = LlamaModel(config)
+
+    def run(mine: list) -> None:
+        for b in mine:
+            model(**b).float().sum().backward()
+    return {"single": lambda: run(batches if rank == 0 else []),
+            "busy-ideal": lambda: run(batches[rank::world])}
+
+
 def real_worker(rank: int, world: int, args) -> list[dict]:
-    import torch.distributed as dist
     from core.parallel_state import initialize_model_parallel
     torch.set_num_threads(1)
+    if args.pin and len(os.sched_getaffinity(0)) >= world:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})     # one core per rank, no migration
     ps0, config, rows = initialize_model_parallel(1, world), _llama_config(args), []
     for m in args.real_m:
         g = torch.Generator().manual_seed(m)
         batches = [{"input_ids": torch.randint(0, 1024, (args.batch, args.seq), generator=g),
                     "labels": torch.randint(0, 1024, (args.batch, args.seq), generator=g)} for _ in range(m)]
-        single = torch.tensor([_single_rank_time(config, batches, args.steps) if rank == 0 else 0.0])
-        dist.broadcast(single, src=0)                  # rank 1 idles in the broadcast meanwhile
-        steps, errors = {name: _our_step(config, ps0, name, vpp, m, batches) for name, vpp in SCHEDULES}, {}
+        steps, errors = _ideal_steps(config, rank, world, batches), {}
+        steps.update({name: _our_step(config, ps0, name, vpp, m, batches) for name, vpp in REAL_SCHEDULES})
         tokens, labels = torch.cat([b["input_ids"] for b in batches]), torch.cat([b["labels"] for b in batches])
-        # Our linears compute weight grads in closures outside autograd's graph, so torch's own W pass
-        # cannot find them ("torch-zbv" reports its error); "torch-zbv-fused-w" runs ZBV's order with
-        # the weight grads inside B (dw_builder hook is a no-op): torch's ZBV without the B/W split.
-        for name in ("torch-1f1b", "torch-zbv", "torch-zbv-fused-w"):
+        for name in ("torch-1f1b", "torch-zbv"):
             try:
                 steps[name] = _torch_step(config, ps0, name, m, tokens, labels)
                 steps[name]()                          # torch infers shapes on its first step
@@ -240,23 +285,13 @@ def real_worker(rank: int, world: int, args) -> list[dict]:
                 errors[name] = f"{type(err).__name__}: {err}"
         for step in steps.values():
             step()                                     # warm-up; `auto` profiles here and switches
-        measured = _timed_rounds(ps0, steps, args.steps)
-        rows += [{"schedule": n, "m": m, "step_s": t, "ideal_s": float(single) / world} for n, t in measured.items()]
-        rows += [{"schedule": n, "m": m, "step_s": None, "ideal_s": float(single) / world, "error": e}
+        measured = _timed_rounds(ps0, steps, args.real_rounds)
+        ideal, busy_ideal = measured.pop("single") / world, measured.pop("busy-ideal")
+        rows += [{"schedule": n, "m": m, "step_s": t, "ideal_s": ideal, "busy_ideal_s": busy_ideal}
+                 for n, t in measured.items()]
+        rows += [{"schedule": n, "m": m, "step_s": None, "ideal_s": ideal, "busy_ideal_s": busy_ideal, "error": e}
                  for n, e in errors.items()]
     return rows
-
-
-def _single_rank_time(config, batches: list[dict], steps: int) -> float:
-    from model.llama import LlamaModel
-    model, times = LlamaModel(config), []
-    for i in range(steps + 1):
-        start = time.perf_counter()
-        for b in batches:
-            model(**b).float().sum().backward()
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _table(title: str, rows: list[dict]) -> str:
@@ -277,7 +312,7 @@ def _summary(real: list[dict]) -> list[dict]:
             if r["step_s"] is None:
                 continue
             out.append({"schedule": name, "m": m, "vs_our_1f1b": r["step_s"] / base,
-                        "vs_ideal": r["step_s"] / r["ideal_s"]})
+                        "vs_ideal": r["step_s"] / r["ideal_s"], "vs_busy_ideal": r["step_s"] / r["busy_ideal_s"]})
     return out
 
 
@@ -286,6 +321,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--modes", default="simulated,synthetic,real", help="comma list of simulated, synthetic, real")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_schedules.json"))
     parser.add_argument("--steps", type=int, default=3, help="timed steps per schedule (after one warm-up)")
+    parser.add_argument("--real-rounds", type=int, default=7, help="real mode: timed rounds over all schedules")
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help="real mode: do not pin rank r to core r")
     parser.add_argument("--sleep-ms", type=float, default=20.0, help="synthetic F = B = W time per stage")
     parser.add_argument("--synthetic-m", type=int, default=16)
     parser.add_argument("--real-m", type=int, nargs="+", default=[4, 8])
