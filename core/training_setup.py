@@ -78,7 +78,8 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
 
 def build_iterators(config: Config, model_cfg: LlamaConfig, ps: ParallelState, roles: list[tuple[bool, bool]],
                     consumed_samples: int) -> tuple[list, Optional[list]]:
-    """Per-chunk train and validation iterators; chunks that neither embed nor compute the loss get None.
+    """Per-chunk train and validation iterators; chunks that neither embed nor compute the loss get None,
+    and the validation list is None on every rank when --eval-iters is 0.
 
     The datasets and samplers are built once per rank, even when two local chunks read data (the first and
     the last stage under the V placement); those chunks get copies of one iterator that yield the same
@@ -90,8 +91,9 @@ def build_iterators(config: Config, model_cfg: LlamaConfig, ps: ParallelState, r
                                            vocab_size=model_cfg.vocab_size, consumed_samples=consumed_samples,
                                            needs_data=any(needs))
     train, valid = _per_chunk(train, needs), _per_chunk(valid, needs)
-    has_valid = config.training.eval_iters > 0 and any(it is not None for it in valid)
-    return train, (valid if has_valid else None)
+    # Every rank joins the evaluation schedule, also a rank whose chunks read no data (middle stages), so
+    # whether there is one depends on the config alone; arguments.py rejects --eval-iters with no validation split.
+    return train, (valid if config.training.eval_iters > 0 else None)
 
 
 def _per_chunk(iterator, needs: list[bool]) -> list:

@@ -139,3 +139,18 @@ def test_first_and_last_stage_chunks_share_one_dataset(tmp_path, monkeypatch, mo
             torch.testing.assert_close(torch.stack([mb[name] for mb in got]), expected, rtol=0, atol=0)
     for _ in range(2):   # two evaluations of eval_iters global batches each
         assert _global_batches(valid[0], 1, 2) == _global_batches(valid[1], 1, 2) == _global_batches(ref_valid, 1, 2)
+
+
+def test_rank_without_data_chunks_still_evaluates(tmp_path):
+    """A rank that holds only middle stages (rank 1 of pp 2 under the V placement) reads no data but must join
+    every evaluation schedule, so its validation list exists (all None) whenever --eval-iters > 0."""
+    from core.config import Config
+    from core.parallel_state import ParallelState
+    from core.training_setup import build_iterators
+    for eval_iters in (2, 0):
+        data, training = _configs(tmp_path, mock=True, eval_iters=eval_iters)
+        config = Config(data=data, training=training)
+        train, valid = build_iterators(config, config.model.replace(vocab_size=512), ParallelState(),
+                                       [(False, False), (False, False)], 0)
+        assert train == [None, None]
+        assert valid == ([None, None] if eval_iters else None)
