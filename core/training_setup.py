@@ -6,6 +6,7 @@ S = pp*vpp stages; interleaved schedules place stage v on rank v % pp, ZB-V uses
 """
 from __future__ import annotations
 
+import itertools
 from functools import partial
 from typing import Optional
 
@@ -77,18 +78,32 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
 
 def build_iterators(config: Config, model_cfg: LlamaConfig, ps: ParallelState, roles: list[tuple[bool, bool]],
                     consumed_samples: int) -> tuple[list, Optional[list]]:
-    """Per-chunk train and validation iterators; chunks that neither embed nor compute the loss get None."""
+    """Per-chunk train and validation iterators; chunks that neither embed nor compute the loss get None,
+    and the validation list is None on every rank when --eval-iters is 0.
+
+    The datasets and samplers are built once per rank, even when two local chunks read data (the first and
+    the last stage under the V placement); those chunks get copies of one iterator that yield the same
+    microbatches in the same order.
+    """
     from data.sampler import build_data_iterators
-    train, valid = [], []
-    for pre, post in roles:
-        needs = pre or post
-        tr, va, _ = build_data_iterators(config.data, config.training, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
-                                         vocab_size=model_cfg.vocab_size, consumed_samples=consumed_samples,
-                                         needs_data=needs)
-        train.append(tr if needs else None)
-        valid.append(va if needs else None)
-    has_valid = config.training.eval_iters > 0 and any(it is not None for it in valid)
-    return train, (valid if has_valid else None)
+    needs = [pre or post for pre, post in roles]
+    train, valid, _ = build_data_iterators(config.data, config.training, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
+                                           vocab_size=model_cfg.vocab_size, consumed_samples=consumed_samples,
+                                           needs_data=any(needs))
+    train, valid = _per_chunk(train, needs), _per_chunk(valid, needs)
+    # Every rank joins the evaluation schedule, also a rank whose chunks read no data (middle stages), so
+    # whether there is one depends on the config alone; arguments.py rejects --eval-iters with no validation split.
+    return train, (valid if config.training.eval_iters > 0 else None)
+
+
+def _per_chunk(iterator, needs: list[bool]) -> list:
+    """One copy of `iterator` per chunk that reads data, None for the others. The first stage's forwards run
+    ahead of the last stage's on the same rank, so tee buffers the microbatches read by one and not yet by
+    the other (a few microbatches of token ids)."""
+    if iterator is None:
+        return [None] * len(needs)
+    copies = iter(itertools.tee(iterator, sum(needs)) if sum(needs) > 1 else [iterator])
+    return [next(copies) if need else None for need in needs]
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:

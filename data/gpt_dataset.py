@@ -192,7 +192,7 @@ class MockGPTDataset(torch.utils.data.Dataset):
 
 
 def parse_blend(data_path: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
-    """`A B` -> ([A, B], None); `0.3 A 0.7 B` -> ([A, B], [0.3, 0.7]) (form checked in core/arguments.py)."""
+    """`A B` -> ([A, B], None); `0.3 A 0.7 B` -> ([A, B], [0.3, 0.7]) (form checked when the arguments are parsed)."""
     try:
         float(data_path[0])
     except ValueError:

@@ -99,3 +99,58 @@ def test_distributed_build_once_and_dp_union(tmp_path):
     for b in range(ITERS):
         assert sorted(per_rank[0][b] + per_rank[1][b]) == sorted(ref[b])
     assert len(list((tmp_path / "cache").iterdir())) == 6   # train + valid indices, built once, no temp files
+
+
+@pytest.mark.parametrize("mock", [True, False])
+def test_first_and_last_stage_chunks_share_one_dataset(tmp_path, monkeypatch, mock):
+    """Under the V placement one rank holds the first and the last stage: build_iterators builds the datasets
+    once, and both chunks read the same microbatches as one build_data_iterators call, also when the first
+    stage's forwards run ahead of the last stage's."""
+    import data.sampler as sampler
+    from core.config import Config
+    from core.parallel_state import ParallelState
+    from core.training_setup import build_iterators
+    data, training = _configs(tmp_path, mock)
+    builds = []
+    for name in ("MockGPTDataset", "build_gpt_datasets"):
+        real = getattr(sampler, name)
+        monkeypatch.setattr(sampler, name, lambda *a, _real=real, **k: builds.append(1) or _real(*a, **k))
+    consumed = 2 * GBS
+    ref_train, ref_valid, _ = build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=512,
+                                                   consumed_samples=consumed)
+    one_build = len(builds)
+    config = Config(data=data, training=training)
+    train, valid = build_iterators(config, config.model.replace(vocab_size=512), ParallelState(),
+                                   [(True, False), (False, True)], consumed)
+    assert len(builds) == 2 * one_build   # the reference call above plus one build for both chunks
+    num_mb, lead = (ITERS - 2) * GBS // MBS, 3
+    first = [next(train[0]) for _ in range(lead)]
+    last = []
+    for _ in range(num_mb - lead):
+        first.append(next(train[0]))
+        last.append(next(train[1]))
+    last += [next(train[1]) for _ in range(lead)]
+    with pytest.raises(StopIteration):
+        next(train[0])
+    ref_train = list(ref_train)
+    for name in ("tokens", "labels", "loss_mask"):
+        expected = torch.stack([mb[name] for mb in ref_train])
+        for got in (first, last):   # both chunks see the reference microbatches in order
+            torch.testing.assert_close(torch.stack([mb[name] for mb in got]), expected, rtol=0, atol=0)
+    for _ in range(2):   # two evaluations of eval_iters global batches each
+        assert _global_batches(valid[0], 1, 2) == _global_batches(valid[1], 1, 2) == _global_batches(ref_valid, 1, 2)
+
+
+def test_rank_without_data_chunks_still_evaluates(tmp_path):
+    """A rank that holds only middle stages (rank 1 of pp 2 under the V placement) reads no data but must join
+    every evaluation schedule, so its validation list exists (all None) whenever --eval-iters > 0."""
+    from core.config import Config
+    from core.parallel_state import ParallelState
+    from core.training_setup import build_iterators
+    for eval_iters in (2, 0):
+        data, training = _configs(tmp_path, mock=True, eval_iters=eval_iters)
+        config = Config(data=data, training=training)
+        train, valid = build_iterators(config, config.model.replace(vocab_size=512), ParallelState(),
+                                       [(False, False), (False, False)], 0)
+        assert train == [None, None]
+        assert valid == ([None, None] if eval_iters else None)
