@@ -2,6 +2,7 @@
 
 fp32 on CPU with gloo. The reference is the same command on one process (tp=pp=dp=1).
 """
+import json
 import math
 import os
 import subprocess
@@ -102,3 +103,24 @@ def test_two_node_rendezvous_on_localhost(tmp_path):
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     assert len(read_metrics(jsonl)) == 5
+
+
+def _valid_losses(path: str) -> list[float]:
+    with open(path) as f:
+        return [json.loads(line)["valid_lm_loss"] for line in f if '"valid_lm_loss"' in line]
+
+
+EVAL = ["--train-iters", "2", "--micro-batch-size", "1", "--global-batch-size", "8", "--eval-iters", "1",
+        "--eval-interval", "2"]
+
+
+@pytest.mark.parametrize("name", ["pp2-zbv", "pp4-1f1b"])
+def test_evaluation_with_data_free_middle_ranks_matches_single_process(name, tmp_path):
+    """ZB-V's rank 1 and pp=4's ranks 1-2 read no data but must still join evaluation (they used to hang)."""
+    nproc, flags = {"pp2-zbv": LAYOUTS["pp2-zbv"], "pp4-1f1b": (4, ["--pipeline-model-parallel-size", "4"])}[name]
+    train(1, EVAL, str(tmp_path / "ref.jsonl"))
+    train(nproc, EVAL + flags, str(tmp_path / "m.jsonl"), timeout=240)
+    want, got = _valid_losses(str(tmp_path / "ref.jsonl")), _valid_losses(str(tmp_path / "m.jsonl"))
+    assert len(want) >= 1 and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert math.isclose(a, b, rel_tol=1e-5), f"{name}: validation loss {a} vs single-process {b}"
