@@ -9,7 +9,7 @@ import random
 import pytest
 
 from core.pipeline_parallel.builders import (auto, build, gpipe, interleaved, one_f_one_b, zb_h1, zb_h2,
-                                             zbv)
+                                             zb_h2_fitted, zbv)
 from core.pipeline_parallel.schedule_ir import Action, Plan
 from core.pipeline_parallel.simulator import Costs, simulate
 
@@ -177,3 +177,30 @@ def test_zbv_beats_zb_h1_when_costs_are_not_equal(f, b, w):
             assert max(v.peak_memory) == pytest.approx(pp)
             assert v.makespan < simulate(zb_h1(pp, m), whole_rank).makespan
             assert v.makespan < simulate(one_f_one_b(pp, m), whole_rank).makespan
+
+
+def test_zb_h2_fitted_stays_in_its_cap_and_never_loses_to_the_fixed_plans():
+    """zb-h2 fitted to measured costs holds at most 2p-1 microbatches and is never slower than the
+    unit-cost ZB-H2 (when it fits: with M_W near M_B its W tail can hold more), ZB-H1 or 1F1B."""
+    rng = random.Random(4321)
+    for _ in range(40):
+        pp = rng.randint(2, 6)
+        m = rng.randint(pp, 3 * pp)
+        costs = Costs(f=rng.uniform(0.5, 2), b=rng.uniform(0.5, 2.5), w=rng.uniform(0.2, 2),
+                      comm=rng.uniform(0, 0.3), w_mem=rng.uniform(0, 1))
+        result = simulate(zb_h2_fitted(pp, m, costs), costs)
+        assert max(result.peak_memory) <= 2 * pp - 1 + 1e-9
+        for fixed in (simulate(p, costs) for p in (zb_h2(pp, m), zb_h1(pp, m), one_f_one_b(pp, m))):
+            if max(fixed.peak_memory) <= 2 * pp - 1 + 1e-9:
+                assert result.makespan <= fixed.makespan + 1e-9
+
+
+def test_zb_h2_fitted_keeps_its_edge_when_b_is_twice_w():
+    """With this repository's LLaMA ratio (F:B:W about 1:1.5:0.6) the unit-cost ZB-H2 is slower than
+    1F1B at p=2, m=8; the plan fitted to those costs is faster; at unit costs both are the paper's plan."""
+    costs = Costs(f=1.0, b=1.5, w=0.6)
+    base = simulate(one_f_one_b(2, 8), costs).makespan
+    assert simulate(zb_h2(2, 8), costs).makespan > 1.03 * base
+    fitted = build("zb-h2", 2, 1, 8, costs=costs)
+    assert fitted.name == "zb-h2" and simulate(fitted, costs).makespan < 0.96 * base
+    assert simulate(build("zb-h2", 4, 1, 16, costs=UNIT), UNIT).bubble_rate <= 0.01

@@ -123,7 +123,11 @@ def train(ps, schedule: str, vpp: int, m: int, steps: int, lr: float = 0.5) -> t
     ps = dataclasses.replace(ps, vpp_size=vpp)
     chunks = make_chunks(ps.pp_rank, ps.pp_size, vpp, "v" if schedule in ("zbv", "auto") and vpp == 2
                          else "interleaved")
-    fb = get_forward_backward_func(ps, schedule, profile_iters=1)
+    if schedule.startswith("unit-"):      # the fixed unit-cost plan, not fitted to measured costs
+        from core.pipeline_parallel.schedules import forward_backward_zero_bubble
+        fb = functools.partial(forward_backward_zero_bubble, variant=schedule[5:], parallel_state=ps)
+    else:
+        fb = get_forward_backward_func(ps, schedule, profile_iters=1)
     tokens = m * ps.dp_size * BATCH * SEQ
     losses, first_grads = [], None
     for step in range(steps):
@@ -164,9 +168,9 @@ def _merge(results: list) -> tuple[list[float], dict]:
 
 
 LAYOUTS = {  # (tp, pp, dp): [(schedule, vpp, m), ...]
-    (1, 2, 1): [("1f1b", 1, 4), ("gpipe", 1, 4), ("zb-h1", 1, 4), ("zb-h2", 1, 4), ("auto", 1, 4),
-                ("1f1b", 1, 5), ("interleaved", 2, 4), ("zbv", 2, 3), ("auto", 2, 4)],
-    (1, 4, 1): [("1f1b", 1, 6), ("zb-h2", 1, 6), ("interleaved", 2, 8), ("zbv", 2, 6)],
+    (1, 2, 1): [("1f1b", 1, 4), ("gpipe", 1, 4), ("zb-h1", 1, 4), ("zb-h2", 1, 4), ("unit-zb-h2", 1, 4),
+                ("auto", 1, 4), ("1f1b", 1, 5), ("interleaved", 2, 4), ("zbv", 2, 3), ("auto", 2, 4)],
+    (1, 4, 1): [("1f1b", 1, 6), ("zb-h2", 1, 6), ("unit-zb-h2", 1, 6), ("interleaved", 2, 8), ("zbv", 2, 6)],
     (2, 2, 1): [("1f1b", 1, 4), ("zb-h1", 1, 4)],
     (1, 2, 2): [("1f1b", 1, 4), ("zbv", 2, 4)],
 }
@@ -195,7 +199,7 @@ def test_schedules_match_single_rank(tp, pp, dp):
         for name in ref_grads:
             torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-7, msg=f"{case} {name}")
         baseline = ("1f1b", 1, case[2])
-        if case[0] in ("zb-h1", "zb-h2", "auto") and case[1] == 1 and baseline in merged:
+        if case[0] in ("zb-h1", "zb-h2", "unit-zb-h2", "auto") and case[1] == 1 and baseline in merged:
             for name, g in merged[baseline][1].items():
                 torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=0, msg=f"{case} vs 1F1B {name}")
 
@@ -259,3 +263,38 @@ def test_bw_sends_the_input_gradient_before_its_weight_gradients(fused_bw):
         assert r0["done"] > r1["w_end"]
     else:
         assert r0["done"] < r1["w_end"] - 0.3
+
+
+def _fitted_zb_h2_worker(rank: int, world: int) -> dict:
+    from core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from core.pipeline_parallel.schedules import get_forward_backward_func
+    ps = initialize_model_parallel(1, world)
+    try:
+        chunks = make_chunks(ps.pp_rank, world, 1, "interleaved")
+        fb = get_forward_backward_func(ps, "zb-h2", profile_iters=2)
+        plans = []
+        for step in range(3):
+            fb(forward_step_func=forward_step, data_iterator=[iter(make_batches(6, seed=step))], model=chunks,
+               num_microbatches=6)
+            plans.append(None if fb.plan is None else fb.plan.to_json())
+            for p in chunks[0].parameters():
+                p.grad = None
+        return {"plans": plans, "costs": fb.costs}
+    finally:
+        destroy_model_parallel()
+
+
+def test_zb_h2_profiles_then_runs_a_plan_fitted_to_measured_costs():
+    """`zb-h2` runs profiled 1F1B for --pipeline-profile-iters steps, then every rank runs the same
+    plan, built from the measured F/B/W and p2p costs within ZB-H2's 2p-1 microbatches of activations."""
+    from core.pipeline_parallel.builders import zb_h2_fitted
+    from core.pipeline_parallel.schedule_ir import Plan
+    from core.pipeline_parallel.simulator import simulate
+    results = run_distributed(_fitted_zb_h2_worker, 4)
+    assert all(r["plans"][:1] == [None] for r in results)       # still profiling after the first step
+    plan = Plan.from_json(results[0]["plans"][1])
+    assert all(r["plans"][1] == r["plans"][2] == results[0]["plans"][1] for r in results)
+    costs = results[0]["costs"]
+    assert plan.name == "zb-h2" and plan == zb_h2_fitted(4, 6, costs)
+    assert costs.comm > 0                                     # p2p latency measured after profiling
+    assert max(simulate(plan, costs).peak_memory) <= 2 * 4 - 1

@@ -94,3 +94,22 @@ def test_variable_lengths_forward_only_and_shape_change_between_steps():
         for name, g in ref_grads.items():     # the forward-only step must not have touched the grads
             torch.testing.assert_close(torch.from_numpy(grads[name]), g, rtol=1e-5, atol=1e-5 * float(g.abs().max()),
                                        msg=f"{schedule} {name}")
+
+
+def _latency_worker(rank: int, world: int) -> list[float]:
+    from core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from core.pipeline_parallel.p2p_communication import measure_latency
+    ps = initialize_model_parallel(1, world)
+    try:
+        return [measure_latency(ps.pp_rank, ps.pp_ranks, ps.pp_group, nbytes=n, device=torch.device("cpu"))
+                for n in (64, 64 << 20)]
+    finally:
+        destroy_model_parallel()
+
+
+def test_measured_latency_is_agreed_and_grows_with_the_message():
+    """Every rank gets the same one-way time (MAX over the pairs); 64 MiB takes longer than 64 bytes."""
+    results = run_distributed(_latency_worker, 3)
+    assert all(r == results[0] for r in results)
+    small, large = results[0]
+    assert 0 < small < 0.1 and large > small

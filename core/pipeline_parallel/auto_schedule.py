@@ -1,15 +1,17 @@
-"""`--pipeline-schedule auto`: profile the first iterations, then switch to a cost-fitted zero-bubble plan.
+"""`--pipeline-schedule auto` and `zb-h2`: profile the first iterations, then switch to a cost-fitted plan.
 
 The zero-bubble paper (Qi et al., arXiv 2401.10241, section 3) builds its schedule from measured F, B
 and W times under a memory cap. `AutoSchedule` is a stateful forward-backward callable: for the first
 `profile_iters` iterations it runs 1F1B with every BW split into B then W, so the three are timed
-separately without changing order or memory (with two chunks per rank: ZB-V, auto's V placement). Then the slowest stage's
-median times (all-reduced MAX over the world, so every replica sees the same numbers) go to
-`builders.auto` on global rank 0 under the memory cap (default: what the profiling 1F1B plan needs);
-the plan is broadcast to all ranks as JSON bytes (no pickle) and used from then on.
+separately without changing order or memory (with two chunks per rank: ZB-V, auto's V placement).
+Then the slowest stage's median times (all-reduced MAX over the world, so every replica sees the same
+numbers) go to the builder on global rank 0: `builders.auto` under the memory cap (default: what the
+profiling plan needs), or for `zb-h2` `builders.zb_h2_fitted` under ZB-H2's cap of 2p-1 microbatches.
+The plan is broadcast to all ranks as JSON bytes (no pickle) and used from then on.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from typing import Any, Callable, Optional
@@ -20,6 +22,7 @@ from torch import nn
 
 from core.logger import get_logger
 from core.pipeline_parallel import builders, executor
+from core.pipeline_parallel.p2p_communication import measure_latency
 from core.pipeline_parallel.schedule_ir import Action, Plan
 from core.pipeline_parallel.simulator import Costs, simulate
 
@@ -66,28 +69,41 @@ def broadcast_plan(plan: Optional[Plan], src: int = 0, group: Any = None) -> Pla
 class AutoSchedule:
     """Forward-backward callable for `auto`; `plan` is None while profiling."""
 
-    def __init__(self, parallel_state, *, memory_limit: Optional[float] = None, profile_iters: int = 3) -> None:
+    def __init__(self, parallel_state, *, memory_limit: Optional[float] = None, profile_iters: int = 3,
+                 variant: str = "auto") -> None:
         if profile_iters < 1:
-            raise ValueError(f"--pipeline-schedule auto needs at least 1 profiling iteration, got {profile_iters}")
+            raise ValueError(f"--pipeline-schedule {variant} needs at least 1 profiling iteration, "
+                             f"got {profile_iters}")
+        if variant not in ("auto", "zb-h2"):
+            raise ValueError(f"AutoSchedule fits auto or zb-h2 to measured costs, not {variant}")
         self.ps, self.memory_limit, self.profile_iters = parallel_state, memory_limit, profile_iters
+        self.variant = variant
         self.plan: Optional[Plan] = None
         self.costs: Optional[Costs] = None
         self._times: list = []
         self._iters = 0
+        self._message_bytes = 0         # largest p2p message seen while profiling (sizes the comm probe)
+        self._device = torch.device("cpu")
 
     def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
                  num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
                  variable_seq_lengths: bool = False, **ignored: Any) -> list[dict]:
         model = list(model) if isinstance(model, (list, tuple)) else [model]
         pp, vpp, m = self.ps.pp_size, len(model), num_microbatches
+        if self.variant == "zb-h2" and vpp != 1:
+            raise ValueError(f"--pipeline-schedule zb-h2 uses one model chunk per rank, got {vpp}")
         profiling = self.plan is None or self.plan.num_microbatches != m
         plan = profiling_plan(pp, vpp, m) if profiling else self.plan
         times = [] if profiling and not forward_only else None
+        stats: dict = {}
         out = executor.run(plan, model_chunks=model, forward_step_func=forward_step_func,
                            data_iterator=data_iterator, parallel_state=self.ps, num_microbatches=m,
                            forward_only=forward_only, loss_scale=loss_scale,
-                           variable_seq_lengths=variable_seq_lengths, action_times=times)
+                           variable_seq_lengths=variable_seq_lengths, action_times=times, comm_stats=stats)
         if times is not None:
+            numel, dtype = stats["largest_send"]
+            self._message_bytes = max(self._message_bytes, numel * dtype.itemsize)
+            self._device = next(model[0].parameters()).device
             self._iters += 1
             if self._iters > 1 or self.profile_iters == 1:      # the first iteration is warm-up
                 self._times += times
@@ -96,16 +112,29 @@ class AutoSchedule:
         return out
 
     def _switch(self, pp: int, vpp: int, m: int) -> None:
-        self.costs = measured_costs(self._times)
+        self.costs = dataclasses.replace(measured_costs(self._times), comm=self._comm_latency())
         reference = profiling_plan(pp, vpp, m)
-        limit = self.memory_limit or max(simulate(reference, self.costs).peak_memory)   # 1F1B's need
-        plan = builders.auto(pp, vpp, m, self.costs, limit) if not dist.is_initialized() or \
-            dist.get_rank() == 0 else None
-        self.plan = broadcast_plan(plan)
+        if self.variant == "zb-h2":
+            limit = 2 * pp - 1
+            build = lambda: builders.zb_h2_fitted(pp, m, self.costs)  # noqa: E731
+        else:
+            limit = self.memory_limit or max(simulate(reference, self.costs).peak_memory)   # 1F1B's need
+            build = lambda: builders.auto(pp, vpp, m, self.costs, limit)  # noqa: E731
+        self.plan = broadcast_plan(build() if not dist.is_initialized() or dist.get_rank() == 0 else None)
         chosen, base = simulate(self.plan, self.costs), simulate(reference, self.costs)
+        ref = "1F1B" if vpp == 1 else "ZB-V"
         get_logger().info(
-            f"auto schedule: F={self.costs.f * 1e3:.2f} ms B={self.costs.b * 1e3:.2f} ms "
-            f"W={self.costs.w * 1e3:.2f} ms, memory limit {limit:g} units -> {self.plan.name}: simulated "
-            f"bubble {chosen.bubble_rate:.1%} (1F1B {base.bubble_rate:.1%}), peak memory "
-            f"{max(chosen.peak_memory):g} units, makespan {chosen.makespan / base.makespan:.3f}x 1F1B")
+            f"{self.variant} schedule: F={self.costs.f * 1e3:.2f} ms B={self.costs.b * 1e3:.2f} ms "
+            f"W={self.costs.w * 1e3:.2f} ms comm={self.costs.comm * 1e3:.3f} ms, memory limit {limit:g} units -> {self.plan.name}: simulated "
+            f"bubble {chosen.bubble_rate:.1%} ({ref} {base.bubble_rate:.1%}), peak memory "
+            f"{max(chosen.peak_memory):g} units, makespan {chosen.makespan / base.makespan:.3f}x {ref}")
         self._times, self._iters = [], 0
+
+    def _comm_latency(self) -> float:
+        """One-way p2p time of the largest profiled message (MAX over the world, like the F/B/W times)."""
+        if not dist.is_initialized() or self.ps.pp_size < 2:
+            return 0.0
+        nbytes = torch.tensor([self._message_bytes], dtype=torch.int64)
+        dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)
+        return measure_latency(self.ps.pp_rank, self.ps.pp_ranks, self.ps.pp_group, nbytes=int(nbytes),
+                               device=self._device, reduce_group=dist.group.WORLD)

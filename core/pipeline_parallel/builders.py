@@ -5,8 +5,8 @@ Fixed-order schedules live here: GPipe (Huang et al., arXiv 1811.06965), 1F1B an
 (Narayanan et al., arXiv 2104.04473, Megatron's order), ZB-H1 (Qi et al., arXiv 2401.10241,
 figure 3) and ZB-V (Qi et al., arXiv 2405.15362; the handcrafted order of sail-sg/zero-bubble-pipeline-
 parallelism and torch.distributed.pipelining's ScheduleZBVZeroBubble). ZB-H2 comes from the zero-bubble
-greedy heuristic in builders_zb.py, which `auto` runs on measured costs; `build` dispatches on the
---pipeline-schedule name.
+greedy heuristic in builders_zb.py, at unit costs or (`zb_h2_fitted`) on measured costs, as `auto`
+runs it; `build` dispatches on the --pipeline-schedule name.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from core.pipeline_parallel.builders_zb import greedy_plan, zb_h2
 from core.pipeline_parallel.schedule_ir import Action, Plan
 from core.pipeline_parallel.simulator import Costs, simulate
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "zbv", "auto", "build"]
+__all__ = ["gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "zb_h2_fitted", "zbv", "auto", "build"]
 
 
 def _check_sizes(name: str, pp: int, vpp: int, m: int) -> None:
@@ -135,35 +135,51 @@ def zbv(pp: int, m: int) -> Plan:
     return Plan("zbv", pp, 2, m, "v", tuple(actions))
 
 
-def auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: float | None = None) -> Plan:
-    """Fastest plan under measured `costs` within `mem_limit` activation units per rank (default 2p:
-    ZB-2p for one chunk, 1F1B's memory for two chunks on V placement). Candidates: the zero-bubble
-    greedy heuristic, plus ZB-H1 and 1F1B for one chunk, ZB-V for two, when they fit (the greedy is a heuristic, so
-    this keeps auto never slower than those under the same costs)."""
-    if vpp not in (1, 2):
-        raise ValueError(f"--pipeline-schedule auto supports 1 or 2 model chunks per rank, got {vpp}")
-    costs = costs or Costs()
-    limit = 2 * pp if mem_limit is None else mem_limit
-    candidates = [greedy_plan("auto", pp, vpp, m, "interleaved" if vpp == 1 else "v", costs, limit)]
-    if vpp == 1:
-        candidates += [zb_h1(pp, m), one_f_one_b(pp, m)]
-    else:
-        candidates.append(zbv(pp, m))
+def _fastest(name: str, candidates: list[Plan], costs: Costs, limit: float) -> Plan:
+    """The candidate with the smallest simulated makespan under `costs` among those within `limit`."""
     best = None
     for plan in candidates:
         result = simulate(plan, costs)
         if max(result.peak_memory) <= limit + 1e-9 and (best is None or result.makespan < best[0] - 1e-9):
             best = (result.makespan, plan)
-    return dataclasses.replace(best[1], name="auto")
+    return dataclasses.replace(best[1], name=name)
+
+
+def zb_h2_fitted(pp: int, m: int, costs: Costs) -> Plan:
+    """ZB-H2 for measured costs: the paper's heuristic run on `costs` under ZB-H2's cap of 2p-1
+    microbatches, or the unit-cost ZB-H2, ZB-H1 or 1F1B if one of those simulates faster. The unit-cost
+    plan relies on F = B = W; with B about 2W it can be slower than 1F1B (1.05x at p=2, m=8)."""
+    _check_sizes("zb-h2", pp, 1, m)
+    limit = 2 * pp - 1
+    candidates = [greedy_plan("zb-h2", pp, 1, m, "interleaved", costs, limit), zb_h2(pp, m), zb_h1(pp, m),
+                  one_f_one_b(pp, m)]
+    return _fastest("zb-h2", candidates, costs, limit)
+
+
+def auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: float | None = None) -> Plan:
+    """Fastest plan under measured `costs` within `mem_limit` activation units per rank (default 2p:
+    ZB-2p for one chunk, 1F1B's memory for two chunks on V placement). Candidates: the zero-bubble
+    greedy heuristic, plus ZB-H1 and 1F1B for one chunk, ZB-V for two, when they fit (the greedy is a
+    heuristic, so this keeps auto never slower than those under the same costs)."""
+    if vpp not in (1, 2):
+        raise ValueError(f"--pipeline-schedule auto supports 1 or 2 model chunks per rank, got {vpp}")
+    costs = costs or Costs()
+    limit = 2 * pp if mem_limit is None else mem_limit
+    candidates = [greedy_plan("auto", pp, vpp, m, "interleaved" if vpp == 1 else "v", costs, limit)]
+    candidates += [zb_h1(pp, m), one_f_one_b(pp, m)] if vpp == 1 else [zbv(pp, m)]
+    return _fastest("auto", candidates, costs, limit)
 
 
 def build(schedule: str, pp: int, vpp: int, m: int, costs: Costs | None = None,
           mem_limit: float | None = None) -> Plan:
-    """Plan for a --pipeline-schedule name; `costs` and `mem_limit` are used by auto only."""
+    """Plan for a --pipeline-schedule name; `costs` are used by auto and zb-h2 (fitted to them when
+    given, else the unit-cost plan), `mem_limit` by auto only."""
     one_chunk = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb-h1": zb_h1, "zb-h2": zb_h2}
     if schedule in one_chunk:
         if vpp != 1:
             raise ValueError(f"--pipeline-schedule {schedule} uses one model chunk per rank, got {vpp}")
+        if schedule == "zb-h2" and costs is not None:
+            return zb_h2_fitted(pp, m, costs)
         return one_chunk[schedule](pp, m)
     if schedule == "interleaved":
         return interleaved(pp, vpp, m)

@@ -131,13 +131,14 @@ class _Step:
 def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callable, data_iterator: Any,
         parallel_state, num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
         variable_seq_lengths: bool = False, action_times: Optional[list] = None,
-        fused_bw: bool = False) -> list[dict]:
+        fused_bw: bool = False, comm_stats: Optional[dict] = None) -> list[dict]:
     """Run this rank's part of `plan`; returns per-microbatch loss dicts on the last stage, else [].
 
     `model_chunks[c]` is local chunk c. `data_iterator` is one iterator or one per local chunk.
     `action_times`, when given, receives (action, compute seconds without receive waits) per action.
     `fused_bw=True` sends a BW's input gradient only after its weight gradients (Megatron-LM's order;
     benchmarks use it as the baseline); by default the gradient goes out between the B and W parts.
+    `comm_stats`, when given, receives "largest_send": (numel, dtype) of this rank's largest message.
     """
     pp_rank = parallel_state.pp_rank
     if num_microbatches != plan.num_microbatches:
@@ -162,6 +163,8 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
         raise
     weight_grad_store.assert_empty()
     assert not step.outputs and not step.local, "activations left alive at step end"
+    if comm_stats is not None:
+        comm_stats["largest_send"] = comm.largest_send
     return [step.losses[mb] for mb in sorted(step.losses)]
 
 

@@ -16,6 +16,7 @@ the same per-peer order as payloads, so shape exchange adds no deadlock.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import NamedTuple, Optional
 
@@ -99,6 +100,7 @@ class P2PCommunicator:
         self._ops: list[tuple[dist.P2POp, Optional[_Recv]]] = []
         self._send_works: list = []
         self._header_pending: dict[int, _Recv] = {}              # peer -> receive waiting for its header
+        self.largest_send: tuple[int, torch.dtype] = (0, torch.float32)   # (numel, dtype): for measure_latency
 
     @staticmethod
     def _channel(msg: Message, peer: int) -> tuple:
@@ -119,6 +121,8 @@ class P2PCommunicator:
             raise ValueError(f"pipeline message shape changed within a step from {self._sent_shape[channel][0]} "
                              f"to {tuple(tensor.shape)}; pass variable_seq_lengths=True")
         self._add_op(dist.isend, tensor.detach().contiguous(), msg.dst, msg.tag(self.plan.num_stages, False), None)
+        if tensor.numel() > self.largest_send[0]:
+            self.largest_send = (tensor.numel(), tensor.dtype)
 
     def recv(self, msg: Message) -> torch.Tensor:
         """Block until `msg` has arrived and return it (posting receives up to it in peer order)."""
@@ -200,3 +204,37 @@ class P2PCommunicator:
         self._posted[entry.msg] = entry
         self._ahead[peer] += 1
         return True
+
+
+def measure_latency(pp_rank: int, pp_ranks: tuple, pp_group, *, nbytes: int, device: torch.device,
+                    rounds: int = 10, reduce_group=None) -> float:
+    """One-way seconds to move `nbytes` between neighbouring pipeline ranks: every pair (r, r+1) in
+    turn ping-pongs `rounds` times after one warm-up; the slowest pair, as MAX over `reduce_group`
+    (default `pp_group`). The simulator's `comm` cost (`auto` and `zb-h2` measure it after profiling).
+    Every rank of `pp_group` must call it with the same `nbytes`."""
+    buf = torch.zeros(max(int(nbytes), 1), dtype=torch.uint8, device=device)
+    slowest = 0.0
+
+    def sync() -> None:
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+    for left in range(len(pp_ranks) - 1):
+        if pp_rank not in (left, left + 1):
+            continue
+        peer, first = pp_ranks[left + 1 if pp_rank == left else left], pp_rank == left
+        start = 0.0
+        for i in range(rounds + 1):
+            if i == 1:
+                sync()
+                start = time.perf_counter()
+            if first:
+                dist.send(buf, peer, group=pp_group)
+                dist.recv(buf, peer, group=pp_group)
+            else:
+                dist.recv(buf, peer, group=pp_group)
+                dist.send(buf, peer, group=pp_group)
+        sync()
+        slowest = max(slowest, (time.perf_counter() - start) / (2 * rounds))
+    result = torch.tensor([slowest], dtype=torch.float64, device=device)
+    dist.all_reduce(result, op=dist.ReduceOp.MAX, group=pp_group if reduce_group is None else reduce_group)
+    return float(result)

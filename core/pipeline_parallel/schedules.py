@@ -81,7 +81,8 @@ def forward_backward_zero_bubble(*, forward_step_func: Callable, data_iterator: 
                                  forward_only: bool = False, loss_scale: float = 1.0,
                                  variable_seq_lengths: bool = False) -> list[dict]:
     """Zero-bubble schedules with B/W split: zb-h1, zb-h2, zbv (two chunks per rank, V placement), or
-    auto with default costs (the profiling `auto` is `get_forward_backward_func(..., "auto")`)."""
+    auto, with unit costs (the profiling `auto` and `zb-h2`, fitted to measured costs, come from
+    `get_forward_backward_func(..., "auto" | "zb-h2")`)."""
     if variant not in ZERO_BUBBLE:
         raise ValueError(f"zero-bubble variant {variant} is unknown; choose one of {', '.join(ZERO_BUBBLE)}")
     kwargs = dict(locals())
@@ -106,12 +107,13 @@ def get_forward_backward_func(parallel_state, schedule_name: str = "1f1b", *, co
     """
     if parallel_state.pp_size == 1:
         entry = forward_backward_no_pipelining
-    elif schedule_name == "auto":
+    elif schedule_name in ("auto", "zb-h2"):      # profiled: fitted to measured F/B/W costs
         from core.pipeline_parallel.auto_schedule import AutoSchedule
         if config is not None:
             pipeline_memory_limit = pipeline_memory_limit or config.parallel.pipeline_memory_limit
             profile_iters = profile_iters or config.training.profile_iters
-        return AutoSchedule(parallel_state, memory_limit=pipeline_memory_limit, profile_iters=profile_iters or 3)
+        return AutoSchedule(parallel_state, memory_limit=pipeline_memory_limit, profile_iters=profile_iters or 3,
+                            variant=schedule_name)
     elif schedule_name in _BY_NAME:
         entry = _BY_NAME[schedule_name]
     elif schedule_name in ZERO_BUBBLE:
