@@ -75,7 +75,7 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-signal-handler", action="store_true")
     g.add_argument("--skip-nonfinite-steps", action="store_true")
     g.add_argument("--pipeline-profile-iters", type=int, default=3,
-                   help="auto schedule: 1F1B iterations profiled before switching")
+                   help="auto and zb-h2 schedules: 1F1B iterations profiled before switching")
 
 
 def _add_optimizer(p: argparse.ArgumentParser) -> None:

@@ -47,7 +47,7 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     skip_nonfinite_steps: bool = False
     num_microbatches: int = 1           # derived: global / (micro x dp)
-    profile_iters: int = 3              # `auto` schedule: 1F1B iterations measured before switching
+    profile_iters: int = 3              # `auto` and `zb-h2`: 1F1B iterations measured before switching
 
 
 @dataclass(frozen=True)
