@@ -105,8 +105,8 @@ def _add_data_ckpt_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", nargs="+", default=None)
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer"),
-                   default="SentencePieceTokenizer")
+    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
+                   choices=("SentencePieceTokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer"))
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--num-workers", type=int, default=0)

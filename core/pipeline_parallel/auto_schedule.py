@@ -125,8 +125,8 @@ class AutoSchedule:
         ref = "1F1B" if vpp == 1 else "ZB-V"
         get_logger().info(
             f"{self.variant} schedule: F={self.costs.f * 1e3:.2f} ms B={self.costs.b * 1e3:.2f} ms "
-            f"W={self.costs.w * 1e3:.2f} ms comm={self.costs.comm * 1e3:.3f} ms, memory limit {limit:g} units -> {self.plan.name}: simulated "
-            f"bubble {chosen.bubble_rate:.1%} ({ref} {base.bubble_rate:.1%}), peak memory "
+            f"W={self.costs.w * 1e3:.2f} ms comm={self.costs.comm * 1e3:.3f} ms, memory limit {limit:g} units -> "
+            f"{self.plan.name}: simulated bubble {chosen.bubble_rate:.1%} ({ref} {base.bubble_rate:.1%}), peak memory "
             f"{max(chosen.peak_memory):g} units, makespan {chosen.makespan / base.makespan:.3f}x {ref}")
         self._times, self._iters = [], 0
 
