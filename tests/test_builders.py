@@ -204,3 +204,15 @@ def test_zb_h2_fitted_keeps_its_edge_when_b_is_twice_w():
     fitted = build("zb-h2", 2, 1, 8, costs=costs)
     assert fitted.name == "zb-h2" and simulate(fitted, costs).makespan < 0.96 * base
     assert simulate(build("zb-h2", 4, 1, 16, costs=UNIT), UNIT).bubble_rate <= 0.01
+
+
+@pytest.mark.parametrize("m", [4, 6, 8, 16])
+def test_zbv_meets_the_pipeline_fill_lower_bound_at_pp2(m):
+    # Rank 1 cannot start before the first chunk's F, and then has m (F + B + W) of work: no plan beats
+    # m (F + B + W) + F / vpp. ZB-V reaches it once m >= 2p, so at m = 4 the best p=2 step is 1/24 above the ideal.
+    bound = m * 3 + 0.5
+    costs = Costs(f=0.5, b=0.5, w=0.5, act_mem=0.5, w_mem=0.25)
+    assert simulate(zbv(2, m), costs).makespan == pytest.approx(bound)
+    for name, vpp in [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1)]:
+        c = Costs(f=1 / vpp, b=1 / vpp, w=1 / vpp, act_mem=1 / vpp, w_mem=0.5 / vpp)
+        assert simulate(build(name, 2, vpp, m), c).makespan >= bound - 1e-9, name

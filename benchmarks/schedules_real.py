@@ -1,0 +1,240 @@
+"""Real-compute mode of bench_schedules.py: p=2 gloo ranks, one thread and one core each, a small LlamaModel.
+
+Every schedule of ours (and Megatron's fused-BW 1F1B), the ideal (single-rank step / 2), the busy ideal
+(both ranks run the whole model on half the microbatches at once: the ideal with every core loaded) and
+torch.distributed.pipelining's Schedule1F1B / ScheduleZBVZeroBubble (with its I/W split) are timed
+round-robin in one run. Besides step times it records where the time goes:
+  busy      main-thread CPU seconds per rank (`time.thread_time`; gloo waits block, so they do not count):
+            the busiest rank's compute bounds any schedule, whatever its order;
+  sim       the simulator's makespan for the plan that ran, at the F/B/W/comm costs `auto` profiled,
+            over m * (F + B + W): the pipeline fill a perfect runtime on perfectly balanced stages pays.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from core.pipeline_parallel import weight_grad_store
+from core.pipeline_parallel.schedule_ir import stage_of
+from core.pipeline_parallel.simulator import Costs, simulate
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zbv", 2), ("auto", 1)]
+REAL_SCHEDULES = SCHEDULES[:2] + [("1f1b-fused", 1)] + SCHEDULES[2:]
+TORCH_EQUIVALENT = {"1f1b": "torch-1f1b", "zbv": "torch-zbv"}
+
+
+def placement(schedule: str, vpp: int) -> str:
+    return "v" if schedule in ("zbv", "auto", "torch-zbv") and vpp == 2 else "interleaved"
+
+
+def loss_step(data_iterator, model):
+    batch = next(data_iterator) if data_iterator is not None else {}
+    out = model(**batch)
+    return out, lambda o: (o.float().sum(), torch.tensor(o.numel()), {})
+
+
+def llama_config(args):
+    from model.config import LlamaConfig
+    return LlamaConfig(num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.hidden * 11 // 4,
+                       num_attention_heads=args.hidden // 32, num_query_groups=args.hidden // 64,
+                       vocab_size=1024, max_position_embeddings=args.seq)
+
+
+def llama_chunks(config, ps, schedule: str, vpp: int) -> list[nn.Module]:
+    from model.llama import LlamaModel
+    stages = ps.pp_size * vpp
+    per = config.num_layers // stages
+    return [LlamaModel(config, ps, layer_range=(s * per, (s + 1) * per), pre_process=s == 0,
+                       post_process=s == stages - 1)
+            for s in (stage_of(ps.pp_rank, c, ps.pp_size, placement(schedule, vpp)) for c in range(vpp))]
+
+
+class _TorchStage(nn.Module):
+    """Adapter from our chunk protocol to torch.distributed.pipelining's positional-tensor stages."""
+
+    def __init__(self, chunk: nn.Module) -> None:
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.chunk.pre_process:
+            return self.chunk(input_ids=x)
+        self.chunk.set_input_tensor(x)
+        return self.chunk()                         # hidden (s, b, h), or logits (b, s, v) on the last stage
+
+
+class _CapturedWeightGrads:
+    """torch's `dw_builder` for our model: torch calls it right after each input backward (I) and runs
+    what it returns at the matching W. Our linears queue their weight gradients in `weight_grad_store`,
+    so the store captures continuously and each call cuts off the closures of the I that just ran."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def start(self) -> None:
+        weight_grad_store.begin(("torch-dw", self.count))
+
+    def __call__(self):
+        key = weight_grad_store.end()
+        self.count += 1
+        self.start()
+        return lambda: weight_grad_store.run(key)
+
+    def stop(self) -> None:
+        assert weight_grad_store.run(weight_grad_store.end()) == 0, "weight gradients left after the step"
+
+
+def _torch_step(config, ps, name: str, m: int, tokens: torch.Tensor, labels: torch.Tensor):
+    """torch.distributed.pipelining's Schedule1F1B, or ScheduleZBVZeroBubble with the real I/W split."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
+    vpp = 2 if name == "torch-zbv" else 1
+    chunks = llama_chunks(config, ps, "zbv" if vpp == 2 else "1f1b", vpp)
+    dw = _CapturedWeightGrads() if vpp == 2 else None
+    stages = [PipelineStage(_TorchStage(c), stage_of(ps.pp_rank, i, ps.pp_size, "v" if vpp == 2 else "interleaved"),
+                            ps.pp_size * vpp, torch.device("cpu"), group=ps.pp_group, dw_builder=dw)
+              for i, c in enumerate(chunks)]
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return logits.float().sum()                 # the same loss as loss_step (target unused)
+    schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn) if vpp == 2 else \
+        Schedule1F1B(stages[0], m, loss_fn=loss_fn)
+    holds_first = any(c.pre_process for c in chunks)
+    holds_last = any(c.post_process for c in chunks)
+
+    def step() -> None:
+        args = (tokens,) if holds_first else ()
+        if dw is not None:
+            dw.start()
+        try:
+            schedule.step(*args, target=labels if holds_last else None)
+        finally:
+            if dw is not None:
+                dw.stop()
+    return step
+
+
+def timed_rounds(ps, steps: dict, rounds: int) -> tuple[dict, dict]:
+    """Time the names round-robin, so background load hits all alike. Returns ({name: [step seconds per
+    round, MAX over ranks]}, {name: [median main-thread CPU seconds of each rank]})."""
+    import torch.distributed as dist
+    wall = torch.zeros(len(steps), rounds, dtype=torch.float64)
+    cpu = torch.zeros(len(steps), rounds, dtype=torch.float64)
+    for k in range(rounds):
+        for i, step in enumerate(steps.values()):
+            dist.barrier(group=ps.pp_group)
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            step()
+            cpu[i, k] = time.thread_time() - start_cpu
+            dist.barrier(group=ps.pp_group)
+            wall[i, k] = time.perf_counter() - start
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=ps.pp_group)
+    busy = [torch.zeros(len(steps), dtype=torch.float64) for _ in range(ps.pp_size)]
+    dist.all_gather(busy, cpu.median(dim=1).values, group=ps.pp_group)
+    return ({n: wall[i].tolist() for i, n in enumerate(steps)},
+            {n: [float(b[i]) for b in busy] for i, n in enumerate(steps)})
+
+
+def _our_step(config, ps0, name: str, vpp: int, m: int, batches: list):
+    """(step callable, callable giving the plan that runs, the AutoSchedule or None): `auto` and `zb-h2`
+    know their plan and costs once they have profiled."""
+    from core.pipeline_parallel import executor
+    from core.pipeline_parallel.schedules import cached_plan, get_forward_backward_func
+    ps = dataclasses.replace(ps0, vpp_size=vpp)
+    chunks = llama_chunks(config, ps, name, vpp)
+    if name == "1f1b-fused":                  # Megatron-LM's 1F1B: a BW sends only after its weight grads
+        plan = cached_plan("1f1b", ps.pp_size, 1, m)
+        return (lambda: executor.run(plan, model_chunks=chunks, forward_step_func=loss_step,
+                                     data_iterator=[iter(batches)], parallel_state=ps, num_microbatches=m,
+                                     fused_bw=True)), (lambda: plan), None
+    fb = get_forward_backward_func(ps, name, profile_iters=1)
+    profiled = name in ("auto", "zb-h2")
+    plan = (lambda: fb.plan) if profiled else (lambda: cached_plan(name, ps.pp_size, vpp, m))
+    return (lambda: fb(forward_step_func=loss_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
+                       num_microbatches=m)), plan, fb if profiled else None
+
+
+def _ideal_steps(config, rank: int, world: int, batches: list) -> dict:
+    """`single`: rank 0 runs the whole model on every microbatch (the others wait), so ideal = single / p;
+    `busy-ideal`: every rank runs the whole model on its 1/p of the microbatches at the same time, with no
+    communication: the ideal with every core busy (shared caches and memory bandwidth included)."""
+    from model.llama import LlamaModel
+    model = LlamaModel(config)
+
+    def run(mine: list) -> None:
+        for b in mine:
+            model(**b).float().sum().backward()
+    return {"single": lambda: run(batches if rank == 0 else []),
+            "busy-ideal": lambda: run(batches[rank::world])}
+
+
+def _simulated_fill(plan, vpp: int, stage_costs: Costs, early_send: bool) -> float:
+    """Simulated makespan / m (F + B + W) at the profiled per-stage costs, split evenly over the chunks."""
+    c = stage_costs
+    chunk = Costs(f=c.f / vpp, b=c.b / vpp, w=c.w / vpp, comm=c.comm)
+    return simulate(plan, chunk, early_send=early_send).makespan / (plan.num_microbatches * (c.f + c.b + c.w))
+
+
+def real_worker(rank: int, world: int, args) -> list[dict]:
+    from core.parallel_state import initialize_model_parallel
+    torch.set_num_threads(1)
+    if args.pin and len(os.sched_getaffinity(0)) >= world:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})     # one core per rank, no migration
+    ps0, config, rows = initialize_model_parallel(1, world), llama_config(args), []
+    for m in args.real_m:
+        g = torch.Generator().manual_seed(m)
+        batches = [{"input_ids": torch.randint(0, 1024, (args.batch, args.seq), generator=g),
+                    "labels": torch.randint(0, 1024, (args.batch, args.seq), generator=g)} for _ in range(m)]
+        steps, errors, plans, auto = _ideal_steps(config, rank, world, batches), {}, {}, None
+        for name, vpp in REAL_SCHEDULES:
+            steps[name], plans[name], profiler = _our_step(config, ps0, name, vpp, m, batches)
+            auto = profiler if name == "auto" else auto
+        tokens, labels = torch.cat([b["input_ids"] for b in batches]), torch.cat([b["labels"] for b in batches])
+        for name in TORCH_EQUIVALENT.values():
+            try:
+                steps[name] = _torch_step(config, ps0, name, m, tokens, labels)
+                steps[name]()                          # torch infers shapes on its first step
+            except Exception as err:  # an API mismatch is a result to report, not a crash
+                steps.pop(name)
+                errors[name] = f"{type(err).__name__}: {err}"
+        for step in steps.values():
+            step()                                     # warm-up; `auto` profiles here and switches
+        wall, busy = timed_rounds(ps0, steps, args.real_rounds)
+        ideal = statistics.median(wall.pop("single")) / world
+        busy_ideal = statistics.median(wall.pop("busy-ideal"))
+        busy.pop("single"), busy.pop("busy-ideal")
+        for name, times in wall.items():
+            row = {"schedule": name, "m": m, "step_s": statistics.median(times), "ideal_s": ideal,
+                   "busy_ideal_s": busy_ideal, "busy_s": busy[name], "rounds_s": times}
+            if name in plans:              # auto profiled F/B/W/comm of one whole stage during warm-up
+                row["sim_fill"] = _simulated_fill(plans[name](), dict(REAL_SCHEDULES)[name], auto.costs,
+                                                   early_send=name != "1f1b-fused")
+            rows.append(row)
+        rows += [{"schedule": n, "m": m, "step_s": None, "ideal_s": ideal, "busy_ideal_s": busy_ideal, "error": e}
+                 for n, e in errors.items()]
+    return rows
+
+
+def summary(real: list[dict]) -> list[dict]:
+    """Ratios per m: each schedule vs our 1F1B, the ideal and the busy ideal; the busiest rank's compute vs
+    the ideal and the step vs that compute (the idle a schedule and runtime add); torch's equivalent vs
+    ours as the median of per-round ratios (rounds are interleaved, so pairing them cancels slow spells)."""
+    out = []
+    for m in sorted({r["m"] for r in real}):
+        rows = {r["schedule"]: r for r in real if r["m"] == m and r["step_s"] is not None}
+        base = rows["1f1b"]["step_s"]
+        for name, r in rows.items():
+            busiest = max(r["busy_s"])
+            row = {"schedule": name, "m": m, "vs_our_1f1b": r["step_s"] / base, "vs_ideal": r["step_s"] / r["ideal_s"],
+                   "vs_busy_ideal": r["step_s"] / r["busy_ideal_s"], "busiest_vs_ideal": busiest / r["ideal_s"],
+                   "step_vs_busiest": r["step_s"] / busiest, "sim_fill": r.get("sim_fill")}
+            torch_name = TORCH_EQUIVALENT.get(name)
+            if torch_name in rows:
+                row["vs_torch_paired"] = statistics.median(
+                    ours / theirs for ours, theirs in zip(r["rounds_s"], rows[torch_name]["rounds_s"]))
+            out.append(row)
+    return out

@@ -1,0 +1,26 @@
+"""The real-mode summary of benchmarks/bench_schedules.py: the ratios the README reports."""
+import pytest
+
+from benchmarks.schedules_real import summary
+
+
+def _row(name, rounds, busy):
+    return {"schedule": name, "m": 4, "step_s": sorted(rounds)[len(rounds) // 2], "ideal_s": 1.0,
+            "busy_ideal_s": 1.25, "busy_s": busy, "rounds_s": rounds}
+
+
+def test_summary_ratios_and_paired_torch_comparison():
+    rows = [_row("1f1b", [2.0, 2.0, 2.0], [1.5, 1.8]),
+            _row("zbv", [1.2, 1.8, 1.5], [1.4, 1.3]),
+            _row("torch-zbv", [1.0, 2.0, 1.6], [1.45, 1.3]),
+            {"schedule": "torch-1f1b", "m": 4, "step_s": None, "ideal_s": 1.0, "busy_ideal_s": 1.25, "error": "x"}]
+    out = {r["schedule"]: r for r in summary(rows)}
+    assert set(out) == {"1f1b", "zbv", "torch-zbv"}               # a failed torch schedule is skipped
+    zbv = out["zbv"]
+    assert zbv["vs_our_1f1b"] == pytest.approx(0.75)
+    assert zbv["vs_ideal"] == pytest.approx(1.5) and zbv["vs_busy_ideal"] == pytest.approx(1.2)
+    assert zbv["busiest_vs_ideal"] == pytest.approx(1.4)          # rank 0 is the busiest
+    assert zbv["step_vs_busiest"] == pytest.approx(1.5 / 1.4)
+    # per-round ratios 1.2, 0.9, 0.9375: the median pairs each round with torch's run of the same round
+    assert zbv["vs_torch_paired"] == pytest.approx(0.9375)
+    assert "vs_torch_paired" not in out["1f1b"]                    # torch-1f1b failed
