@@ -33,7 +33,6 @@ from core.pipeline_parallel.simulator import Costs, simulate  # noqa: E402
 from benchmarks.schedules_real import SCHEDULES, loss_step, placement, real_worker, summary  # noqa: E402
 
 
-
 def chunk_costs(vpp: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> Costs:
     """Per-chunk costs when a stage's work (f, b, w, one unit of memory) is split over vpp chunks."""
     return Costs(f=f / vpp, b=b / vpp, w=w / vpp, act_mem=1.0 / vpp, w_mem=0.5 / vpp)

@@ -5,7 +5,8 @@ Every schedule of ours (and Megatron's fused-BW 1F1B), the ideal (single-rank st
 torch.distributed.pipelining's Schedule1F1B / ScheduleZBVZeroBubble (with its I/W split) are timed
 round-robin in one run. Besides step times it records where the time goes:
   busy      main-thread CPU seconds per rank (`time.thread_time`; gloo waits block, so they do not count):
-            the busiest rank's compute bounds any schedule, whatever its order;
+            the busiest rank's compute, including the runtime's own main-thread work, bounds any schedule
+            whatever its order, so step / busiest measures idle time only;
   sim       the simulator's makespan for the plan that ran, at the F/B/W/comm costs `auto` profiled,
             over m * (F + B + W): the pipeline fill a perfect runtime on perfectly balanced stages pays.
 """
@@ -134,7 +135,8 @@ def timed_rounds(ps, steps: dict, rounds: int) -> tuple[dict, dict]:
             wall[i, k] = time.perf_counter() - start
     dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=ps.pp_group)
     busy = [torch.zeros(len(steps), dtype=torch.float64) for _ in range(ps.pp_size)]
-    dist.all_gather(busy, cpu.median(dim=1).values, group=ps.pp_group)
+    medians = torch.tensor([statistics.median(row) for row in cpu.tolist()], dtype=torch.float64)
+    dist.all_gather(busy, medians, group=ps.pp_group)
     return ({n: wall[i].tolist() for i, n in enumerate(steps)},
             {n: [float(b[i]) for b in busy] for i, n in enumerate(steps)})
 

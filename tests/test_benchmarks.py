@@ -1,7 +1,9 @@
 """The real-mode summary of benchmarks/bench_schedules.py: the ratios the README reports."""
 import pytest
 
-from benchmarks.schedules_real import summary
+from benchmarks.schedules_real import _simulated_fill, summary
+from core.pipeline_parallel.builders import build
+from core.pipeline_parallel.simulator import Costs
 
 
 def _row(name, rounds, busy):
@@ -24,3 +26,12 @@ def test_summary_ratios_and_paired_torch_comparison():
     # per-round ratios 1.2, 0.9, 0.9375: the median pairs each round with torch's run of the same round
     assert zbv["vs_torch_paired"] == pytest.approx(0.9375)
     assert "vs_torch_paired" not in out["1f1b"]                    # torch-1f1b failed
+
+
+def test_simulated_fill_at_unit_costs():
+    # p = 2, m = 4, F = B = W = 1 per stage: 1F1B idles one F and one B+W per rank (14 / 12), ZB-V only
+    # the first half-stage forward (12.5 / 12); the fused 1F1B without the early send is longer still.
+    costs = Costs(f=1.0, b=1.0, w=1.0)
+    assert _simulated_fill(build("1f1b", 2, 1, 4), 1, costs, early_send=True) == pytest.approx(14 / 12)
+    assert _simulated_fill(build("zbv", 2, 2, 4), 2, costs, early_send=True) == pytest.approx(12.5 / 12)
+    assert _simulated_fill(build("1f1b", 2, 1, 4), 1, costs, early_send=False) > 14 / 12

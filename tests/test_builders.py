@@ -209,7 +209,8 @@ def test_zb_h2_fitted_keeps_its_edge_when_b_is_twice_w():
 @pytest.mark.parametrize("m", [4, 6, 8, 16])
 def test_zbv_meets_the_pipeline_fill_lower_bound_at_pp2(m):
     # Rank 1 cannot start before the first chunk's F, and then has m (F + B + W) of work: no plan beats
-    # m (F + B + W) + F / vpp. ZB-V reaches it once m >= 2p, so at m = 4 the best p=2 step is 1/24 above the ideal.
+    # m (F + B + W) + F / vpp. With F = B = W and no comm, ZB-V reaches it once m >= 2p, so at m = 4 no
+    # plan with at most two chunks per rank comes within 1/24 of the ideal m (F + B + W).
     bound = m * 3 + 0.5
     costs = Costs(f=0.5, b=0.5, w=0.5, act_mem=0.5, w_mem=0.25)
     assert simulate(zbv(2, m), costs).makespan == pytest.approx(bound)
