@@ -221,10 +221,16 @@ def real_worker(rank: int, world: int, args) -> list[dict]:
     return rows
 
 
+def _paired(row: dict, base: dict) -> float:
+    """Median over rounds of row's step / base's step in the same round."""
+    return statistics.median(ours / theirs for ours, theirs in zip(row["rounds_s"], base["rounds_s"]))
+
+
 def summary(real: list[dict]) -> list[dict]:
     """Ratios per m: each schedule vs our 1F1B, the ideal and the busy ideal; the busiest rank's compute vs
-    the ideal and the step vs that compute (the idle a schedule and runtime add); torch's equivalent vs
-    ours as the median of per-round ratios (rounds are interleaved, so pairing them cancels slow spells)."""
+    the ideal and the step vs that compute (the idle a schedule and runtime add); ours vs our 1F1B and vs
+    torch's equivalent also as the median of per-round ratios (rounds are interleaved, so pairing them
+    cancels slow spells)."""
     out = []
     for m in sorted({r["m"] for r in real}):
         rows = {r["schedule"]: r for r in real if r["m"] == m and r["step_s"] is not None}
@@ -234,9 +240,9 @@ def summary(real: list[dict]) -> list[dict]:
             row = {"schedule": name, "m": m, "vs_our_1f1b": r["step_s"] / base, "vs_ideal": r["step_s"] / r["ideal_s"],
                    "vs_busy_ideal": r["step_s"] / r["busy_ideal_s"], "busiest_vs_ideal": busiest / r["ideal_s"],
                    "step_vs_busiest": r["step_s"] / busiest, "sim_fill": r.get("sim_fill")}
+            row["vs_our_1f1b_paired"] = _paired(r, rows["1f1b"])
             torch_name = TORCH_EQUIVALENT.get(name)
             if torch_name in rows:
-                row["vs_torch_paired"] = statistics.median(
-                    ours / theirs for ours, theirs in zip(r["rounds_s"], rows[torch_name]["rounds_s"]))
+                row["vs_torch_paired"] = _paired(r, rows[torch_name])
             out.append(row)
     return out

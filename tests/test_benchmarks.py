@@ -25,6 +25,8 @@ def test_summary_ratios_and_paired_torch_comparison():
     assert zbv["step_vs_busiest"] == pytest.approx(1.5 / 1.4)
     # per-round ratios 1.2, 0.9, 0.9375: the median pairs each round with torch's run of the same round
     assert zbv["vs_torch_paired"] == pytest.approx(0.9375)
+    assert zbv["vs_our_1f1b_paired"] == pytest.approx(0.75)          # rounds 0.6, 0.9, 0.75
+    assert out["torch-zbv"]["vs_our_1f1b_paired"] == pytest.approx(0.8)  # 0.5, 1.0, 0.8
     assert "vs_torch_paired" not in out["1f1b"]                    # torch-1f1b failed
 
 
