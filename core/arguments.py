@@ -25,6 +25,10 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers on the first pipeline stage (uneven split; the rest split evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers on the last pipeline stage, e.g. fewer to balance the LM head and loss")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--pipeline-schedule", default=None,
                    help=f"one of {', '.join(SCHEDULES)} (default 1f1b, or interleaved with virtual stages)")

@@ -14,6 +14,7 @@ import torch
 
 from core.config import CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, SCHEDULES, TrainingConfig
 from core.logger import get_logger
+from core.resharding import stage_layer_ranges
 from model.config import PRESETS, LlamaConfig
 
 log = get_logger()
@@ -76,7 +77,9 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
     return ParallelConfig(world_size=world_size, tp_size=tp, pp_size=pp, vpp_size=_vpp_size(args),
                           dp_size=world_size // (tp * pp), order=args.parallel_order,
                           sequence_parallel=sequence_parallel, pipeline_schedule=schedule,
-                          pipeline_memory_limit=args.pipeline_memory_limit, distributed_backend=backend,
+                          pipeline_memory_limit=args.pipeline_memory_limit,
+                          first_stage_layers=args.decoder_first_pipeline_num_layers,
+                          last_stage_layers=args.decoder_last_pipeline_num_layers, distributed_backend=backend,
                           distributed_timeout_minutes=args.distributed_timeout_minutes,
                           use_distributed_optimizer=args.use_distributed_optimizer,
                           overlap_grad_reduce=args.overlap_grad_reduce)
@@ -100,8 +103,17 @@ def _vpp_size(args: argparse.Namespace) -> int:
 
 def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig) -> None:
     tp, pp = par.tp_size, par.pp_size
-    if m.num_layers % pp:
+    uneven = par.first_stage_layers is not None or par.last_stage_layers is not None
+    if uneven and (pp == 1 or par.vpp_size > 1):
+        raise ArgumentError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1 "
+                            "and cannot be combined with --num-layers-per-virtual-pipeline-stage "
+                            f"(got pp {pp}, {par.vpp_size} model chunks per rank)")
+    if m.num_layers % pp and not uneven:
         raise ArgumentError(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size ({pp})")
+    try:
+        stage_layer_ranges(m.num_layers, pp, par.vpp_size, par.first_stage_layers, par.last_stage_layers)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
     if m.hidden_size % m.num_attention_heads:
         raise ArgumentError(f"--hidden-size {m.hidden_size} is not divisible by "
                             f"--num-attention-heads ({m.num_attention_heads})")

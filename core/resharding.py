@@ -80,16 +80,55 @@ def layer_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def pp_rank_of(name: str, num_layers: int, pp_size: int, vpp_size: int = 1,
-               placement: str = "interleaved") -> int:
-    """Pipeline rank that holds logical `name` (DESIGN.md: stage v owns layers [v*L/S, (v+1)*L/S))."""
+def stage_layer_ranges(num_layers: int, pp_size: int, vpp_size: int = 1, first: int | None = None,
+                       last: int | None = None) -> list[tuple[int, int]]:
+    """[start, end) layer range of each virtual stage, in stage order.
+
+    Even split by default (DESIGN.md: stage v owns layers [v*L/S, (v+1)*L/S)). `first` / `last` are
+    Megatron-LM's --decoder-first/last-pipeline-num-layers: the layers of the first / last pipeline stage
+    (one chunk per rank), the rest split evenly over the stages between, e.g. to give the stage with the
+    LM head and the loss fewer layers."""
     stages = pp_size * vpp_size
-    if num_layers % stages:
-        raise ValueError(f"--num-layers {num_layers} is not divisible by pipeline-model-parallel size "
-                         f"({pp_size}) x virtual stages per rank ({vpp_size})")
+    if first is None and last is None:
+        if num_layers % stages:
+            raise ValueError(f"--num-layers {num_layers} is not divisible by pipeline-model-parallel size "
+                             f"({pp_size}) x virtual stages per rank ({vpp_size})")
+        counts = [num_layers // stages] * stages
+    else:
+        if vpp_size != 1 or pp_size < 2:
+            raise ValueError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1 "
+                             f"and one model chunk per rank (got pp {pp_size}, {vpp_size} chunks per rank)")
+        given = {f"--decoder-{end}-pipeline-num-layers": n for end, n in (("first", first), ("last", last))
+                 if n is not None}
+        for flag, n in given.items():
+            if n < 1:
+                raise ValueError(f"{flag} {n} must be at least 1")
+        middle_stages, middle_layers = pp_size - len(given), num_layers - sum(given.values())
+        flags = " and ".join(f"{flag} {n}" for flag, n in given.items())
+        if middle_stages == 0 and middle_layers:
+            raise ValueError(f"{flags} must add up to --num-layers {num_layers} with "
+                             f"--pipeline-model-parallel-size {pp_size}")
+        if middle_layers < middle_stages or (middle_stages and middle_layers % middle_stages):
+            raise ValueError(f"{flags} {'leave' if len(given) > 1 else 'leaves'} {middle_layers} of --num-layers "
+                             f"{num_layers} for the other {middle_stages} pipeline stages, which must all get the "
+                             f"same number of layers, at least 1")
+        even = middle_layers // middle_stages if middle_stages else 0
+        counts = [even] * pp_size
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+    starts = [sum(counts[:s]) for s in range(stages)]
+    return [(start, start + n) for start, n in zip(starts, counts)]
+
+
+def pp_rank_of(name: str, num_layers: int, pp_size: int, vpp_size: int = 1,
+               placement: str = "interleaved", first: int | None = None, last: int | None = None) -> int:
+    """Pipeline rank that holds logical `name` under `stage_layer_ranges`."""
+    ranges = stage_layer_ranges(num_layers, pp_size, vpp_size, first, last)
     index = layer_index(name)
     if index is not None:
-        stage = index // (num_layers // stages)
+        stage = next(s for s, (start, end) in enumerate(ranges) if start <= index < end)
     else:
-        stage = 0 if name.startswith("embedding.") else stages - 1
+        stage = 0 if name.startswith("embedding.") else len(ranges) - 1
     return rank_chunk_of(stage, pp_size, placement)[0]

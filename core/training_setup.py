@@ -15,6 +15,7 @@ import torch
 from core.config import Config
 from core.logger import get_logger
 from core.parallel_state import ParallelState
+from core.resharding import stage_layer_ranges
 from core.pipeline_parallel.schedule_ir import stage_of
 from model.config import LlamaConfig
 
@@ -59,11 +60,15 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
     """This rank's model chunks and their (pre_process, post_process) roles."""
     from model.llama import LlamaModel
     num_stages = ps.pp_size * ps.vpp_size
-    per_stage = model_cfg.num_layers // num_stages
+    par = config.parallel
+    ranges = stage_layer_ranges(model_cfg.num_layers, ps.pp_size, ps.vpp_size, par.first_stage_layers,
+                                par.last_stage_layers)
+    if num_stages > 1:
+        log.info("layers per pipeline stage: " + ", ".join(str(end - start) for start, end in ranges))
     chunks, roles = [], []
     for stage in chunk_stages(config, ps):
         role = (stage == 0, stage == num_stages - 1)
-        chunk = LlamaModel(model_cfg, ps, layer_range=(stage * per_stage, (stage + 1) * per_stage),
+        chunk = LlamaModel(model_cfg, ps, layer_range=ranges[stage],
                            pre_process=role[0], post_process=role[1],
                            sequence_parallel=config.parallel.sequence_parallel,
                            params_dtype=params_dtype(config), seed=config.training.seed)

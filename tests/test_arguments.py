@@ -83,6 +83,17 @@ CASES = [
       "--pipeline-schedule", "auto", "--global-batch-size", "2"], 2, ("auto supports 1 or 2", "got 4")),
     (["--split", "100,0,0", "--eval-iters", "2"], 1, ("--eval-iters 2", "--split 100,0,0")),
     (["--recompute-num-layers", "2"], 1, ("--recompute-num-layers 2", "--recompute-granularity full")),
+    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5",
+      "--decoder-last-pipeline-num-layers", "2", "--global-batch-size", "2"], 2,
+     ("--decoder-first-pipeline-num-layers 5", "--decoder-last-pipeline-num-layers 2", "add up to --num-layers 8")),
+    (["--pipeline-model-parallel-size", "4", "--decoder-last-pipeline-num-layers", "3", "--global-batch-size", "4"],
+     4, ("--decoder-last-pipeline-num-layers 3 leaves 5", "other 3 pipeline stages")),
+    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "0", "--global-batch-size", "2"],
+     2, ("--decoder-first-pipeline-num-layers 0 must be at least 1",)),
+    (["--decoder-last-pipeline-num-layers", "3"], 1, ("--pipeline-model-parallel-size > 1",)),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+      "--decoder-last-pipeline-num-layers", "2", "--global-batch-size", "2"], 2,
+     ("--num-layers-per-virtual-pipeline-stage", "2 model chunks per rank")),
     (["--attention-dropout", "0.1"], 1, ("--attention-dropout 0.1", "no dropout")),
     (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], 1,
      ("--recompute-method uniform",)),
@@ -159,3 +170,9 @@ def test_recompute_method_uniform_means_every_layer_and_block_the_first_n():
     block = cfg(["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"])
     assert uniform.model.recompute_num_layers is None          # None: every layer of each chunk
     assert block.model.recompute_num_layers == 3
+
+
+def test_uneven_pipeline_split_reaches_the_config():
+    c = cfg(["--num-layers", "9", "--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "4",
+             "--global-batch-size", "2"], world=2)
+    assert (c.parallel.first_stage_layers, c.parallel.last_stage_layers) == (None, 4)

@@ -35,7 +35,8 @@ def tp2_pp2_run(tmp_path_factory):
 @pytest.mark.parametrize("nproc,layout", [
     (4, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"]),
     (1, []),
-], ids=["tp1-pp4-vpp2", "tp1-pp1"])
+    (2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5"]),
+], ids=["tp1-pp4-vpp2", "tp1-pp1", "tp1-pp2-uneven"])
 def test_resume_in_another_layout_continues_the_losses(tp2_pp2_run, tmp_path, nproc, layout):
     root, full = tp2_pp2_run
     resumed = train(nproc, FLAGS + layout + ["--train-iters", "4", "--load", str(root / "at2")],

@@ -45,6 +45,18 @@ def test_reference_loss_falls(reference):
     assert reference[-1] < reference[0]
 
 
+def test_uneven_pipeline_split_matches_single_process(reference, tmp_path):
+    jsonl = str(tmp_path / "m.jsonl")
+    proc = torchrun(2, TINY + ITERS + ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers",
+                                       "3", "--pipeline-schedule", "zb-h2", "--metrics-jsonl", jsonl])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layers per pipeline stage: 5, 3" in proc.stdout + proc.stderr
+    losses = [r["lm_loss"] for r in read_metrics(jsonl)]
+    assert len(losses) == 5
+    for it, (got, want) in enumerate(zip(losses, reference), 1):
+        assert math.isclose(got, want, rel_tol=1e-5), f"uneven split iteration {it}: {got} vs {want}"
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, reference, tmp_path):
     nproc, flags = LAYOUTS[name]

@@ -1,0 +1,45 @@
+"""Which layers each pipeline stage builds: the even split and Megatron's uneven first/last stage split."""
+import pytest
+
+from core.resharding import pp_rank_of, stage_layer_ranges
+
+
+def test_even_split_follows_stage_order():
+    assert stage_layer_ranges(8, 2) == [(0, 4), (4, 8)]
+    assert stage_layer_ranges(8, 2, 2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+@pytest.mark.parametrize("num_layers,pp,first,last,counts", [
+    (8, 2, 5, None, [5, 3]),
+    (8, 2, None, 3, [5, 3]),
+    (8, 2, 6, 2, [6, 2]),
+    (10, 4, 1, 3, [1, 3, 3, 3]),
+    (9, 4, 3, None, [3, 2, 2, 2]),
+    (7, 4, None, 1, [2, 2, 2, 1]),
+])
+def test_uneven_split_gives_first_and_last_their_counts_and_the_rest_evenly(num_layers, pp, first, last, counts):
+    ranges = stage_layer_ranges(num_layers, pp, 1, first, last)
+    assert [end - start for start, end in ranges] == counts
+    assert ranges[0][0] == 0 and ranges[-1][1] == num_layers
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))          # contiguous
+
+
+def test_pp_rank_of_follows_the_uneven_split():
+    owner = {name: pp_rank_of(name, 8, 2, first=None, last=3)
+             for name in ("embedding.weight", "layers.4.mlp.w", "layers.5.mlp.w", "final_norm.weight")}
+    assert owner == {"embedding.weight": 0, "layers.4.mlp.w": 0, "layers.5.mlp.w": 1, "final_norm.weight": 1}
+    assert pp_rank_of("layers.3.x", 8, 2) == 0 and pp_rank_of("layers.4.x", 8, 2) == 1
+
+
+@pytest.mark.parametrize("args,fragment", [
+    ((8, 2, 1, 5, 2), "add up to --num-layers 8"),
+    ((8, 3, 1, None, 3), "leaves 5 of --num-layers 8 for the other 2"),
+    ((8, 2, 1, 0, None), "--decoder-first-pipeline-num-layers 0 must be at least 1"),
+    ((8, 2, 1, 9, None), "leaves -1"),
+    ((8, 2, 2, 3, None), "one model chunk per rank"),
+    ((8, 1, 1, None, 3), "--pipeline-model-parallel-size > 1"),
+    ((9, 2, 1, None, None), "--num-layers 9 is not divisible"),
+])
+def test_impossible_splits_name_the_flags_and_numbers(args, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+        stage_layer_ranges(*args)
