@@ -103,11 +103,19 @@ def _vpp_size(args: argparse.Namespace) -> int:
 
 def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig) -> None:
     tp, pp = par.tp_size, par.pp_size
-    uneven = par.first_stage_layers is not None or par.last_stage_layers is not None
-    if uneven and (pp == 1 or par.vpp_size > 1):
-        raise ArgumentError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1 "
-                            "and cannot be combined with --num-layers-per-virtual-pipeline-stage "
-                            f"(got pp {pp}, {par.vpp_size} model chunks per rank)")
+    uneven = {f"--decoder-{end}-pipeline-num-layers {n}": n for end, n in
+              (("first", par.first_stage_layers), ("last", par.last_stage_layers)) if n is not None}
+    if uneven:
+        flags = " and ".join(uneven)
+        if pp == 1:
+            raise ArgumentError(f"{flags} needs --pipeline-model-parallel-size > 1")
+        if args.num_layers_per_virtual_pipeline_stage is not None:
+            raise ArgumentError(f"{flags} splits layers per pipeline rank (one model chunk each) and cannot be "
+                                "combined with --num-layers-per-virtual-pipeline-stage "
+                                f"{args.num_layers_per_virtual_pipeline_stage}")
+        if par.pipeline_schedule in ("zbv", "interleaved"):
+            raise ArgumentError(f"{flags} needs one model chunk per pipeline rank, but --pipeline-schedule "
+                                f"{par.pipeline_schedule} uses two or more; use 1f1b, gpipe, zb-h1, zb-h2 or auto")
     if m.num_layers % pp and not uneven:
         raise ArgumentError(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size ({pp})")
     try:

@@ -108,10 +108,14 @@ def stage_layer_ranges(num_layers: int, pp_size: int, vpp_size: int = 1, first: 
         if middle_stages == 0 and middle_layers:
             raise ValueError(f"{flags} must add up to --num-layers {num_layers} with "
                              f"--pipeline-model-parallel-size {pp_size}")
+        if middle_layers < 0:
+            raise ValueError(f"{flags} {'are' if len(given) > 1 else 'is'} more than --num-layers {num_layers}")
         if middle_layers < middle_stages or (middle_stages and middle_layers % middle_stages):
             raise ValueError(f"{flags} {'leave' if len(given) > 1 else 'leaves'} {middle_layers} of --num-layers "
-                             f"{num_layers} for the other {middle_stages} pipeline stages, which must all get the "
-                             f"same number of layers, at least 1")
+                             f"{num_layers} for the other " + (
+                                 f"{middle_stages} pipeline stages, which must all get the same number of "
+                                 "layers, at least 1 each" if middle_stages > 1 else
+                                 "pipeline stage, which needs at least 1"))
         even = middle_layers // middle_stages if middle_stages else 0
         counts = [even] * pp_size
         if first is not None:
@@ -128,7 +132,9 @@ def pp_rank_of(name: str, num_layers: int, pp_size: int, vpp_size: int = 1,
     ranges = stage_layer_ranges(num_layers, pp_size, vpp_size, first, last)
     index = layer_index(name)
     if index is not None:
-        stage = next(s for s, (start, end) in enumerate(ranges) if start <= index < end)
+        stage = next((s for s, (start, end) in enumerate(ranges) if start <= index < end), None)
+        if stage is None:
+            raise ValueError(f"{name} is layer {index}, but the model has {num_layers} layers")
     else:
         stage = 0 if name.startswith("embedding.") else len(ranges) - 1
     return rank_chunk_of(stage, pp_size, placement)[0]

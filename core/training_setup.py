@@ -2,7 +2,9 @@
 and the Megatron-style `forward_step(data_iterator, model)` with its token-sum loss function.
 
 Chunk placement follows DESIGN.md section 3: virtual stage v holds layers [v*L/S, (v+1)*L/S) for
-S = pp*vpp stages; interleaved schedules place stage v on rank v % pp, ZB-V uses the V placement.
+S = pp*vpp stages (unless --decoder-first/last-pipeline-num-layers give an uneven split, see
+`core.resharding.stage_layer_ranges`); interleaved schedules place stage v on rank v % pp, ZB-V uses the
+V placement.
 """
 from __future__ import annotations
 

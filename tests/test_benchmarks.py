@@ -1,6 +1,7 @@
 """The real-mode summary of benchmarks/bench_schedules.py: the ratios the README reports."""
 import pytest
 
+from benchmarks.pool_runs import bootstrap_median, pooled, round_ratios
 from benchmarks.schedules_real import _simulated_fill, summary
 from core.pipeline_parallel.builders import build
 from core.pipeline_parallel.simulator import Costs
@@ -37,3 +38,22 @@ def test_simulated_fill_at_unit_costs():
     assert _simulated_fill(build("1f1b", 2, 1, 4), 1, costs, early_send=True) == pytest.approx(14 / 12)
     assert _simulated_fill(build("zbv", 2, 2, 4), 2, costs, early_send=True) == pytest.approx(12.5 / 12)
     assert _simulated_fill(build("1f1b", 2, 1, 4), 1, costs, early_send=False) > 14 / 12
+
+
+def test_pooled_rounds_pair_within_each_run():
+    run = lambda rounds_zbv, rounds_1f1b: {"real": [_row("zbv", rounds_zbv, [1, 1]),  # noqa: E731
+                                                     _row("1f1b", rounds_1f1b, [1, 1])]}
+    runs = [run([1.0, 3.0], [2.0, 2.0]), run([4.0], [5.0]), {"real": [_row("zbv", [9.0], [1, 1])]}]
+    assert round_ratios(runs, "zbv", "1f1b", 4) == [0.5, 1.5, 0.8]      # the run without 1f1b adds nothing
+    row = pooled(runs, pairs=[("zbv", "1f1b"), ("zbv", "torch-zbv")])
+    assert len(row) == 1 and row[0]["rounds"] == 3 and row[0]["wins"] == 2
+    assert row[0]["median"] == pytest.approx(0.8)
+    low, high = row[0]["ci95"]
+    assert 0.5 <= low <= 0.8 <= high <= 1.5
+
+
+def test_bootstrap_interval_narrows_with_more_rounds():
+    rounds = [0.8 + 0.4 * ((i * 0.618034) % 1) for i in range(200)]      # spread evenly over [0.8, 1.2)
+    (few_low, few_high), (low, high) = bootstrap_median(rounds[:7]), bootstrap_median(rounds)
+    assert few_low <= low <= 1.0 <= high <= few_high
+    assert high - low < 0.5 * (few_high - few_low)

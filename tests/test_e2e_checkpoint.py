@@ -46,6 +46,20 @@ def test_resume_in_another_layout_continues_the_losses(tp2_pp2_run, tmp_path, np
         assert math.isclose(got["lm_loss"], want["lm_loss"], rel_tol=1e-5), (got["iteration"], got, want)
 
 
+def test_checkpoint_saved_with_an_uneven_split_resumes_in_another(tmp_path):
+    uneven = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "6"]
+    full = train(2, FLAGS + uneven + ["--train-iters", "4", "--save", str(tmp_path / "run"), "--save-interval", "2"],
+                 str(tmp_path / "full.jsonl"))
+    at2 = tmp_path / "at2"
+    shutil.copytree(tmp_path / "run" / "iter_0000002", at2 / "iter_0000002")
+    (at2 / "latest_checkpointed_iteration.txt").write_text("2\n")
+    resumed = train(2, FLAGS + ["--pipeline-model-parallel-size", "2", "--train-iters", "4", "--load", str(at2)],
+                    str(tmp_path / "resumed.jsonl"))
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    for got, want in zip(resumed, full[2:]):
+        assert math.isclose(got["lm_loss"], want["lm_loss"], rel_tol=1e-5), (got["iteration"], got, want)
+
+
 def test_hf_import_finetune_export_matches_our_loss(tmp_path):
     transformers = pytest.importorskip("transformers")
     hf_cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,

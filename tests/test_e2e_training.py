@@ -45,12 +45,16 @@ def test_reference_loss_falls(reference):
     assert reference[-1] < reference[0]
 
 
-def test_uneven_pipeline_split_matches_single_process(reference, tmp_path):
+@pytest.mark.parametrize("nproc,flags,split", [
+    (2, ["--decoder-last-pipeline-num-layers", "3", "--pipeline-schedule", "zb-h2"], "5, 3"),
+    (4, ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"], "1, 2, 2, 3"),
+], ids=["pp2-last3-zbh2", "pp4-first1-last3-1f1b"])
+def test_uneven_pipeline_split_matches_single_process(reference, tmp_path, nproc, flags, split):
     jsonl = str(tmp_path / "m.jsonl")
-    proc = torchrun(2, TINY + ITERS + ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers",
-                                       "3", "--pipeline-schedule", "zb-h2", "--metrics-jsonl", jsonl])
+    proc = torchrun(nproc, TINY + ITERS + ["--pipeline-model-parallel-size", str(nproc), *flags,
+                                           "--metrics-jsonl", jsonl])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "layers per pipeline stage: 5, 3" in proc.stdout + proc.stderr
+    assert f"layers per pipeline stage: {split}" in proc.stdout + proc.stderr
     losses = [r["lm_loss"] for r in read_metrics(jsonl)]
     assert len(losses) == 5
     for it, (got, want) in enumerate(zip(losses, reference), 1):

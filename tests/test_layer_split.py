@@ -29,13 +29,16 @@ def test_pp_rank_of_follows_the_uneven_split():
              for name in ("embedding.weight", "layers.4.mlp.w", "layers.5.mlp.w", "final_norm.weight")}
     assert owner == {"embedding.weight": 0, "layers.4.mlp.w": 0, "layers.5.mlp.w": 1, "final_norm.weight": 1}
     assert pp_rank_of("layers.3.x", 8, 2) == 0 and pp_rank_of("layers.4.x", 8, 2) == 1
+    with pytest.raises(ValueError, match="layers.8.x is layer 8, but the model has 8 layers"):
+        pp_rank_of("layers.8.x", 8, 2)
 
 
 @pytest.mark.parametrize("args,fragment", [
     ((8, 2, 1, 5, 2), "add up to --num-layers 8"),
     ((8, 3, 1, None, 3), "leaves 5 of --num-layers 8 for the other 2"),
     ((8, 2, 1, 0, None), "--decoder-first-pipeline-num-layers 0 must be at least 1"),
-    ((8, 2, 1, 9, None), "leaves -1"),
+    ((8, 2, 1, 9, None), "--decoder-first-pipeline-num-layers 9 is more than --num-layers 8"),
+    ((8, 3, 1, 4, 4), "leave 0 of --num-layers 8 for the other pipeline stage, which needs at least 1"),
     ((8, 2, 2, 3, None), "one model chunk per rank"),
     ((8, 1, 1, None, 3), "--pipeline-model-parallel-size > 1"),
     ((9, 2, 1, None, None), "--num-layers 9 is not divisible"),
