@@ -101,10 +101,11 @@ def _vpp_size(args: argparse.Namespace) -> int:
     return max(per_rank // per_vstage, 1)
 
 
-def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig) -> None:
-    tp, pp = par.tp_size, par.pp_size
-    uneven = {f"--decoder-{end}-pipeline-num-layers {n}": n for end, n in
-              (("first", par.first_stage_layers), ("last", par.last_stage_layers)) if n is not None}
+def _check_layer_split(args: argparse.Namespace, num_layers: int, par: ParallelConfig) -> None:
+    """The even split, or --decoder-first/last-pipeline-num-layers with one chunk per rank."""
+    pp = par.pp_size
+    uneven = [f"--decoder-{end}-pipeline-num-layers {n}" for end, n in
+              (("first", par.first_stage_layers), ("last", par.last_stage_layers)) if n is not None]
     if uneven:
         flags = " and ".join(uneven)
         if pp == 1:
@@ -116,12 +117,17 @@ def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig) -
         if par.pipeline_schedule in ("zbv", "interleaved"):
             raise ArgumentError(f"{flags} needs one model chunk per pipeline rank, but --pipeline-schedule "
                                 f"{par.pipeline_schedule} uses two or more; use 1f1b, gpipe, zb-h1, zb-h2 or auto")
-    if m.num_layers % pp and not uneven:
-        raise ArgumentError(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size ({pp})")
+    elif num_layers % pp:
+        raise ArgumentError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size ({pp})")
     try:
-        stage_layer_ranges(m.num_layers, pp, par.vpp_size, par.first_stage_layers, par.last_stage_layers)
+        stage_layer_ranges(num_layers, pp, par.vpp_size, par.first_stage_layers, par.last_stage_layers)
     except ValueError as err:
         raise ArgumentError(str(err)) from None
+
+
+def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig) -> None:
+    tp, pp = par.tp_size, par.pp_size
+    _check_layer_split(args, m.num_layers, par)
     if m.hidden_size % m.num_attention_heads:
         raise ArgumentError(f"--hidden-size {m.hidden_size} is not divisible by "
                             f"--num-attention-heads ({m.num_attention_heads})")
