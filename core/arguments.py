@@ -38,7 +38,10 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each gradient bucket's data-parallel all-reduce during the backward")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per data-parallel gradient all-reduce bucket (default 25000000)")
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:

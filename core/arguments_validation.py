@@ -74,6 +74,8 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
         raise ArgumentError(f"--pipeline-schedule {schedule} is unknown; choose one of {', '.join(SCHEDULES)}")
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 cannot be used together")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
+        raise ArgumentError(f"--ddp-bucket-size must be a positive number of elements, got {args.ddp_bucket_size}")
     return ParallelConfig(world_size=world_size, tp_size=tp, pp_size=pp, vpp_size=_vpp_size(args),
                           dp_size=world_size // (tp * pp), order=args.parallel_order,
                           sequence_parallel=sequence_parallel, pipeline_schedule=schedule,
@@ -82,7 +84,8 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
                           last_stage_layers=args.decoder_last_pipeline_num_layers, distributed_backend=backend,
                           distributed_timeout_minutes=args.distributed_timeout_minutes,
                           use_distributed_optimizer=args.use_distributed_optimizer,
-                          overlap_grad_reduce=args.overlap_grad_reduce)
+                          overlap_grad_reduce=args.overlap_grad_reduce,
+                          ddp_bucket_size=args.ddp_bucket_size or ParallelConfig.ddp_bucket_size)
 
 
 def _vpp_size(args: argparse.Namespace) -> int:

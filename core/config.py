@@ -29,6 +29,7 @@ class ParallelConfig:
     distributed_timeout_minutes: float = 10.0
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    ddp_bucket_size: int = 25_000_000               # elements per DP all-reduce bucket
 
     @property
     def num_chunks(self) -> int:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from core.parallel_state import ParallelState
 from core.tensor_parallel.layers import allreduce_sequence_parallel_grads, grad_dtype
 
-DEFAULT_BUCKET_SIZE = 25_000_000  # elements per DP all-reduce bucket
+DEFAULT_BUCKET_SIZE = 25_000_000  # elements per DP all-reduce bucket (ParallelConfig.ddp_bucket_size)
 
 
 def group_size(group: Any) -> int:
@@ -131,23 +131,28 @@ def global_num_tokens(num_tokens: Optional[torch.Tensor], parallel_state: Parall
 def finalize_model_grads(model_chunks: list[torch.nn.Module], parallel_state: ParallelState,
                          num_tokens: Optional[torch.Tensor], *, bucket_size: int = DEFAULT_BUCKET_SIZE,
                          overlap_grad_reduce: bool = False,
-                         global_tokens: Optional[float] = None) -> Optional[float]:
+                         global_tokens: Optional[float] = None, grad_sync: Any = None) -> Optional[float]:
     """Reduce all grads of this rank's chunks over TP (sequence-parallel params) and DP; returns the token count.
 
     Collective over the TP, PP and DP groups of `parallel_state`; call once per step after the last W.
     `global_tokens`, when the caller already reduced the step's token count over PP and DP, is used as is;
     it is required when the loss is not on the last pipeline rank (ZB-V puts it on pp rank 0).
+    `grad_sync` (a `core.grad_sync.GradSync` that already started some buckets during the backward)
+    reduces the rest and divides; the sums are the same as without it (buckets are per chunk).
     """
     ps = parallel_state
     params = _model_params(model_chunks)
-    allreduce_sequence_parallel_grads(model_chunks, ps.tp_group)  # small norm grads: one coalesced all-reduce
+    if grad_sync is None:
+        allreduce_sequence_parallel_grads(model_chunks, ps.tp_group)  # small norm grads: one coalesced all-reduce
     if global_tokens is None:
         total = global_num_tokens(num_tokens, ps)
     elif global_tokens <= 0:
         raise ValueError("the global batch has no loss tokens (every loss_mask entry is 0), so the loss is undefined")
     else:
         total = float(global_tokens)
-    if total is not None or group_size(ps.dp_group) > 1:  # dp=1 still divides in fp32, like dp>1
+    if grad_sync is not None:
+        grad_sync.finish(total)
+    elif total is not None or group_size(ps.dp_group) > 1:  # dp=1 still divides in fp32, like dp>1
         all_reduce_bucketed([p.grad for p in params], ps.dp_group, bucket_size, divisor=total,
                             async_op=overlap_grad_reduce)
     return total

@@ -131,6 +131,10 @@ class Trainer:
         self.train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles,
                                                              self.state.consumed_samples)
         self.fb_func = get_forward_backward_func(ps, config.parallel.pipeline_schedule, config=config)
+        self.grad_sync, self._overlap_logged = None, False
+        if config.parallel.overlap_grad_reduce and ps.dp_size > 1:   # Megatron's overlap, during the backward
+            from core.grad_sync import GradSync
+            self.grad_sync = GradSync(self.chunks, ps, config.parallel.ddp_bucket_size)
         self.metrics = MetricsWriter(config.logging.tensorboard_dir, config.logging.metrics_jsonl,
                                      enabled=dist.get_rank() == 0)
         self.exit_signal = ExitSignal(config.training.exit_signal_handler)
@@ -208,7 +212,8 @@ class Trainer:
         scale = 1.0 if forward_only else self.optimizer.get_loss_scale()
         losses = self.fb_func(forward_step_func=forward_step, data_iterator=iterators, model=self.chunks,
                               num_microbatches=self.config.training.num_microbatches,
-                              forward_only=forward_only, loss_scale=scale)
+                              forward_only=forward_only, loss_scale=scale,
+                              grad_sync=None if forward_only else self.grad_sync)
         totals = torch.zeros(2, dtype=torch.float64)
         for out in losses:
             totals[0] += float(out["loss_sum"])
@@ -231,12 +236,19 @@ class Trainer:
         fp16 = self.config.optimizer.fp16
         if not math.isfinite(loss) and not fp16:
             if not cfg.skip_nonfinite_steps:
+                if self.grad_sync is not None:
+                    self.grad_sync.discard()
                 log.error(f"iteration {st.iteration}: lm loss is {loss}; stopping before applying the update "
                           "(pass --skip-nonfinite-steps to skip such steps instead)")
                 return 1
             return self._skip(f"lm loss is {loss}")
         finalize_model_grads(self.chunks, self.ps, None, global_tokens=tokens,
-                             overlap_grad_reduce=self.config.parallel.overlap_grad_reduce)
+                             bucket_size=self.config.parallel.ddp_bucket_size,
+                             overlap_grad_reduce=self.config.parallel.overlap_grad_reduce,
+                             grad_sync=self.grad_sync)
+        if self.grad_sync is not None and not self._overlap_logged:
+            self._overlap_logged = True
+            log.info(self.grad_sync.summary())
         result = self.optimizer.step()
         if not result.update_successful:
             if not fp16 and not cfg.skip_nonfinite_steps:
@@ -249,6 +261,8 @@ class Trainer:
         return None
 
     def _skip(self, why: str) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.discard()    # buckets started during the backward: wait, then drop them
         self.state.skipped_iterations += 1
         self.optimizer.zero_grad()
         log.warning(f"skipped iteration {self.state.iteration}: {why}")

@@ -103,6 +103,7 @@ CASES = [
     (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "9", "--global-batch-size", "2"],
      2, ("--decoder-first-pipeline-num-layers 9 is more than --num-layers 8",)),
     (["--attention-dropout", "0.1"], 1, ("--attention-dropout 0.1", "no dropout")),
+    (["--ddp-bucket-size", "0"], 2, ("--ddp-bucket-size", "got 0")),
     (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], 1,
      ("--recompute-method uniform",)),
 ]

@@ -8,6 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FLAGS = """
 --adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --clip-grad --data-cache-path --data-path
+--ddp-bucket-size
 --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers
 --disable-bias-linear --distributed-backend --distributed-timeout-minutes --eval-interval --eval-iters
 --exit-duration-in-mins --exit-interval --exit-signal-handler --ffn-hidden-size --finetune --fp16

@@ -5,6 +5,7 @@ fp32 on CPU with gloo. The reference is the same command on one process (tp=pp=d
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -76,6 +77,27 @@ def test_distributed_optimizer_matches_plain(tmp_path):
     for a, b in zip(plain, zero1):
         assert math.isclose(a["lm_loss"], b["lm_loss"], rel_tol=1e-5)
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
+
+
+OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
+
+
+@pytest.mark.parametrize("nproc,flags", [
+    (4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+         "--pipeline-schedule", "zbv"]),
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"]),
+], ids=["pp2-dp2-zbv", "tp2-sp-dp2-zero1"])
+def test_overlapped_grad_reduce_matches_single_process(reference, tmp_path, nproc, flags):
+    """DP all-reduces started during the backward (deferred W, sequence-parallel norms, ZeRO-1) change no loss."""
+    jsonl = str(tmp_path / "m.jsonl")
+    proc = torchrun(nproc, TINY + ITERS + flags + OVERLAP + ["--metrics-jsonl", jsonl])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    started = re.search(r"--overlap-grad-reduce: (\d+) of (\d+) gradient buckets", proc.stdout + proc.stderr)
+    assert started and int(started[1]) >= 1 and int(started[2]) >= 2, proc.stdout[-2000:]
+    losses = [r["lm_loss"] for r in read_metrics(jsonl)]
+    assert len(losses) == 5
+    for it, (got, want) in enumerate(zip(losses, reference), 1):
+        assert math.isclose(got, want, rel_tol=1e-5), f"overlap iteration {it}: {got} vs {want}"
 
 
 @pytest.mark.parametrize("precision", ["--bf16", "--fp16"])

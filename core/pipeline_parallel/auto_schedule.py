@@ -87,7 +87,7 @@ class AutoSchedule:
 
     def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
                  num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
-                 variable_seq_lengths: bool = False, **ignored: Any) -> list[dict]:
+                 variable_seq_lengths: bool = False, grad_sync: Any = None, **ignored: Any) -> list[dict]:
         model = list(model) if isinstance(model, (list, tuple)) else [model]
         pp, vpp, m = self.ps.pp_size, len(model), num_microbatches
         if self.variant == "zb-h2" and vpp != 1:
@@ -99,7 +99,8 @@ class AutoSchedule:
         out = executor.run(plan, model_chunks=model, forward_step_func=forward_step_func,
                            data_iterator=data_iterator, parallel_state=self.ps, num_microbatches=m,
                            forward_only=forward_only, loss_scale=loss_scale,
-                           variable_seq_lengths=variable_seq_lengths, action_times=times, comm_stats=stats)
+                           variable_seq_lengths=variable_seq_lengths, action_times=times, comm_stats=stats,
+                           grad_sync=grad_sync)
         if times is not None:
             numel, dtype = stats["largest_send"]
             self._message_bytes = max(self._message_bytes, numel * dtype.itemsize)

@@ -131,7 +131,7 @@ class _Step:
 def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callable, data_iterator: Any,
         parallel_state, num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
         variable_seq_lengths: bool = False, action_times: Optional[list] = None,
-        fused_bw: bool = False, comm_stats: Optional[dict] = None) -> list[dict]:
+        fused_bw: bool = False, comm_stats: Optional[dict] = None, grad_sync: Any = None) -> list[dict]:
     """Run this rank's part of `plan`; returns per-microbatch loss dicts on the last stage, else [].
 
     `model_chunks[c]` is local chunk c. `data_iterator` is one iterator or one per local chunk.
@@ -139,6 +139,8 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
     `fused_bw=True` sends a BW's input gradient only after its weight gradients (Megatron-LM's order;
     benchmarks use it as the baseline); by default the gradient goes out between the B and W parts.
     `comm_stats`, when given, receives "largest_send": (numel, dtype) of this rank's largest message.
+    `grad_sync` (a `core.grad_sync.GradSync`), when given, is told which actions finish each chunk's
+    backward so it can start data-parallel gradient all-reduces during the step.
     """
     pp_rank = parallel_state.pp_rank
     if num_microbatches != plan.num_microbatches:
@@ -154,13 +156,20 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
                            variable_seq_lengths=variable_seq_lengths, actions_of=actions_of)
     step = _Step(plan, pp_rank, comm, model_chunks, forward_step_func, data_iterator, forward_only, loss_scale,
                  fused_bw)
+    grad_sync = None if forward_only else grad_sync
     try:
+        if grad_sync is not None:
+            grad_sync.begin_step()
         with torch.no_grad() if forward_only else nullcontext():
-            _loop(step, actions, comm, action_times)
+            _loop(step, actions, comm, action_times, grad_sync)
         comm.finish()
     except BaseException:
         weight_grad_store.clear()
+        if grad_sync is not None:
+            grad_sync.abort()
         raise
+    if grad_sync is not None:
+        grad_sync.end_step()
     weight_grad_store.assert_empty()
     assert not step.outputs and not step.local, "activations left alive at step end"
     if comm_stats is not None:
@@ -168,12 +177,32 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
     return [step.losses[mb] for mb in sorted(step.losses)]
 
 
-def _loop(step: _Step, actions: tuple, comm: P2PCommunicator, action_times: Optional[list]) -> None:
+def _last_backward_actions(actions: tuple) -> tuple[dict, dict]:
+    """Per chunk: the index of its last B/BW, and of its last B/BW/W (after which its grads are final)."""
+    last_b, last_any = {}, {}
+    for i, a in enumerate(actions):
+        if a.kind in ("B", "BW"):
+            last_b[a.chunk] = i
+        if a.kind != "F":
+            last_any[a.chunk] = i
+    return last_b, last_any
+
+
+def _loop(step: _Step, actions: tuple, comm: P2PCommunicator, action_times: Optional[list],
+          grad_sync: Any = None) -> None:
+    last_b, last_any = _last_backward_actions(actions) if grad_sync is not None else ({}, {})
+    last = max(last_any.values(), default=-1)
     comm.post_ahead()
     comm.flush()
-    for action in actions:
+    for i, action in enumerate(actions):
         start, waited = time.perf_counter(), step.wait_s
+        if last_b.get(action.chunk) == i:
+            grad_sync.arm(action.chunk)
         step.execute(action)
+        if grad_sync is not None:
+            grad_sync.disarm()
+            if last_any.get(action.chunk) == i:
+                grad_sync.chunk_done(action.chunk, last_action=i == last)
         if action_times is not None:
             action_times.append((action, time.perf_counter() - start - (step.wait_s - waited)))
         comm.post_ahead()

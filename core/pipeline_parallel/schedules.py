@@ -35,18 +35,19 @@ def cached_plan(schedule: str, pp: int, vpp: int, m: int) -> Plan:
 
 def _run(plan_name: str, *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
          num_microbatches: int, parallel_state, forward_only: bool, loss_scale: float,
-         variable_seq_lengths: bool) -> list[dict]:
+         variable_seq_lengths: bool, grad_sync: Any = None) -> list[dict]:
     model = model if isinstance(model, (list, tuple)) else [model]
     plan = cached_plan(plan_name, parallel_state.pp_size, len(model), num_microbatches)
     return executor.run(plan, model_chunks=list(model), forward_step_func=forward_step_func,
                         data_iterator=data_iterator, parallel_state=parallel_state,
                         num_microbatches=num_microbatches, forward_only=forward_only, loss_scale=loss_scale,
-                        variable_seq_lengths=variable_seq_lengths)
+                        variable_seq_lengths=variable_seq_lengths, grad_sync=grad_sync)
 
 
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
                                    num_microbatches: int, parallel_state, forward_only: bool = False,
-                                   loss_scale: float = 1.0, variable_seq_lengths: bool = False) -> list[dict]:
+                                   loss_scale: float = 1.0, variable_seq_lengths: bool = False,
+                                   grad_sync: Any = None) -> list[dict]:
     """pp == 1: every microbatch forward then backward on the single chunk."""
     if parallel_state.pp_size != 1:
         raise ValueError(f"forward_backward_no_pipelining needs pipeline size 1, got {parallel_state.pp_size}")
@@ -56,7 +57,7 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
 def forward_backward_pipelining_without_interleaving(
         *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module], num_microbatches: int,
         parallel_state, forward_only: bool = False, loss_scale: float = 1.0,
-        variable_seq_lengths: bool = False) -> list[dict]:
+        variable_seq_lengths: bool = False, grad_sync: Any = None) -> list[dict]:
     """Megatron's 1F1B with one chunk per rank."""
     return _run("1f1b", **locals())
 
@@ -64,14 +65,15 @@ def forward_backward_pipelining_without_interleaving(
 def forward_backward_pipelining_with_interleaving(
         *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module], num_microbatches: int,
         parallel_state, forward_only: bool = False, loss_scale: float = 1.0,
-        variable_seq_lengths: bool = False) -> list[dict]:
+        variable_seq_lengths: bool = False, grad_sync: Any = None) -> list[dict]:
     """Megatron's interleaved 1F1B over len(model) chunks per rank."""
     return _run("interleaved", **locals())
 
 
 def forward_backward_gpipe(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
                            num_microbatches: int, parallel_state, forward_only: bool = False,
-                           loss_scale: float = 1.0, variable_seq_lengths: bool = False) -> list[dict]:
+                           loss_scale: float = 1.0, variable_seq_lengths: bool = False,
+                           grad_sync: Any = None) -> list[dict]:
     """GPipe: all forwards, then all backwards (peak memory grows with the microbatch count)."""
     return _run("gpipe", **locals())
 
@@ -79,7 +81,7 @@ def forward_backward_gpipe(*, forward_step_func: Callable, data_iterator: Any, m
 def forward_backward_zero_bubble(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
                                  num_microbatches: int, parallel_state, variant: str = "zb-h1",
                                  forward_only: bool = False, loss_scale: float = 1.0,
-                                 variable_seq_lengths: bool = False) -> list[dict]:
+                                 variable_seq_lengths: bool = False, grad_sync: Any = None) -> list[dict]:
     """Zero-bubble schedules with B/W split: zb-h1, zb-h2, zbv (two chunks per rank, V placement), or
     auto, with unit costs (the profiling `auto` and `zb-h2`, fitted to measured costs, come from
     `get_forward_backward_func(..., "auto" | "zb-h2")`)."""
@@ -101,7 +103,8 @@ def get_forward_backward_func(parallel_state, schedule_name: str = "1f1b", *, co
     """The forward-backward callable for `schedule_name`, bound to `parallel_state`.
 
     Returns `fn(*, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
-    loss_scale=1.0, variable_seq_lengths=False, **ignored)` where `model` is the list of local chunks;
+    loss_scale=1.0, variable_seq_lengths=False, grad_sync=None, **ignored)` where `model` is the list of
+    local chunks and `grad_sync` a `core.grad_sync.GradSync` for --overlap-grad-reduce;
     Megatron's extra keywords (seq_length, micro_batch_size, ...) are accepted and ignored because
     shapes are exchanged at run time. `config` (the full Config) supplies the auto options.
     """
@@ -124,8 +127,9 @@ def get_forward_backward_func(parallel_state, schedule_name: str = "1f1b", *, co
 
     def forward_backward(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
                          num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
-                         variable_seq_lengths: bool = False, **ignored: Any) -> list[dict]:
+                         variable_seq_lengths: bool = False, grad_sync: Any = None, **ignored: Any) -> list[dict]:
         return entry(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                      num_microbatches=num_microbatches, parallel_state=parallel_state,
-                     forward_only=forward_only, loss_scale=loss_scale, variable_seq_lengths=variable_seq_lengths)
+                     forward_only=forward_only, loss_scale=loss_scale, variable_seq_lengths=variable_seq_lengths,
+                     grad_sync=grad_sync)
     return forward_backward

@@ -4,26 +4,44 @@ Parallel linear layers never let autograd compute their weight gradient: their b
 input gradient and hands a closure that computes the weight gradient to `schedule()`. Outside a
 `capture(key)` block the closure runs at once (plain BW); inside, it is queued under `key` (the
 executor uses (chunk, microbatch)) and runs at that key's W action via `run(key)`. At the end of a step
-nothing may be left queued (`assert_empty`).
+nothing may be left queued (`assert_empty`). The store counts, per parameter, the closures still queued
+for it (`queued`) and tells a listener when a queued closure has run (`set_listener`): that is how
+`core.grad_sync` knows a deferred weight gradient is final.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Hashable, Iterator, Optional
+from typing import Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
 
 _pending: dict = {}
 _capturing: Optional[list] = None
 _capture_key: Hashable = None
+_queued: dict = {}                      # id(param) -> closures queued for it
+_listener: Optional[Callable[[Sequence[torch.Tensor]], None]] = None
 
 
-def schedule(weight_grad_fn: Callable[[], None]) -> None:
-    """Run `weight_grad_fn` now, or queue it when a B action is capturing."""
+def schedule(weight_grad_fn: Callable[[], None], params: Sequence[torch.Tensor] = ()) -> None:
+    """Run `weight_grad_fn` now, or queue it when a B action is capturing; `params` are the
+    parameters whose `.grad` it writes."""
     if _capturing is None:
         weight_grad_fn()
     else:
-        _capturing.append(weight_grad_fn)
+        _capturing.append((weight_grad_fn, params))
+        for p in params:
+            _queued[id(p)] = _queued.get(id(p), 0) + 1
+
+
+def queued(param: torch.Tensor) -> int:
+    """How many queued closures will still write `param.grad`."""
+    return _queued.get(id(param), 0)
+
+
+def set_listener(listener: Optional[Callable[[Sequence[torch.Tensor]], None]]) -> None:
+    """Call `listener(params)` after each queued closure ran (None: nobody listens)."""
+    global _listener
+    _listener = listener
 
 
 def begin(key: Hashable) -> None:
@@ -58,8 +76,12 @@ def run(key: Hashable) -> int:
     Closures run with grad mode off, as they would inside autograd's backward."""
     fns = _pending.pop(key)
     with torch.no_grad():
-        for fn in fns:
+        for fn, params in fns:
             fn()
+            for p in params:
+                _queued[id(p)] -= 1
+            if _listener is not None:
+                _listener(params)
     return len(fns)
 
 
@@ -75,4 +97,5 @@ def clear() -> None:
     """Drop everything queued (after a failed step)."""
     global _capturing, _capture_key
     _pending.clear()
+    _queued.clear()
     _capturing = _capture_key = None

@@ -80,7 +80,7 @@ class LinearWithDeferredWeightGrad(torch.autograd.Function):
                 else:
                     w.grad.add_(torch.matmul(flat_grad, flat_input))
 
-        weight_grad_store.schedule(weight_grad)
+        weight_grad_store.schedule(weight_grad, weights)
         return (grad_input, None, None) + (None,) * len(weights)
 
 
