@@ -90,7 +90,7 @@ class _Sleep(torch.autograd.Function):
             _sleep(times[2])
             weight.grad = torch.ones_like(weight) if weight.grad is None else weight.grad + 1
 
-        weight_grad_store.schedule(weight_grad)
+        weight_grad_store.schedule(weight_grad, (weight,))
         return grad.clone(), None, None
 
 

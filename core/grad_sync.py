@@ -35,7 +35,7 @@ class _Bucket:
         self.waiting = len(params)          # parameters not yet final this step
         self.flat: Optional[torch.Tensor] = None
         self.work: Any = None
-        self.early = False                  # launched before this rank's backward ended
+        self.phase = 0                      # launched before (0), during (1) or after (2) the last backward action
 
 
 def _group(params: list[nn.Parameter], bucket_size: int) -> list[list[nn.Parameter]]:
@@ -60,11 +60,11 @@ class GradSync:
         self.chunk_buckets: list[list[_Bucket]] = []
         self._where: dict[int, tuple[int, _Bucket]] = {}      # id(param) -> (chunk, bucket)
         self._hooks = []
-        self.last_counts = (0, 0)             # (buckets launched before the backward ended, buckets) last step
-        seen: set[int] = set()
-        for c, chunk in enumerate(model_chunks):
-            params = [p for p in chunk.parameters() if p.requires_grad and id(p) not in seen]
-            seen.update(id(p) for p in params)
+        self.last_counts = (0, 0, 0)          # last step's buckets launched before/during/after the last action
+        per_chunk = [[p for p in chunk.parameters() if p.requires_grad] for chunk in model_chunks]
+        if len({id(p) for params in per_chunk for p in params}) < sum(map(len, per_chunk)):
+            raise ValueError("--overlap-grad-reduce cannot handle a parameter shared by two model chunks")
+        for c, params in enumerate(per_chunk):
             buckets = [_Bucket(group) for group in _group(params, bucket_size)]
             self.chunk_buckets.append(buckets)
             for bucket in buckets:
@@ -79,11 +79,11 @@ class GradSync:
 
     def _reset(self) -> None:
         self._armed: Optional[int] = None
-        self._backward_over = False
+        self._phase = 0                       # 0: before the last backward action, 1: during it, 2: after
         self._accumulated: set[int] = set()   # params whose last AccumulateGrad of the step has fired
         self._final: set[int] = set()
         for bucket in self.buckets:
-            bucket.waiting, bucket.flat, bucket.work, bucket.early = len(bucket.params), None, None, False
+            bucket.waiting, bucket.flat, bucket.work, bucket.phase = len(bucket.params), None, None, 0
 
     # --- called by the executor -------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -101,14 +101,18 @@ class GradSync:
 
     def chunk_done(self, chunk: int, last_action: bool) -> None:
         """`chunk` has no backward work left this step; `last_action`: nor has this rank."""
-        self._backward_over = last_action
+        self._phase = 2 if last_action else self._phase
         for bucket in self.chunk_buckets[chunk]:
             for p in bucket.params:
                 self._mark_final(p)
 
+    def last_action(self) -> None:
+        """The next action is this rank's last backward-related action of the step."""
+        self._phase = 1
+
     def end_step(self) -> None:
-        self._backward_over = True
-        weight_grad_store.set_listener(None)
+        self._phase = 2
+        weight_grad_store.remove_listener(self._on_weight_grads)
 
     # --- readiness ---------------------------------------------------------------------------------
     def _on_accumulate(self, param: torch.Tensor) -> None:
@@ -149,11 +153,12 @@ class GradSync:
         bucket.flat = torch.cat([p.grad.reshape(-1).to(dtype) for p in bucket.params])
         if group_size(self.dp_group) > 1:
             bucket.work = dist.all_reduce(bucket.flat, group=self.dp_group, async_op=True)
-        bucket.early = not self._backward_over
+        bucket.phase = self._phase
 
     # --- called by finalize_model_grads ------------------------------------------------------------
-    def finish(self, divisor: Optional[float]) -> tuple[int, int]:
-        """Launch the buckets not yet launched, wait for all, divide, write back; returns (early, total)."""
+    def finish(self, divisor: Optional[float]) -> tuple[int, int, int]:
+        """Launch the buckets not yet launched, wait for all, divide, write back; returns how many
+        buckets were launched before, during and after this rank's last backward action."""
         self.end_step()
         for bucket in self.buckets:
             if bucket.flat is None:
@@ -167,14 +172,15 @@ class GradSync:
             for p in bucket.params:
                 p.grad.copy_(bucket.flat[offset:offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
-        self.last_counts = (sum(b.early for b in self.buckets), len(self.buckets))
+        self.last_counts = tuple(sum(b.phase == k for b in self.buckets) for k in range(3))
         self._reset()
         return self.last_counts
 
     def summary(self) -> str:
-        early, total = self.last_counts
-        return (f"--overlap-grad-reduce: {early} of {total} gradient buckets of this rank started their "
-                "data-parallel all-reduce before its backward ended")
+        before, during, after = self.last_counts
+        return (f"--overlap-grad-reduce: of this rank's {before + during + after} gradient buckets, {before} "
+                f"started their data-parallel all-reduce before its last backward action, {during} during it "
+                f"and {after} after it")
 
     def discard(self) -> None:
         """Wait for whatever was launched and drop it (a skipped step): replicas stay in step."""
@@ -190,6 +196,7 @@ class GradSync:
         self._reset()
 
     def remove(self) -> None:
+        weight_grad_store.remove_listener(self._on_weight_grads)
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

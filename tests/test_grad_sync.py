@@ -79,7 +79,7 @@ def test_fused_backward_starts_buckets_before_the_backward_reaches_the_input():
         "the later layers' buckets should start while the backward still runs through the first layer"
     sync.chunk_done(0, last_action=True)
     assert sum(e[0] == "launch" for e in events) == 2 * LAYERS       # nothing launched twice
-    assert sync.finish(2.0) == (2 * LAYERS, 2 * LAYERS)
+    assert sync.finish(2.0) == (2 * LAYERS, 0, 0)
 
 
 def test_split_backward_starts_linear_buckets_only_when_their_w_runs():
@@ -126,10 +126,31 @@ def test_unarmed_chunk_starts_everything_when_done_and_finish_matches_the_plain_
     sync.chunk_done(0, last_action=False)             # e.g. ZB-V's first chunk, done before the other
     assert sum(e[0] == "launch" for e in events) == len(sync.buckets) > 1
     sync.end_step()
-    assert sync.finish(7.0) == (len(sync.buckets), len(sync.buckets))
+    assert sync.finish(7.0) == (len(sync.buckets), 0, 0)
     finalize_model_grads([reference], ParallelState(), None, global_tokens=7.0)
     for got, want in zip(chunk.parameters(), reference.parameters()):
         assert torch.equal(got.grad, want.grad)
+
+
+def test_launch_phases_and_shared_parameters():
+    chunk, sync, events = _setup()
+    sync.begin_step()
+    sync.arm(0)
+    sync.last_action()
+    _microbatch(chunk, 0, events).backward()          # fused BW as the rank's last action
+    sync.disarm()
+    sync.chunk_done(0, last_action=True)
+    assert sync.finish(None) == (0, 2 * LAYERS, 0)
+    assert "0 started their data-parallel all-reduce before its last backward action, 6 during it" in sync.summary()
+    sync.remove()
+    assert weight_grad_store._listener is None
+    other = nn.Module()
+    other.shared = chunk.linears[0].weight
+    try:
+        GradSync([chunk, other], ParallelState())
+        raise AssertionError("a parameter in two chunks was accepted")
+    except ValueError as err:
+        assert "shared by two model chunks" in str(err)
 
 
 def test_begin_step_refuses_an_unfinished_step_and_abort_forgets_it():
@@ -145,6 +166,7 @@ def test_begin_step_refuses_an_unfinished_step_and_abort_forgets_it():
     sync.abort()
     sync.begin_step()
     sync.remove()
+    assert weight_grad_store._listener is None
 
 
 def test_last_backward_actions_of_a_zbv_plan():

@@ -34,7 +34,7 @@ class _Linear(torch.autograd.Function):
             g = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
             weight.grad = g if weight.grad is None else weight.grad + g
 
-        weight_grad_store.schedule(weight_grad)
+        weight_grad_store.schedule(weight_grad, (weight,))
         return grad @ weight, None
 
 
@@ -220,7 +220,7 @@ class _SlowW(torch.autograd.Function):
             time.sleep(ctx.w_s)
             ctx.weight.grad = torch.ones_like(ctx.weight)
             ctx.log["w_end"] = time.monotonic()
-        weight_grad_store.schedule(weight_grad)
+        weight_grad_store.schedule(weight_grad, (ctx.weight,))
         return grad.clone(), None, None, None
 
 

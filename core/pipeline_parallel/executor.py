@@ -198,6 +198,8 @@ def _loop(step: _Step, actions: tuple, comm: P2PCommunicator, action_times: Opti
         start, waited = time.perf_counter(), step.wait_s
         if last_b.get(action.chunk) == i:
             grad_sync.arm(action.chunk)
+        if i == last:
+            grad_sync.last_action()
         step.execute(action)
         if grad_sync is not None:
             grad_sync.disarm()

@@ -22,9 +22,9 @@ _queued: dict = {}                      # id(param) -> closures queued for it
 _listener: Optional[Callable[[Sequence[torch.Tensor]], None]] = None
 
 
-def schedule(weight_grad_fn: Callable[[], None], params: Sequence[torch.Tensor] = ()) -> None:
+def schedule(weight_grad_fn: Callable[[], None], params: Sequence[torch.Tensor]) -> None:
     """Run `weight_grad_fn` now, or queue it when a B action is capturing; `params` are the
-    parameters whose `.grad` it writes."""
+    parameters whose `.grad` it writes (`core.grad_sync` waits for them)."""
     if _capturing is None:
         weight_grad_fn()
     else:
@@ -42,6 +42,12 @@ def set_listener(listener: Optional[Callable[[Sequence[torch.Tensor]], None]]) -
     """Call `listener(params)` after each queued closure ran (None: nobody listens)."""
     global _listener
     _listener = listener
+
+
+def remove_listener(listener: Callable[[Sequence[torch.Tensor]], None]) -> None:
+    """Stop calling `listener` if it is the one set."""
+    if _listener == listener:
+        set_listener(None)
 
 
 def begin(key: Hashable) -> None:
