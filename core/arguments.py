@@ -12,8 +12,8 @@ import sys
 from typing import Optional, Sequence
 
 from core.arguments_validation import (ArgumentError, check_model, check_positive, check_schedule,
-                                       checkpoint_config, data_config, optimizer_config, parallel_config,
-                                       training_config)
+                                       checkpoint_config, data_config, memory_limit, optimizer_config,
+                                       parallel_config, training_config)
 from core.config import SCHEDULES, Config, LoggingConfig
 from model.config import PRESETS, LlamaConfig
 
@@ -32,8 +32,9 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--pipeline-schedule", default=None,
                    help=f"one of {', '.join(SCHEDULES)} (default 1f1b, or interleaved with virtual stages)")
-    g.add_argument("--pipeline-memory-limit", type=float, default=None,
-                   help="auto schedule: activation memory cap per rank, in microbatch-chunk units")
+    g.add_argument("--pipeline-memory-limit", type=memory_limit, default=None,
+                   help="auto schedule: activation memory cap per rank, in microbatch-chunk units (a number) "
+                        "or bytes (e.g. 24GiB, 512MB), measured while profiling")
     g.add_argument("--parallel-order", default="tp-dp-pp", help="rank order, fastest-varying first")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)

@@ -33,6 +33,23 @@ _POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_
 _NON_NEGATIVE = ("lr_warmup_iters", "eval_iters", "weight_decay", "clip_grad", "min_lr", "num_workers", "seed")
 
 
+class MemoryBytes(int):
+    """--pipeline-memory-limit given as a size (bytes) rather than a number of activation units."""
+
+
+def memory_limit(text: str) -> float:
+    """argparse type of --pipeline-memory-limit: "6" (units) -> 6.0, "24GiB" -> MemoryBytes(24 * 2**30)."""
+    from core.pipeline_parallel.activation_memory import parse_size
+    nbytes = parse_size(text)
+    if nbytes is not None:
+        return MemoryBytes(nbytes)
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of activation units (e.g. 6) nor a size "
+                                         "such as 24GiB or 512MB") from None
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -76,10 +93,12 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
         raise ArgumentError("--fp16 and --bf16 cannot be used together")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ArgumentError(f"--ddp-bucket-size must be a positive number of elements, got {args.ddp_bucket_size}")
+    limit = args.pipeline_memory_limit
     return ParallelConfig(world_size=world_size, tp_size=tp, pp_size=pp, vpp_size=_vpp_size(args),
                           dp_size=world_size // (tp * pp), order=args.parallel_order,
                           sequence_parallel=sequence_parallel, pipeline_schedule=schedule,
-                          pipeline_memory_limit=args.pipeline_memory_limit,
+                          pipeline_memory_limit=None if isinstance(limit, MemoryBytes) else limit,
+                          pipeline_memory_limit_bytes=int(limit) if isinstance(limit, MemoryBytes) else None,
                           first_stage_layers=args.decoder_first_pipeline_num_layers,
                           last_stage_layers=args.decoder_last_pipeline_num_layers, distributed_backend=backend,
                           distributed_timeout_minutes=args.distributed_timeout_minutes,
@@ -201,6 +220,9 @@ def check_schedule(args: argparse.Namespace, par: ParallelConfig, m: int, num_la
                             "giving 2 or more model chunks per pipeline rank")
     if s == "auto" and vpp > 2:
         raise ArgumentError(f"--pipeline-schedule auto supports 1 or 2 model chunks per pipeline rank, got {vpp}")
+    if s != "auto" and (par.pipeline_memory_limit is not None or par.pipeline_memory_limit_bytes is not None):
+        raise ArgumentError(f"--pipeline-memory-limit caps the auto schedule's plan; --pipeline-schedule {s} "
+                            "has a fixed memory use, so drop the flag or use --pipeline-schedule auto")
     if s == "auto" and par.pipeline_memory_limit is not None and par.pipeline_memory_limit < vpp:
         raise ArgumentError(f"--pipeline-memory-limit {par.pipeline_memory_limit:g} is below the {vpp} activation "
                             "units one microbatch needs on all model chunks of a rank")

@@ -23,6 +23,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"     # effective schedule; ignored when pp_size == 1
     pipeline_memory_limit: Optional[float] = None   # activation units per rank for `auto`
+    pipeline_memory_limit_bytes: Optional[int] = None   # or a byte cap, turned into units once measured
     first_stage_layers: Optional[int] = None        # --decoder-first-pipeline-num-layers (uneven split)
     last_stage_layers: Optional[int] = None         # --decoder-last-pipeline-num-layers
     distributed_backend: str = "gloo"

@@ -104,6 +104,8 @@ CASES = [
      2, ("--decoder-first-pipeline-num-layers 9 is more than --num-layers 8",)),
     (["--attention-dropout", "0.1"], 1, ("--attention-dropout 0.1", "no dropout")),
     (["--ddp-bucket-size", "0"], 2, ("--ddp-bucket-size", "got 0")),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-memory-limit", "4GiB", "--global-batch-size", "2"], 2,
+     ("--pipeline-memory-limit caps the auto schedule's plan", "--pipeline-schedule 1f1b")),
     (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], 1,
      ("--recompute-method uniform",)),
 ]
@@ -134,6 +136,22 @@ def test_sequence_parallel_with_tp1_warns_and_turns_off(caplog):
         get_logger().propagate = False
     assert c.parallel.sequence_parallel is False
     assert "--sequence-parallel" in caplog.text
+
+
+@pytest.mark.parametrize("text,units,nbytes", [("6", 6.0, None), ("1.5", 1.5, None), ("24GiB", None, 24 * 2 ** 30),
+                                              ("512MB", None, 512 * 10 ** 6), ("0.5 gib", None, 2 ** 29)])
+def test_pipeline_memory_limit_in_units_or_bytes(text, units, nbytes):
+    c = cfg(["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto", "--global-batch-size", "2",
+             "--pipeline-memory-limit", text], world=2)
+    assert (c.parallel.pipeline_memory_limit, c.parallel.pipeline_memory_limit_bytes) == (units, nbytes)
+
+
+def test_pipeline_memory_limit_that_is_no_size_exits_2_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--mock-data", "--pipeline-memory-limit", "lots"], world_size=1)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--pipeline-memory-limit" in err and "'lots' is neither a number of activation units" in err
 
 
 def test_parse_args_exits_2_printing_one_line(capsys):

@@ -79,6 +79,36 @@ def test_distributed_optimizer_matches_plain(tmp_path):
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
 
 
+AUTO = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto", "--pipeline-profile-iters", "2"]
+MEASURED = r"activations ([0-9.e+-]+) MiB per unit \(W keeps (\d+)%\), memory limit ([0-9.e+-]+) units \(64 MiB\)"
+
+
+def test_auto_memory_limit_in_bytes_is_measured_and_converted(reference, tmp_path):
+    """--pipeline-memory-limit 64MiB: the first profiling iteration measures a unit's bytes and W's share,
+    the cap becomes 64 MiB / unit units, and the losses stay the single-process ones."""
+    jsonl = str(tmp_path / "m.jsonl")
+    proc = torchrun(2, TINY + ITERS + AUTO + ["--pipeline-memory-limit", "64MiB", "--metrics-jsonl", jsonl])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = re.search(MEASURED, proc.stdout + proc.stderr)
+    assert measured, proc.stdout[-2000:]
+    unit_mib, share, units = float(measured[1]), int(measured[2]), float(measured[3])
+    assert 0.01 < unit_mib < 64 and 5 <= share <= 95
+    assert math.isclose(units, 64 / unit_mib, rel_tol=0.01)
+    for it, (got, want) in enumerate(zip([r["lm_loss"] for r in read_metrics(jsonl)], reference), 1):
+        assert math.isclose(got, want, rel_tol=1e-5), f"auto with a byte cap, iteration {it}: {got} vs {want}"
+
+
+def test_auto_memory_limit_below_one_microbatch_stops_with_one_line(tmp_path):
+    proc = torchrun(2, TINY + ITERS + AUTO + ["--pipeline-memory-limit", "16KiB",
+                                              "--metrics-jsonl", str(tmp_path / "m.jsonl")])
+    # torchrun reports the failed worker (exit 2) itself; the workers print one line and no traceback of ours
+    assert proc.returncode != 0 and "auto_schedule.py" not in proc.stderr, proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_llama.py: error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "--pipeline-memory-limit 0.0156 MiB holds" in errors[0] and "needs 1" in errors[0]
+
+
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
 PHASES = r"of this rank's (\d+) gradient buckets, (\d+) started .* before its last backward action, (\d+) during it"
 

@@ -7,6 +7,7 @@ the peak measured while the executor runs the plan (within 5%), and nothing may 
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from core.pipeline_parallel import weight_grad_store
+from core.pipeline_parallel.activation_memory import ActivationProbe
 from tests.harness import run_distributed
 from tests.test_pipeline_executor import BATCH, LAYERS, SEQ, ToyChunk, _Linear, make_batches
 
@@ -36,6 +38,7 @@ class SavedBytes:
     def __init__(self) -> None:
         self.live = self.peak = 0
         self._ids: set[int] = set()
+        self.sizes: dict[int, int] = {}     # data pointer -> bytes of each live saved storage
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point() and not isinstance(t, nn.Parameter):
@@ -44,11 +47,13 @@ class SavedBytes:
                 self._ids.add(id(storage))
                 self.live += storage.nbytes()
                 self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._free, id(storage), storage.nbytes())
+                self.sizes[storage.data_ptr()] = storage.nbytes()
+                weakref.finalize(storage, self._free, id(storage), storage.nbytes(), storage.data_ptr())
         return t
 
-    def _free(self, key: int, nbytes: int) -> None:
+    def _free(self, key: int, nbytes: int, ptr: int) -> None:
         self._ids.discard(key)
+        self.sizes.pop(ptr, None)
         self.live -= nbytes
 
     def hooks(self):
@@ -98,12 +103,16 @@ def memory_worker(rank: int, world: int, cases: list) -> dict:
             chunks = _mem_chunks(ps.pp_rank, world, vpp, plan.placement)
             unit, share = _unit(chunks[0])
             predicted = simulate(plan, Costs(act_mem=1.0, w_mem=share)).peak_memory[ps.pp_rank] * unit
-            tracker, batches = SavedBytes(), make_batches(m)
+            tracker, batches, probe = SavedBytes(), make_batches(m), ActivationProbe(chunks)
+            run = functools.partial(executor.run, plan, model_chunks=chunks, forward_step_func=_forward_step,
+                                    parallel_state=dataclasses.replace(ps, vpp_size=vpp), num_microbatches=m)
             with tracker.hooks():
-                executor.run(plan, model_chunks=chunks, forward_step_func=_forward_step,
-                             data_iterator=[iter(batches) for _ in chunks],
-                             parallel_state=dataclasses.replace(ps, vpp_size=vpp), num_microbatches=m)
+                run(data_iterator=[iter(batches) for _ in chunks])
+            run(data_iterator=[iter(batches) for _ in chunks], activation_probe=probe)
+            for chunk in chunks:
+                chunk.zero_grad(set_to_none=True)
             out[(schedule, vpp, m)] = (tracker.peak, predicted, tracker.live, share)
+            out[(schedule, vpp, m, "probe")] = (probe.unit_bytes, probe.w_share, unit, len(probe.shares))
     finally:
         destroy_model_parallel()
     return out
@@ -114,8 +123,49 @@ def test_peak_saved_activations_match_simulator():
     cases = [("1f1b", 1, 6), ("zb-h1", 1, 6), ("zbv", 2, 6), ("zb-h2", 1, 6), ("gpipe", 1, 3)]
     results = run_distributed(memory_worker, 2, cases, timeout=180)
     for pp_rank, per_rank in enumerate(results):
-        for case, (peak, predicted, live_after, share) in per_rank.items():
+        for case, (probe_unit, probe_share, unit, splits) in [(k, v) for k, v in per_rank.items() if "probe" in k]:
+            # what `auto` measures in its first profiling iteration, inside the executor, per forward
+            assert abs(probe_unit - unit) <= 0.05 * unit, f"{case} rank {pp_rank}: probe {probe_unit} vs {unit}"
+            assert (splits > 0) == (case[0] not in ("1f1b", "gpipe")), f"{case}: {splits} B (not BW) seen"
+            if splits:
+                share = per_rank[case[:3]][3]
+                assert abs(probe_share - share) <= 0.05, f"{case} rank {pp_rank}: W share {probe_share} vs {share}"
+        for case, (peak, predicted, live_after, share) in [(k, v) for k, v in per_rank.items() if "probe" not in k]:
             assert live_after == 0, f"{case} rank {pp_rank}: {live_after} saved bytes alive after the step"
             assert 0.3 < share < 0.7, f"B should keep the linears' inputs for W, kept {share:.2f}"
             assert abs(peak - predicted) <= 0.05 * predicted, \
                 f"{case} rank {pp_rank}: measured peak {peak} bytes, simulator predicts {predicted:.0f}"
+
+
+@pytest.mark.parametrize("role", ["middle", "last"])
+def test_probe_on_llama_chunks_matches_saved_tensor_hooks(role):
+    """The probe `auto` uses (a graph walk and weak references, no hooks, so saved weights stay the same
+    objects) against saved-tensor hooks: a LLaMA chunk's unit, and the share still alive after B."""
+    from model.llama import LlamaModel
+    from tests.test_pipeline_llama import CONFIG
+    chunk = LlamaModel(CONFIG, None, layer_range=(2, 4), pre_process=False, post_process=role == "last")
+    exclude = {p.untyped_storage().data_ptr() for p in list(chunk.parameters()) + list(chunk.buffers())}
+    g = torch.Generator().manual_seed(0)
+    x, labels = torch.randn(16, 2, CONFIG.hidden_size, generator=g), torch.randint(0, 256, (2, 16), generator=g)
+
+    def step(forward_done, backward_done):
+        chunk.set_input_tensor(x.clone().requires_grad_(True))
+        loss = (chunk(labels=labels) if role == "last" else chunk()).float().sum()
+        forward_done(loss)
+        with weight_grad_store.capture("probe"):
+            loss.backward()
+        del loss                          # as the executor drops the output and input after B
+        chunk.set_input_tensor(None)
+        backward_done()
+        weight_grad_store.run("probe")
+        chunk.zero_grad(set_to_none=True)
+
+    probe = ActivationProbe([chunk])
+    step(lambda loss: probe.forward_done("k", loss), lambda: probe.backward_done("k", split=True))
+    tracker, seen = SavedBytes(), {}
+    with tracker.hooks():        # the hooks also see views of the weights; count activations only
+        step(lambda loss: seen.update(unit=sum(n for p, n in tracker.sizes.items() if p not in exclude)),
+             lambda: seen.update(alive=sum(n for p, n in tracker.sizes.items() if p not in exclude)))
+    assert probe.units[0] > 0 and abs(probe.units[0] - seen["unit"]) <= 0.05 * seen["unit"], (probe.units, seen)
+    assert abs(probe.shares[0] - seen["alive"] / seen["unit"]) <= 0.05, (probe.shares, seen)
+    assert 0.1 < probe.shares[0] < 0.9

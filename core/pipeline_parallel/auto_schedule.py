@@ -4,9 +4,12 @@ The zero-bubble paper (Qi et al., arXiv 2401.10241, section 3) builds its schedu
 and W times under a memory cap. `AutoSchedule` is a stateful forward-backward callable: for the first
 `profile_iters` iterations it runs 1F1B with every BW split into B then W, so the three are timed
 separately without changing order or memory (with two chunks per rank: ZB-V, auto's V placement).
-Then the slowest stage's median times (all-reduced MAX over the world, so every replica sees the same
-numbers) go to the builder on global rank 0: `builders.auto` under the memory cap (default: what the
-profiling plan needs), or for `zb-h2` `builders.zb_h2_fitted` under ZB-H2's cap of 2p-1 microbatches.
+The first (warm-up, untimed) iteration also measures activation memory (`activation_memory`): the
+bytes one microbatch saves on one chunk (the unit) and the share of them its B leaves for W (M_W / M_B).
+Then the slowest stage's median times and the largest unit and share (all-reduced MAX over the world, so
+every replica sees the same numbers) go to the builder on global rank 0: `builders.auto` under the memory
+cap (in units, or bytes turned into units; default: what the profiling plan needs), or for `zb-h2`
+`builders.zb_h2_fitted` under ZB-H2's cap of 2p-1 microbatches.
 The plan is broadcast to all ranks as JSON bytes (no pickle) and used from then on.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import nn
 
 from core.logger import get_logger
 from core.pipeline_parallel import builders, executor
+from core.pipeline_parallel.activation_memory import ActivationProbe
 from core.pipeline_parallel.p2p_communication import measure_latency
 from core.pipeline_parallel.schedule_ir import Action, Plan
 from core.pipeline_parallel.simulator import Costs, simulate
@@ -66,18 +70,23 @@ def broadcast_plan(plan: Optional[Plan], src: int = 0, group: Any = None) -> Pla
     return Plan.from_json(json.loads(bytes(data.tolist()).decode()))
 
 
+class MemoryLimitError(ValueError):
+    """A byte cap (--pipeline-memory-limit 2GiB) too small for one microbatch on every chunk of a rank."""
+
+
 class AutoSchedule:
     """Forward-backward callable for `auto`; `plan` is None while profiling."""
 
     def __init__(self, parallel_state, *, memory_limit: Optional[float] = None, profile_iters: int = 3,
-                 variant: str = "auto") -> None:
+                 variant: str = "auto", memory_limit_bytes: Optional[int] = None) -> None:
         if profile_iters < 1:
             raise ValueError(f"--pipeline-schedule {variant} needs at least 1 profiling iteration, "
                              f"got {profile_iters}")
         if variant not in ("auto", "zb-h2"):
             raise ValueError(f"AutoSchedule fits auto or zb-h2 to measured costs, not {variant}")
         self.ps, self.memory_limit, self.profile_iters = parallel_state, memory_limit, profile_iters
-        self.variant = variant
+        self.memory_limit_bytes, self.variant = memory_limit_bytes, variant
+        self.unit_bytes, self.w_share = 0, 0.5    # measured on the first profiling iteration
         self.plan: Optional[Plan] = None
         self.costs: Optional[Costs] = None
         self._times: list = []
@@ -95,12 +104,15 @@ class AutoSchedule:
         profiling = self.plan is None or self.plan.num_microbatches != m
         plan = profiling_plan(pp, vpp, m) if profiling else self.plan
         times = [] if profiling and not forward_only else None
+        probe = ActivationProbe(model) if times is not None and self._iters == 0 else None
         stats: dict = {}
         out = executor.run(plan, model_chunks=model, forward_step_func=forward_step_func,
                            data_iterator=data_iterator, parallel_state=self.ps, num_microbatches=m,
                            forward_only=forward_only, loss_scale=loss_scale,
                            variable_seq_lengths=variable_seq_lengths, action_times=times, comm_stats=stats,
-                           grad_sync=grad_sync)
+                           grad_sync=grad_sync, activation_probe=probe)
+        if probe is not None:
+            self.unit_bytes, self.w_share = probe.unit_bytes, probe.w_share
         if times is not None:
             numel, dtype = stats["largest_send"]
             self._message_bytes = max(self._message_bytes, numel * dtype.itemsize)
@@ -113,23 +125,45 @@ class AutoSchedule:
         return out
 
     def _switch(self, pp: int, vpp: int, m: int) -> None:
-        self.costs = dataclasses.replace(measured_costs(self._times), comm=self._comm_latency())
+        unit, share = self._measured_memory()
+        self.costs = dataclasses.replace(measured_costs(self._times), comm=self._comm_latency(), w_mem=share)
         reference = profiling_plan(pp, vpp, m)
         if self.variant == "zb-h2":
             limit = 2 * pp - 1
             build = lambda: builders.zb_h2_fitted(pp, m, self.costs)  # noqa: E731
         else:
             limit = self.memory_limit or max(simulate(reference, self.costs).peak_memory)   # 1F1B's need
+            if self.memory_limit_bytes is not None:
+                limit = self._units_of(self.memory_limit_bytes, unit, vpp)
             build = lambda: builders.auto(pp, vpp, m, self.costs, limit)  # noqa: E731
         self.plan = broadcast_plan(build() if not dist.is_initialized() or dist.get_rank() == 0 else None)
         chosen, base = simulate(self.plan, self.costs), simulate(reference, self.costs)
-        ref = "1F1B" if vpp == 1 else "ZB-V"
+        ref, mib = ("1F1B" if vpp == 1 else "ZB-V"), unit / 2 ** 20
+        peak = max(chosen.peak_memory)
         get_logger().info(
             f"{self.variant} schedule: F={self.costs.f * 1e3:.2f} ms B={self.costs.b * 1e3:.2f} ms "
-            f"W={self.costs.w * 1e3:.2f} ms comm={self.costs.comm * 1e3:.3f} ms, memory limit {limit:g} units -> "
+            f"W={self.costs.w * 1e3:.2f} ms comm={self.costs.comm * 1e3:.3f} ms, activations {mib:.3g} MiB per "
+            f"unit (W keeps {share:.0%}), memory limit {limit:.3g} units ({limit * mib:.3g} MiB) -> "
             f"{self.plan.name}: simulated bubble {chosen.bubble_rate:.1%} ({ref} {base.bubble_rate:.1%}), peak memory "
-            f"{max(chosen.peak_memory):g} units, makespan {chosen.makespan / base.makespan:.3f}x {ref}")
+            f"{peak:.3g} units ({peak * mib:.3g} MiB), makespan {chosen.makespan / base.makespan:.3f}x {ref}")
         self._times, self._iters = [], 0
+
+    def _measured_memory(self) -> tuple[int, float]:
+        """(bytes per unit, W share): this rank's measurement, MAX over the world."""
+        packed = torch.tensor([float(self.unit_bytes), self.w_share], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+        return int(packed[0]), float(packed[1])
+
+    def _units_of(self, nbytes: int, unit: int, vpp: int) -> float:
+        """A byte cap in units; every rank raises the same error when it cannot hold one microbatch per chunk."""
+        units = nbytes / unit if unit > 0 else float("inf")
+        if units < vpp:
+            raise MemoryLimitError(
+                f"--pipeline-memory-limit {nbytes / 2 ** 20:.3g} MiB holds {units:.2f} microbatch-chunks of "
+                f"activations ({unit / 2 ** 20:.3g} MiB each, measured), but one microbatch on the {vpp} model "
+                f"chunk(s) of a rank needs {vpp}")
+        return units
 
     def _comm_latency(self) -> float:
         """One-way p2p time of the largest profiled message (MAX over the world, like the F/B/W times)."""

@@ -52,8 +52,9 @@ class _Step:
 
     def __init__(self, plan: Plan, pp_rank: int, comm: P2PCommunicator, model_chunks: list[nn.Module],
                  forward_step_func: Callable, data_iterator: Any, forward_only: bool, loss_scale: float,
-                 fused_bw: bool = False) -> None:
+                 fused_bw: bool = False, probe: Any = None) -> None:
         self.plan, self.pp_rank, self.comm, self.chunks = plan, pp_rank, comm, model_chunks
+        self.probe = probe                   # an activation_memory.ActivationProbe, or None
         self.fused_bw = fused_bw
         self.forward_step_func, self.data_iterator = forward_step_func, data_iterator
         self.forward_only, self.loss_scale = forward_only, loss_scale
@@ -95,7 +96,9 @@ class _Step:
             self.losses[action.microbatch] = {"loss_sum": loss_sum.detach().float(), "num_tokens": num_tokens,
                                               "log": log}
             out = loss_sum * self.loss_scale
-        else:
+        if self.probe is not None:
+            self.probe.forward_done(key, out)
+        if send is not None:
             self._give(send, out)
             if send.src != send.dst and not self.forward_only:
                 _free_output(out)
@@ -115,6 +118,9 @@ class _Step:
         if send is not None:
             assert x is not None and x.grad is not None, f"no input gradient for {action}"
             self._give(send, x.grad)
+        if self.probe is not None:
+            del out, x                       # so the probe sees only what the deferred W keeps alive
+            self.probe.backward_done(key, split=action.kind == "B")
         if split and action.kind == "BW":
             self.comm.flush()
             weight_grad_store.run(key)
@@ -131,7 +137,8 @@ class _Step:
 def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callable, data_iterator: Any,
         parallel_state, num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
         variable_seq_lengths: bool = False, action_times: Optional[list] = None,
-        fused_bw: bool = False, comm_stats: Optional[dict] = None, grad_sync: Any = None) -> list[dict]:
+        fused_bw: bool = False, comm_stats: Optional[dict] = None, grad_sync: Any = None,
+        activation_probe: Any = None) -> list[dict]:
     """Run this rank's part of `plan`; returns per-microbatch loss dicts on the last stage, else [].
 
     `model_chunks[c]` is local chunk c. `data_iterator` is one iterator or one per local chunk.
@@ -141,6 +148,8 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
     `comm_stats`, when given, receives "largest_send": (numel, dtype) of this rank's largest message.
     `grad_sync` (a `core.grad_sync.GradSync`), when given, is told which actions finish each chunk's
     backward so it can start data-parallel gradient all-reduces during the step.
+    `activation_probe` (an `activation_memory.ActivationProbe`), when given, measures each forward's saved
+    activation bytes and the part of them the deferred W keeps.
     """
     pp_rank = parallel_state.pp_rank
     if num_microbatches != plan.num_microbatches:
@@ -155,7 +164,7 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
     comm = P2PCommunicator(plan, pp_rank, parallel_state.pp_ranks, parallel_state.pp_group, device=device,
                            variable_seq_lengths=variable_seq_lengths, actions_of=actions_of)
     step = _Step(plan, pp_rank, comm, model_chunks, forward_step_func, data_iterator, forward_only, loss_scale,
-                 fused_bw)
+                 fused_bw, None if forward_only else activation_probe)
     grad_sync = None if forward_only else grad_sync
     try:
         if grad_sync is not None:

@@ -112,11 +112,13 @@ def get_forward_backward_func(parallel_state, schedule_name: str = "1f1b", *, co
         entry = forward_backward_no_pipelining
     elif schedule_name in ("auto", "zb-h2"):      # profiled: fitted to measured F/B/W costs
         from core.pipeline_parallel.auto_schedule import AutoSchedule
+        limit_bytes = None
         if config is not None:
             pipeline_memory_limit = pipeline_memory_limit or config.parallel.pipeline_memory_limit
+            limit_bytes = config.parallel.pipeline_memory_limit_bytes
             profile_iters = profile_iters or config.training.profile_iters
         return AutoSchedule(parallel_state, memory_limit=pipeline_memory_limit, profile_iters=profile_iters or 3,
-                            variant=schedule_name)
+                            variant=schedule_name, memory_limit_bytes=limit_bytes)
     elif schedule_name in _BY_NAME:
         entry = _BY_NAME[schedule_name]
     elif schedule_name in ZERO_BUBBLE:

@@ -1,0 +1,112 @@
+"""Measured activation memory, in the simulator's units (one microbatch's activations on one chunk).
+
+After a forward, `saved_storages(root)` walks the autograd graph behind `root` and collects the distinct
+floating-point storages its nodes saved for backward (model parameters and buffers excluded): their
+bytes are the forward's unit (M_B). `ActivationProbe` does this for every forward of a step and follows
+those storages with weak references; what is still alive after the forward's B is what the deferred
+weight gradients keep until W (M_W). `--pipeline-schedule auto` uses it on its first profiling iteration
+to simulate memory as it is and to turn a byte cap into units.
+
+The graph is only read: saved-tensor hooks would have been simpler, but while they are active autograd
+hands backward a copy of each saved tensor instead of the tensor itself, which breaks code that sets
+`.grad` or attributes on a saved weight.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import weakref
+from typing import Hashable, Iterable, Iterator, Optional
+
+import torch
+from torch import nn
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
+_SCALE = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+
+
+def parse_size(text: str) -> Optional[int]:
+    """Bytes of a size such as "512MiB", "1.5GB" or "24 GiB"; None when `text` has no size unit."""
+    match = _SIZE.match(text)
+    if match is None:
+        return None
+    return int(float(match[1]) * _SCALE[match[2].upper()])
+
+
+def _saved_tensors(node) -> Iterator[torch.Tensor]:
+    """Tensors a graph node saved: `saved_tensors` of custom functions, `_saved_*` of built-in ones."""
+    if hasattr(node, "saved_tensors"):
+        yield from (t for t in node.saved_tensors if t is not None)
+        return
+    for name in dir(node):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            value = getattr(node, name)
+        except RuntimeError:            # already freed
+            continue
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(t, torch.Tensor):
+                yield t
+
+
+def saved_storages(root: torch.Tensor, exclude: Iterable[int] = ()) -> dict[int, torch.UntypedStorage]:
+    """Distinct floating-point storages saved for backward behind `root`, by data pointer (`exclude`d
+    pointers left out)."""
+    exclude = set(exclude)
+    found: dict[int, torch.UntypedStorage] = {}
+    seen, stack = set(), [root.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for t in _saved_tensors(node):
+            if t.is_floating_point():
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in exclude and storage.nbytes() > 0:
+                    found[storage.data_ptr()] = storage
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
+class ActivationProbe:
+    """Saved bytes of each forward of a step, and the share of them still alive after its B."""
+
+    def __init__(self, model_chunks: Iterable[nn.Module]) -> None:
+        self._exclude = {t.untyped_storage().data_ptr() for chunk in model_chunks
+                         for t in list(chunk.parameters()) + list(chunk.buffers())}
+        self._live: dict[Hashable, int] = {}
+        self._unit: dict[Hashable, int] = {}
+        self.units: list[int] = []          # saved bytes of each forward
+        self.shares: list[float] = []       # share of a forward's bytes still alive after its B (M_W / M_B)
+
+    def forward_done(self, key: Hashable, output: torch.Tensor) -> None:
+        """After the forward of `key` (chunk, microbatch); `output` is its output or loss."""
+        if output.grad_fn is None:
+            return
+        storages = saved_storages(output, self._exclude)
+        total = sum(s.nbytes() for s in storages.values())
+        self.units.append(total)
+        self._unit[key] = self._live[key] = total
+        for storage in storages.values():
+            weakref.finalize(storage, self._freed, key, storage.nbytes())
+
+    def _freed(self, key: Hashable, nbytes: int) -> None:
+        if key in self._live:
+            self._live[key] -= nbytes
+
+    def backward_done(self, key: Hashable, split: bool) -> None:
+        """After the B (`split`: W still to come) or the fused BW of `key`, once it dropped its graph."""
+        live, unit = self._live.pop(key, None), self._unit.pop(key, 0)
+        if split and live is not None and unit > 0:
+            self.shares.append(live / unit)
+
+    @property
+    def unit_bytes(self) -> int:
+        return max(self.units, default=0)
+
+    @property
+    def w_share(self) -> float:
+        return min(max(statistics.median(self.shares), 0.0), 1.0) if self.shares else 0.5
