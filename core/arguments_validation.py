@@ -7,6 +7,7 @@ the flags and calls these in order; the first failing check is the one reported.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Sequence
 
@@ -44,10 +45,13 @@ def memory_limit(text: str) -> float:
     if nbytes is not None:
         return MemoryBytes(nbytes)
     try:
-        return float(text)
+        units = float(text)
     except ValueError:
+        units = math.nan
+    if not math.isfinite(units):
         raise argparse.ArgumentTypeError(f"{text!r} is neither a number of activation units (e.g. 6) nor a size "
-                                         "such as 24GiB or 512MB") from None
+                                         "such as 24GiB or 512MB")
+    return units
 
 
 def _flag(name: str) -> str:

@@ -7,6 +7,7 @@ the peak measured while the executor runs the plan (within 5%), and nothing may 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 
@@ -169,3 +170,27 @@ def test_probe_on_llama_chunks_matches_saved_tensor_hooks(role):
     assert probe.units[0] > 0 and abs(probe.units[0] - seen["unit"]) <= 0.05 * seen["unit"], (probe.units, seen)
     assert abs(probe.shares[0] - seen["alive"] / seen["unit"]) <= 0.05, (probe.shares, seen)
     assert 0.1 < probe.shares[0] < 0.9
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_probe_with_recompute_reads_no_recomputed_tensor(granularity):
+    """Under activation recompute the probe must not unpack checkpointed tensors (that re-runs the layer's
+    forward and holds the result until B): no extra forward runs, and the unit shrinks."""
+    from model.llama import LlamaModel
+    from tests.test_pipeline_llama import CONFIG
+    units = {}
+    for label, config in (("plain", CONFIG), ("recompute", dataclasses.replace(CONFIG, recompute_granularity=granularity))):
+        torch.manual_seed(0)
+        chunk = LlamaModel(config, None, layer_range=(2, 4), pre_process=False, post_process=False)
+        calls = []
+        for layer in chunk.modules():
+            if type(layer).__name__.endswith("Attention"):
+                layer.register_forward_hook(lambda *a: calls.append(1))
+        chunk.set_input_tensor(torch.randn(16, 2, CONFIG.hidden_size, requires_grad=True))
+        out = chunk()
+        before = len(calls)
+        probe = ActivationProbe([chunk])
+        probe.forward_done("k", out)
+        assert len(calls) == before == 2, f"{label}: the probe ran {len(calls) - before} extra forwards"
+        units[label] = probe.unit_bytes
+    assert 0 < units["recompute"] < units["plain"], units

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import statistics
+import time
 import weakref
 from typing import Hashable, Iterable, Iterator, Optional
 
@@ -35,20 +36,40 @@ def parse_size(text: str) -> Optional[int]:
 
 
 def _saved_tensors(node) -> Iterator[torch.Tensor]:
-    """Tensors a graph node saved: `saved_tensors` of custom functions, `_saved_*` of built-in ones."""
-    if hasattr(node, "saved_tensors"):
-        yield from (t for t in node.saved_tensors if t is not None)
-        return
-    for name in dir(node):
-        if not name.startswith("_saved_"):
-            continue
+    """Tensors a graph node stores for backward, read without unpacking (`_raw_saved_*`). A tensor behind an
+    unpack hook (activation recompute) is not stored, and unpacking it would recompute it: what counts is
+    what the checkpoint keeps, its region's inputs."""
+    for name in [n for n in dir(node) if n.startswith("_raw_saved_")]:
         try:
             value = getattr(node, name)
         except RuntimeError:            # already freed
             continue
-        for t in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(t, torch.Tensor):
-                yield t
+        yield from _stored(value if isinstance(value, (tuple, list)) else (value,))
+
+
+def _stored(saved_tensors: Iterable) -> Iterator[torch.Tensor]:
+    for saved in saved_tensors:
+        if not isinstance(saved, torch._C._autograd.SavedTensor):
+            continue
+        if saved.unpack_hook is not None:      # e.g. inside torch.utils.checkpoint: count what it keeps
+            yield from _stored(_checkpoint_inputs(saved.unpack_hook))
+            continue
+        try:
+            data = saved.data
+        except RuntimeError:
+            continue
+        if data is not None:
+            yield data
+
+
+def _checkpoint_inputs(unpack_hook) -> list:
+    """The region inputs a non-reentrant checkpoint keeps for its recompute (torch's `_CheckpointFrame.
+    saved_args`); [] for any other hook. Best effort: it reads torch internals and never unpacks."""
+    try:
+        cells = dict(zip(unpack_hook.__code__.co_freevars, unpack_hook.__closure__ or ()))
+        return list(getattr(cells["frame"].cell_contents, "saved_args", []))
+    except (AttributeError, KeyError, ValueError):
+        return []
 
 
 def saved_storages(root: torch.Tensor, exclude: Iterable[int] = ()) -> dict[int, torch.UntypedStorage]:
@@ -79,6 +100,7 @@ class ActivationProbe:
                          for t in list(chunk.parameters()) + list(chunk.buffers())}
         self._live: dict[Hashable, int] = {}
         self._unit: dict[Hashable, int] = {}
+        self.seconds = 0.0                  # spent measuring (the executor keeps it out of action times)
         self.units: list[int] = []          # saved bytes of each forward
         self.shares: list[float] = []       # share of a forward's bytes still alive after its B (M_W / M_B)
 
@@ -86,12 +108,14 @@ class ActivationProbe:
         """After the forward of `key` (chunk, microbatch); `output` is its output or loss."""
         if output.grad_fn is None:
             return
+        start = time.perf_counter()
         storages = saved_storages(output, self._exclude)
         total = sum(s.nbytes() for s in storages.values())
         self.units.append(total)
         self._unit[key] = self._live[key] = total
         for storage in storages.values():
             weakref.finalize(storage, self._freed, key, storage.nbytes())
+        self.seconds += time.perf_counter() - start
 
     def _freed(self, key: Hashable, nbytes: int) -> None:
         if key in self._live:

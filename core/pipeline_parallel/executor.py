@@ -64,6 +64,10 @@ class _Step:
         self.losses: dict[int, dict] = {}
         self.wait_s = 0.0                    # time blocked on receives, excluded from action timings
 
+    def untimed_s(self) -> float:
+        """Seconds so far blocked on receives or measuring activations: not part of any action's time."""
+        return self.wait_s + (self.probe.seconds if self.probe is not None else 0.0)
+
     def _take(self, msg: Message) -> torch.Tensor:
         if msg.src == msg.dst:
             return self.local.pop(msg)
@@ -204,7 +208,7 @@ def _loop(step: _Step, actions: tuple, comm: P2PCommunicator, action_times: Opti
     comm.post_ahead()
     comm.flush()
     for i, action in enumerate(actions):
-        start, waited = time.perf_counter(), step.wait_s
+        start, untimed = time.perf_counter(), step.untimed_s()
         if last_b.get(action.chunk) == i:
             grad_sync.arm(action.chunk)
         if i == last:
@@ -215,6 +219,6 @@ def _loop(step: _Step, actions: tuple, comm: P2PCommunicator, action_times: Opti
             if last_any.get(action.chunk) == i:
                 grad_sync.chunk_done(action.chunk, last_action=i == last)
         if action_times is not None:
-            action_times.append((action, time.perf_counter() - start - (step.wait_s - waited)))
+            action_times.append((action, time.perf_counter() - start - (step.untimed_s() - untimed)))
         comm.post_ahead()
         comm.flush()
