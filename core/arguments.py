@@ -12,9 +12,10 @@ import sys
 from typing import Optional, Sequence
 
 from core.arguments_validation import (ArgumentError, check_model, check_positive, check_schedule,
-                                       checkpoint_config, data_config, memory_limit, optimizer_config,
-                                       parallel_config, training_config)
+                                       checkpoint_config, data_config, optimizer_config, parallel_config,
+                                       training_config)
 from core.config import SCHEDULES, Config, LoggingConfig
+from core.pipeline_parallel.activation_memory import memory_limit
 from model.config import PRESETS, LlamaConfig
 
 __all__ = ["ArgumentError", "build_parser", "config_from_args", "parse_args"]
@@ -29,6 +30,10 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
                    help="layers on the first pipeline stage (uneven split; the rest split evenly)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers on the last pipeline stage, e.g. fewer to balance the LM head and loss")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as one layer when splitting layers over (virtual) stages")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the LM head and loss as one layer when splitting layers over (virtual) stages")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--pipeline-schedule", default=None,
                    help=f"one of {', '.join(SCHEDULES)} (default 1f1b, or interleaved with virtual stages)")

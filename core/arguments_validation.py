@@ -7,7 +7,6 @@ the flags and calls these in order; the first failing check is the one reported.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from typing import Sequence
 
@@ -15,6 +14,7 @@ import torch
 
 from core.config import CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, SCHEDULES, TrainingConfig
 from core.logger import get_logger
+from core.pipeline_parallel.activation_memory import MemoryBytes
 from core.resharding import stage_layer_ranges
 from model.config import PRESETS, LlamaConfig
 
@@ -32,26 +32,6 @@ _POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_
              "loss_scale_window", "hysteresis", "keep_last_n", "recompute_num_layers", "pipeline_profile_iters",
              "distributed_timeout_minutes", "pipeline_memory_limit", "rotary_base", "norm_epsilon")
 _NON_NEGATIVE = ("lr_warmup_iters", "eval_iters", "weight_decay", "clip_grad", "min_lr", "num_workers", "seed")
-
-
-class MemoryBytes(int):
-    """--pipeline-memory-limit given as a size (bytes) rather than a number of activation units."""
-
-
-def memory_limit(text: str) -> float:
-    """argparse type of --pipeline-memory-limit: "6" (units) -> 6.0, "24GiB" -> MemoryBytes(24 * 2**30)."""
-    from core.pipeline_parallel.activation_memory import parse_size
-    nbytes = parse_size(text)
-    if nbytes is not None:
-        return MemoryBytes(nbytes)
-    try:
-        units = float(text)
-    except ValueError:
-        units = math.nan
-    if not math.isfinite(units):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of activation units (e.g. 6) nor a size "
-                                         "such as 24GiB or 512MB")
-    return units
 
 
 def _flag(name: str) -> str:
@@ -105,6 +85,8 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
                           pipeline_memory_limit_bytes=int(limit) if isinstance(limit, MemoryBytes) else None,
                           first_stage_layers=args.decoder_first_pipeline_num_layers,
                           last_stage_layers=args.decoder_last_pipeline_num_layers, distributed_backend=backend,
+                          account_for_embedding=args.account_for_embedding_in_pipeline_split,
+                          account_for_loss=args.account_for_loss_in_pipeline_split,
                           distributed_timeout_minutes=args.distributed_timeout_minutes,
                           use_distributed_optimizer=args.use_distributed_optimizer,
                           overlap_grad_reduce=args.overlap_grad_reduce,
@@ -119,16 +101,24 @@ def _vpp_size(args: argparse.Namespace) -> int:
     if pp == 1:
         raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     num_layers = args.num_layers if args.num_layers is not None else PRESETS[args.model]["num_layers"]
-    per_rank = num_layers // pp
-    if num_layers % pp == 0 and per_rank % per_vstage:
-        raise ArgumentError(f"layers per pipeline rank ({per_rank} = --num-layers {num_layers} / "
+    counted = [part for part, on in (("embedding", args.account_for_embedding_in_pipeline_split),
+                                     ("loss", args.account_for_loss_in_pipeline_split)) if on]   # Megatron
+    units = num_layers + len(counted)
+    total = f"(--num-layers {num_layers} + 1 each for the {' and '.join(counted)})" if counted else \
+        f"--num-layers {num_layers}"
+    if counted and units % pp:
+        raise ArgumentError(f"{total} = {units} layers is not divisible by --pipeline-model-parallel-size {pp}")
+    per_rank = units // pp
+    if units % pp == 0 and per_rank % per_vstage:
+        raise ArgumentError(f"layers per pipeline rank ({per_rank} = {total} / "
                             f"--pipeline-model-parallel-size {pp}) is not divisible by "
                             f"--num-layers-per-virtual-pipeline-stage ({per_vstage})")
     return max(per_rank // per_vstage, 1)
 
 
 def _check_layer_split(args: argparse.Namespace, num_layers: int, par: ParallelConfig) -> None:
-    """The even split, or --decoder-first/last-pipeline-num-layers with one chunk per rank."""
+    """The even split, --decoder-first/last-pipeline-num-layers with one chunk per rank, or the split that
+    counts the embedding / loss as layers (--account-for-*-in-pipeline-split)."""
     pp = par.pp_size
     uneven = [f"--decoder-{end}-pipeline-num-layers {n}" for end, n in
               (("first", par.first_stage_layers), ("last", par.last_stage_layers)) if n is not None]
@@ -143,10 +133,11 @@ def _check_layer_split(args: argparse.Namespace, num_layers: int, par: ParallelC
         if par.pipeline_schedule in ("zbv", "interleaved"):
             raise ArgumentError(f"{flags} needs one model chunk per pipeline rank, but --pipeline-schedule "
                                 f"{par.pipeline_schedule} uses two or more; use 1f1b, gpipe, zb-h1, zb-h2 or auto")
-    elif num_layers % pp:
+    elif num_layers % pp and not (par.account_for_embedding or par.account_for_loss):
         raise ArgumentError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size ({pp})")
     try:
-        stage_layer_ranges(num_layers, pp, par.vpp_size, par.first_stage_layers, par.last_stage_layers)
+        stage_layer_ranges(num_layers, pp, par.vpp_size, par.first_stage_layers, par.last_stage_layers,
+                           embedding=par.account_for_embedding, loss=par.account_for_loss)
     except ValueError as err:
         raise ArgumentError(str(err)) from None
 
@@ -218,7 +209,8 @@ def check_schedule(args: argparse.Namespace, par: ParallelConfig, m: int, num_la
         return
     if s == "zbv" and vpp != 2:
         raise ArgumentError(f"--pipeline-schedule zbv needs exactly 2 model chunks per pipeline rank, got {vpp}; "
-                            f"set --num-layers-per-virtual-pipeline-stage {num_layers // (2 * pp)}")
+                            f"set --num-layers-per-virtual-pipeline-stage "
+                            f"{(num_layers + par.account_for_embedding + par.account_for_loss) // (2 * pp)}")
     if s == "interleaved" and vpp < 2:
         raise ArgumentError("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
                             "giving 2 or more model chunks per pipeline rank")

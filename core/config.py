@@ -26,6 +26,8 @@ class ParallelConfig:
     pipeline_memory_limit_bytes: Optional[int] = None   # or a byte cap, turned into units once measured
     first_stage_layers: Optional[int] = None        # --decoder-first-pipeline-num-layers (uneven split)
     last_stage_layers: Optional[int] = None         # --decoder-last-pipeline-num-layers
+    account_for_embedding: bool = False             # --account-for-embedding-in-pipeline-split
+    account_for_loss: bool = False                  # --account-for-loss-in-pipeline-split
     distributed_backend: str = "gloo"
     distributed_timeout_minutes: float = 10.0
     use_distributed_optimizer: bool = False

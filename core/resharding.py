@@ -81,14 +81,19 @@ def layer_index(name: str) -> int | None:
 
 
 def stage_layer_ranges(num_layers: int, pp_size: int, vpp_size: int = 1, first: int | None = None,
-                       last: int | None = None) -> list[tuple[int, int]]:
+                       last: int | None = None, *, embedding: bool = False,
+                       loss: bool = False) -> list[tuple[int, int]]:
     """[start, end) layer range of each virtual stage, in stage order.
 
     Even split by default (DESIGN.md: stage v owns layers [v*L/S, (v+1)*L/S)). `first` / `last` are
     Megatron-LM's --decoder-first/last-pipeline-num-layers: the layers of the first / last pipeline stage
     (one chunk per rank), the rest split evenly over the stages between, e.g. to give the stage with the
-    LM head and the loss fewer layers."""
+    LM head and the loss fewer layers. `embedding` / `loss` are Megatron-LM's
+    --account-for-embedding/loss-in-pipeline-split: the embedding (first stage) or the head and loss (last
+    stage) count as one layer in an even split over all virtual stages, V placement included."""
     stages = pp_size * vpp_size
+    if embedding or loss:
+        return _accounted_split(num_layers, pp_size, vpp_size, first, last, embedding, loss)
     if first is None and last is None:
         if num_layers % stages:
             raise ValueError(f"--num-layers {num_layers} is not divisible by pipeline-model-parallel size "
@@ -126,10 +131,31 @@ def stage_layer_ranges(num_layers: int, pp_size: int, vpp_size: int = 1, first: 
     return [(start, start + n) for start, n in zip(starts, counts)]
 
 
+def _accounted_split(num_layers: int, pp_size: int, vpp_size: int, first: int | None, last: int | None,
+                     embedding: bool, loss: bool) -> list[tuple[int, int]]:
+    flags = " and ".join(f"--account-for-{part}-in-pipeline-split" for part, on in
+                         (("embedding", embedding), ("loss", loss)) if on)
+    if first is not None or last is not None:
+        raise ValueError(f"{flags} cannot be combined with --decoder-first/last-pipeline-num-layers")
+    stages, units = pp_size * vpp_size, num_layers + embedding + loss
+    if units % stages:
+        raise ValueError(f"--num-layers {num_layers} plus {flags} ({units} layers) is not divisible by "
+                         f"pipeline-model-parallel size ({pp_size}) x virtual stages per rank ({vpp_size})")
+    counts = [units // stages] * stages
+    counts[0] -= embedding
+    counts[-1] -= loss
+    if min(counts) < 1:
+        raise ValueError(f"--num-layers {num_layers} with {flags} over {stages} stages leaves a stage "
+                         "without a transformer layer; use fewer stages or more layers")
+    starts = [sum(counts[:s]) for s in range(stages)]
+    return [(start, start + n) for start, n in zip(starts, counts)]
+
+
 def pp_rank_of(name: str, num_layers: int, pp_size: int, vpp_size: int = 1,
-               placement: str = "interleaved", first: int | None = None, last: int | None = None) -> int:
+               placement: str = "interleaved", first: int | None = None, last: int | None = None, *,
+               embedding: bool = False, loss: bool = False) -> int:
     """Pipeline rank that holds logical `name` under `stage_layer_ranges`."""
-    ranges = stage_layer_ranges(num_layers, pp_size, vpp_size, first, last)
+    ranges = stage_layer_ranges(num_layers, pp_size, vpp_size, first, last, embedding=embedding, loss=loss)
     index = layer_index(name)
     if index is not None:
         stage = next((s for s, (start, end) in enumerate(ranges) if start <= index < end), None)

@@ -64,7 +64,7 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
     num_stages = ps.pp_size * ps.vpp_size
     par = config.parallel
     ranges = stage_layer_ranges(model_cfg.num_layers, ps.pp_size, ps.vpp_size, par.first_stage_layers,
-                                par.last_stage_layers)
+                                par.last_stage_layers, embedding=par.account_for_embedding, loss=par.account_for_loss)
     if num_stages > 1:
         log.info("layers per pipeline stage: " + ", ".join(str(end - start) for start, end in ranges))
     chunks, roles = [], []

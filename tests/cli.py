@@ -27,8 +27,8 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if '"lm_loss"' in line]
 
 
-def train(nproc: int, args: list[str], jsonl: str, **kw) -> list[dict]:
-    """Run to completion (asserting success) and return the per-iteration records."""
-    proc = torchrun(nproc, TINY + args + ["--metrics-jsonl", jsonl], **kw)
+def train(nproc: int, args: list[str], jsonl: str, *, tiny: list[str] | None = None, **kw) -> list[dict]:
+    """Run to completion (asserting success) and return the per-iteration records (`tiny`: other base flags)."""
+    proc = torchrun(nproc, (tiny or TINY) + args + ["--metrics-jsonl", jsonl], **kw)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return read_metrics(jsonl)

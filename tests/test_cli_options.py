@@ -7,6 +7,7 @@ from core.arguments import build_parser
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FLAGS = """
+--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
 --adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --clip-grad --data-cache-path --data-path
 --ddp-bucket-size
 --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers

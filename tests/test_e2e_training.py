@@ -62,6 +62,25 @@ def test_uneven_pipeline_split_matches_single_process(reference, tmp_path, nproc
         assert math.isclose(got, want, rel_tol=1e-5), f"uneven split iteration {it}: {got} vs {want}"
 
 
+def test_embedding_and_loss_counted_as_layers_under_zbv_match_single_process(tmp_path):
+    """--account-for-embedding/loss-in-pipeline-split with 6 layers over ZB-V's 4 stages: 1, 2, 2, 1 layers,
+    so rank 0 (stages 0 and 3, with the embedding and the head) builds 2 layers and rank 1 builds 4."""
+    six = list(TINY)
+    six[six.index("--num-layers") + 1] = "6"
+    ref = [r["lm_loss"] for r in train(1, ITERS, str(tmp_path / "ref.jsonl"), tiny=six)]
+    jsonl = str(tmp_path / "m.jsonl")
+    proc = torchrun(2, six + ITERS + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+                                      "--num-layers-per-virtual-pipeline-stage", "2",
+                                      "--account-for-embedding-in-pipeline-split",
+                                      "--account-for-loss-in-pipeline-split", "--metrics-jsonl", jsonl])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layers per pipeline stage: 1, 2, 2, 1" in proc.stdout + proc.stderr
+    losses = [r["lm_loss"] for r in read_metrics(jsonl)]
+    assert len(losses) == len(ref) == 5
+    for it, (got, want) in enumerate(zip(losses, ref), 1):
+        assert math.isclose(got, want, rel_tol=1e-5), f"accounted split iteration {it}: {got} vs {want}"
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, reference, tmp_path):
     nproc, flags = LAYOUTS[name]

@@ -46,3 +46,30 @@ def test_pp_rank_of_follows_the_uneven_split():
 def test_impossible_splits_name_the_flags_and_numbers(args, fragment):
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
         stage_layer_ranges(*args)
+
+
+@pytest.mark.parametrize("num_layers,pp,vpp,embedding,loss,counts", [
+    (6, 2, 2, True, True, [1, 2, 2, 1]),          # ZB-V: rank 0 holds stages 0 and 3, with embedding and head
+    (7, 2, 1, False, True, [4, 3]),
+    (7, 2, 1, True, False, [3, 4]),
+    (30, 4, 2, True, True, [3, 4, 4, 4, 4, 4, 4, 3]),
+])
+def test_accounting_for_embedding_and_loss_counts_them_as_layers(num_layers, pp, vpp, embedding, loss, counts):
+    ranges = stage_layer_ranges(num_layers, pp, vpp, embedding=embedding, loss=loss)
+    assert [end - start for start, end in ranges] == counts
+    assert ranges[0][0] == 0 and ranges[-1][1] == num_layers
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert pp_rank_of(f"layers.{num_layers - 1}.x", num_layers, pp, vpp, "v" if vpp == 2 else "interleaved",
+                      embedding=embedding, loss=loss) == (0 if vpp == 2 else pp - 1)
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(num_layers=8, pp_size=2, vpp_size=2, embedding=True, loss=True),
+     "--num-layers 8 plus --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split "
+     "(10 layers) is not divisible"),
+    (dict(num_layers=2, pp_size=2, vpp_size=2, embedding=True, loss=True), "leaves a stage without a transformer"),
+    (dict(num_layers=7, pp_size=2, last=3, loss=True), "cannot be combined with --decoder-first/last"),
+])
+def test_impossible_accounted_splits_name_the_flags(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        stage_layer_ranges(**kwargs)

@@ -13,6 +13,8 @@ hands backward a copy of each saved tensor instead of the tensor itself, which b
 """
 from __future__ import annotations
 
+import argparse
+import math
 import re
 import statistics
 import time
@@ -33,6 +35,25 @@ def parse_size(text: str) -> Optional[int]:
     if match is None:
         return None
     return int(float(match[1]) * _SCALE[match[2].upper()])
+
+
+class MemoryBytes(int):
+    """--pipeline-memory-limit given as a size (bytes) rather than a number of activation units."""
+
+
+def memory_limit(text: str) -> float:
+    """argparse type of --pipeline-memory-limit: "6" (units) -> 6.0, "24GiB" -> MemoryBytes(24 * 2**30)."""
+    nbytes = parse_size(text)
+    if nbytes is not None:
+        return MemoryBytes(nbytes)
+    try:
+        units = float(text)
+    except ValueError:
+        units = math.nan
+    if not math.isfinite(units):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of activation units (e.g. 6) nor a size "
+                                         "such as 24GiB or 512MB")
+    return units
 
 
 def _saved_tensors(node) -> Iterator[torch.Tensor]:
