@@ -9,7 +9,7 @@ elements; each element's sum is the same for any bucket size.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,16 +59,18 @@ def _model_params(model_chunks: list[torch.nn.Module]) -> list[torch.nn.Paramete
     return params
 
 
-def _buckets(grads: list[torch.Tensor], bucket_size: int) -> list[list[torch.Tensor]]:
-    """Group grads (reverse order, as backward produces them) into buckets of >= bucket_size elements."""
+def bucket_groups(grads: list[torch.Tensor], bucket_size: int,
+             dtype_of: Callable[[torch.Tensor], torch.dtype] = lambda t: t.dtype) -> list[list[torch.Tensor]]:
+    """Group grads (reverse order, as backward produces them) into buckets of >= bucket_size elements, one
+    dtype per bucket (`dtype_of`: e.g. a parameter's grad dtype, to bucket parameters before they have grads)."""
     buckets: list[list[torch.Tensor]] = []
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in reversed(grads):
-        current = by_dtype.setdefault(g.dtype, [])
+        current = by_dtype.setdefault(dtype_of(g), [])
         current.append(g)
         if sum(t.numel() for t in current) >= bucket_size:
             buckets.append(current)
-            by_dtype[g.dtype] = []
+            by_dtype[dtype_of(g)] = []
     buckets.extend(b for b in by_dtype.values() if b)
     return buckets
 
@@ -84,7 +86,7 @@ def all_reduce_bucketed(grads: list[torch.Tensor], group: Any, bucket_size: int 
         raise ValueError(f"the gradient bucket size {bucket_size} must be positive")
     reduce = group_size(group) > 1
     pending = []
-    for bucket in _buckets(grads, bucket_size):
+    for bucket in bucket_groups(grads, bucket_size):
         dtype = torch.promote_types(bucket[0].dtype, torch.float32)
         flat = torch.cat([g.reshape(-1).to(dtype) for g in bucket])
         work = dist.all_reduce(flat, group=group, async_op=async_op) if reduce else None

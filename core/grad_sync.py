@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.distributed import DEFAULT_BUCKET_SIZE, group_size
+from core.distributed import DEFAULT_BUCKET_SIZE, bucket_groups, group_size
 from core.pipeline_parallel import weight_grad_store
 from core.tensor_parallel.layers import grad_dtype
 
@@ -36,18 +36,6 @@ class _Bucket:
         self.flat: Optional[torch.Tensor] = None
         self.work: Any = None
         self.phase = 0                      # launched before (0), during (1) or after (2) the last backward action
-
-
-def _group(params: list[nn.Parameter], bucket_size: int) -> list[list[nn.Parameter]]:
-    """Reverse order, split by grad dtype, each bucket at least `bucket_size` elements (the last may be less)."""
-    buckets, current = [], {}
-    for p in reversed(params):
-        members = current.setdefault(grad_dtype(p), [])
-        members.append(p)
-        if sum(q.numel() for q in members) >= bucket_size:
-            buckets.append(members)
-            current[grad_dtype(p)] = []
-    return buckets + [b for b in current.values() if b]
 
 
 class GradSync:
@@ -65,7 +53,7 @@ class GradSync:
         if len({id(p) for params in per_chunk for p in params}) < sum(map(len, per_chunk)):
             raise ValueError("--overlap-grad-reduce cannot handle a parameter shared by two model chunks")
         for c, params in enumerate(per_chunk):
-            buckets = [_Bucket(group) for group in _group(params, bucket_size)]
+            buckets = [_Bucket(group) for group in bucket_groups(params, bucket_size, grad_dtype)]
             self.chunk_buckets.append(buckets)
             for bucket in buckets:
                 for p in bucket.params:

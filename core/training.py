@@ -210,10 +210,8 @@ class Trainer:
                           "(pass --skip-nonfinite-steps to skip such steps instead)")
                 return 1
             return self._skip(f"lm loss is {loss}")
-        finalize_model_grads(self.chunks, self.ps, None, global_tokens=tokens,
-                             bucket_size=self.config.parallel.ddp_bucket_size,
-                             overlap_grad_reduce=self.config.parallel.overlap_grad_reduce,
-                             grad_sync=self.grad_sync)
+        finalize_model_grads(self.chunks, self.ps, None, global_tokens=tokens,    # overlap: grad_sync
+                             bucket_size=self.config.parallel.ddp_bucket_size, grad_sync=self.grad_sync)
         if self.grad_sync is not None and not self._overlap_logged:
             self._overlap_logged = True
             log.info(self.grad_sync.summary())
