@@ -92,13 +92,13 @@ def all_reduce_bucketed(grads: list[torch.Tensor], group: Any, bucket_size: int 
         work = dist.all_reduce(flat, group=group, async_op=async_op) if reduce else None
         pending.append((bucket, flat, work))
         if not async_op:
-            _unpack(bucket, flat, work, divisor)
+            unpack_bucket(bucket, flat, work, divisor)
     if async_op:
         for bucket, flat, work in pending:
-            _unpack(bucket, flat, work, divisor)
+            unpack_bucket(bucket, flat, work, divisor)
 
 
-def _unpack(bucket: list[torch.Tensor], flat: torch.Tensor, work: Any, divisor: Optional[float]) -> None:
+def unpack_bucket(bucket: list[torch.Tensor], flat: torch.Tensor, work: Any, divisor: Optional[float]) -> None:
     if work is not None:
         work.wait()
     if divisor is not None:

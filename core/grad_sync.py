@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.distributed import DEFAULT_BUCKET_SIZE, bucket_groups, group_size
+from core.distributed import DEFAULT_BUCKET_SIZE, bucket_groups, group_size, unpack_bucket
 from core.pipeline_parallel import weight_grad_store
-from core.tensor_parallel.layers import grad_dtype
+from core.tensor_parallel.layers import all_reduce_coalesced, grad_dtype
 
 
 class _Bucket:
@@ -130,13 +130,8 @@ class GradSync:
             if p.grad is None:            # every DP replica must pack identical buckets
                 p.grad = torch.zeros_like(p, dtype=grad_dtype(p))
         sp = [p.grad for p in bucket.params if getattr(p, "sequence_parallel", False)]
-        if sp and group_size(self.tp_group) > 1:
-            flat_sp = torch.cat([g.reshape(-1) for g in sp])
-            dist.all_reduce(flat_sp, group=self.tp_group)
-            offset = 0
-            for g in sp:
-                g.copy_(flat_sp[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+        if group_size(self.tp_group) > 1:
+            all_reduce_coalesced(sp, self.tp_group)
         dtype = torch.promote_types(bucket.params[0].grad.dtype, torch.float32)
         bucket.flat = torch.cat([p.grad.reshape(-1).to(dtype) for p in bucket.params])
         if group_size(self.dp_group) > 1:
@@ -152,14 +147,7 @@ class GradSync:
             if bucket.flat is None:
                 self._launch(bucket)
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            if divisor is not None:
-                bucket.flat.div_(divisor)
-            offset = 0
-            for p in bucket.params:
-                p.grad.copy_(bucket.flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+            unpack_bucket([p.grad for p in bucket.params], bucket.flat, bucket.work, divisor)
         self.last_counts = tuple(sum(b.phase == k for b in self.buckets) for k in range(3))
         self._reset()
         return self.last_counts

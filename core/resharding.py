@@ -93,8 +93,8 @@ def stage_layer_ranges(num_layers: int, pp_size: int, vpp_size: int = 1, first: 
     stage) count as one layer in an even split over all virtual stages, V placement included."""
     stages = pp_size * vpp_size
     if embedding or loss:
-        return _accounted_split(num_layers, pp_size, vpp_size, first, last, embedding, loss)
-    if first is None and last is None:
+        counts = _accounted_counts(num_layers, pp_size, vpp_size, first, last, embedding, loss)
+    elif first is None and last is None:
         if num_layers % stages:
             raise ValueError(f"--num-layers {num_layers} is not divisible by pipeline-model-parallel size "
                              f"({pp_size}) x virtual stages per rank ({vpp_size})")
@@ -131,8 +131,8 @@ def stage_layer_ranges(num_layers: int, pp_size: int, vpp_size: int = 1, first: 
     return [(start, start + n) for start, n in zip(starts, counts)]
 
 
-def _accounted_split(num_layers: int, pp_size: int, vpp_size: int, first: int | None, last: int | None,
-                     embedding: bool, loss: bool) -> list[tuple[int, int]]:
+def _accounted_counts(num_layers: int, pp_size: int, vpp_size: int, first: int | None, last: int | None,
+                      embedding: bool, loss: bool) -> list[int]:
     flags = " and ".join(f"--account-for-{part}-in-pipeline-split" for part, on in
                          (("embedding", embedding), ("loss", loss)) if on)
     if first is not None or last is not None:
@@ -147,8 +147,7 @@ def _accounted_split(num_layers: int, pp_size: int, vpp_size: int, first: int | 
     if min(counts) < 1:
         raise ValueError(f"--num-layers {num_layers} with {flags} over {stages} stages leaves a stage "
                          "without a transformer layer; use fewer stages or more layers")
-    starts = [sum(counts[:s]) for s in range(stages)]
-    return [(start, start + n) for start, n in zip(starts, counts)]
+    return counts
 
 
 def pp_rank_of(name: str, num_layers: int, pp_size: int, vpp_size: int = 1,

@@ -169,13 +169,17 @@ def allreduce_sequence_parallel_grads(modules: Union[nn.Module, Iterable[nn.Modu
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
     params = {id(p): p for m in modules for p in m.parameters()
               if getattr(p, "sequence_parallel", False) and p.grad is not None}
-    grads = [p.grad for p in params.values()]
-    if not grads:
+    all_reduce_coalesced([p.grad for p in params.values()], tp_group)
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
+    """Sum `tensors` over `group` in place with one all-reduce of their concatenation."""
+    if not tensors:
         return
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=tp_group)
-    for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        grad.copy_(reduced)
+    flat = _flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    for tensor, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        tensor.copy_(reduced)
 
 
 def shard_logical_tensor(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
