@@ -173,6 +173,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_schedules.json"))
     parser.add_argument("--steps", type=int, default=7, help="synthetic mode: timed steps per schedule, after one warm-up")
     parser.add_argument("--real-rounds", type=int, default=7, help="real mode: timed rounds over all schedules")
+    parser.add_argument("--release-host-memory", dest="keep_host_memory", action="store_false",
+                        help="real mode: leave glibc malloc's defaults (trim freed memory) as they are")
     parser.add_argument("--no-pin", dest="pin", action="store_false", help="real mode: do not pin rank r to core r")
     parser.add_argument("--sleep-ms", type=float, default=20.0, help="synthetic F = B = W time per stage")
     parser.add_argument("--synthetic-m", type=int, default=16)

@@ -8,7 +8,10 @@ round-robin in one run. Besides step times it records where the time goes:
             the busiest rank's compute, including the runtime's own main-thread work, bounds any schedule
             whatever its order, so step / busiest measures idle time only;
   sim       the simulator's makespan for the plan that ran, at the F/B/W/comm costs `auto` profiled,
-            over m * (F + B + W): the pipeline fill a perfect runtime on perfectly balanced stages pays.
+            over m * (F + B + W): the pipeline fill a perfect runtime on perfectly balanced stages pays;
+  faults    main-thread minor page faults per step and rank: memory malloc gave back to the OS and the
+            step touched anew (`core.host_memory`; the trainer and this benchmark keep freed memory
+            unless --release-host-memory).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import time
 import torch
 from torch import nn
 
+from core.host_memory import keep_freed_host_memory, minor_page_faults
 from core.pipeline_parallel import weight_grad_store
 from core.pipeline_parallel.schedule_ir import stage_of
 from core.pipeline_parallel.simulator import Costs, simulate
@@ -119,26 +123,31 @@ def _torch_step(config, ps, name: str, m: int, tokens: torch.Tensor, labels: tor
     return step
 
 
-def timed_rounds(ps, steps: dict, rounds: int) -> tuple[dict, dict]:
+def timed_rounds(ps, steps: dict, rounds: int) -> tuple[dict, dict, dict]:
     """Time the names round-robin, so background load hits all alike. Returns ({name: [step seconds per
-    round, MAX over ranks]}, {name: [median main-thread CPU seconds of each rank]})."""
+    round, MAX over ranks]}, {name: [median main-thread CPU seconds of each rank]}, {name: [median
+    main-thread minor page faults per step of each rank]})."""
     import torch.distributed as dist
     wall = torch.zeros(len(steps), rounds, dtype=torch.float64)
     cpu = torch.zeros(len(steps), rounds, dtype=torch.float64)
+    faults = torch.zeros(len(steps), rounds, dtype=torch.float64)
     for k in range(rounds):
         for i, step in enumerate(steps.values()):
             dist.barrier(group=ps.pp_group)
-            start, start_cpu = time.perf_counter(), time.thread_time()
+            start, start_cpu, start_faults = time.perf_counter(), time.thread_time(), minor_page_faults()
             step()
             cpu[i, k] = time.thread_time() - start_cpu
+            faults[i, k] = minor_page_faults() - start_faults
             dist.barrier(group=ps.pp_group)
             wall[i, k] = time.perf_counter() - start
     dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=ps.pp_group)
-    busy = [torch.zeros(len(steps), dtype=torch.float64) for _ in range(ps.pp_size)]
-    medians = torch.tensor([statistics.median(row) for row in cpu.tolist()], dtype=torch.float64)
-    dist.all_gather(busy, medians, group=ps.pp_group)
-    return ({n: wall[i].tolist() for i, n in enumerate(steps)},
-            {n: [float(b[i]) for b in busy] for i, n in enumerate(steps)})
+
+    def per_rank(samples: torch.Tensor) -> dict:
+        gathered = [torch.zeros(len(steps), dtype=torch.float64) for _ in range(ps.pp_size)]
+        medians = torch.tensor([statistics.median(row) for row in samples.tolist()], dtype=torch.float64)
+        dist.all_gather(gathered, medians, group=ps.pp_group)
+        return {n: [float(g[i]) for g in gathered] for i, n in enumerate(steps)}
+    return {n: wall[i].tolist() for i, n in enumerate(steps)}, per_rank(cpu), per_rank(faults)
 
 
 def _our_step(config, ps0, name: str, vpp: int, m: int, batches: list):
@@ -184,6 +193,7 @@ def _simulated_fill(plan, vpp: int, stage_costs: Costs, early_send: bool) -> flo
 def real_worker(rank: int, world: int, args) -> list[dict]:
     from core.parallel_state import initialize_model_parallel
     torch.set_num_threads(1)
+    kept = args.keep_host_memory and keep_freed_host_memory()      # as pretrain_llama.py does on CPU
     if args.pin and len(os.sched_getaffinity(0)) >= world:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})     # one core per rank, no migration
     ps0, config, rows = initialize_model_parallel(1, world), llama_config(args), []
@@ -205,13 +215,14 @@ def real_worker(rank: int, world: int, args) -> list[dict]:
                 errors[name] = f"{type(err).__name__}: {err}"
         for step in steps.values():
             step()                                     # warm-up; `auto` profiles here and switches
-        wall, busy = timed_rounds(ps0, steps, args.real_rounds)
+        wall, busy, faults = timed_rounds(ps0, steps, args.real_rounds)
         ideal = statistics.median(wall.pop("single")) / world
         busy_ideal = statistics.median(wall.pop("busy-ideal"))
-        busy.pop("single"), busy.pop("busy-ideal")
+        busy.pop("single"), busy.pop("busy-ideal"), faults.pop("single"), faults.pop("busy-ideal")
         for name, times in wall.items():
             row = {"schedule": name, "m": m, "step_s": statistics.median(times), "ideal_s": ideal,
-                   "busy_ideal_s": busy_ideal, "busy_s": busy[name], "rounds_s": times}
+                   "busy_ideal_s": busy_ideal, "busy_s": busy[name], "page_faults": faults[name],
+                   "host_memory_kept": kept, "rounds_s": times}
             if name in plans:              # auto profiled F/B/W/comm of one whole stage during warm-up
                 row["sim_fill"] = _simulated_fill(plans[name](), dict(REAL_SCHEDULES)[name], auto.costs,
                                                    early_send=name != "1f1b-fused")

@@ -89,6 +89,9 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-nonfinite-steps", action="store_true")
     g.add_argument("--pipeline-profile-iters", type=int, default=3,
                    help="auto and zb-h2 schedules: 1F1B iterations profiled before switching")
+    g.add_argument("--release-host-memory", action="store_true",
+                   help="CPU runs: let malloc return freed memory to the OS (glibc's default) instead of "
+                        "keeping it for the next step")
 
 
 def _add_optimizer(p: argparse.ArgumentParser) -> None:

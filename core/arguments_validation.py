@@ -198,7 +198,8 @@ def training_config(args: argparse.Namespace, par: ParallelConfig) -> TrainingCo
                           exit_duration_in_mins=args.exit_duration_in_mins,
                           exit_signal_handler=args.exit_signal_handler,
                           skip_nonfinite_steps=args.skip_nonfinite_steps, num_microbatches=gbs // (mbs * dp),
-                          profile_iters=args.pipeline_profile_iters)
+                          profile_iters=args.pipeline_profile_iters,
+                          keep_host_memory=not args.release_host_memory)
 
 
 def check_schedule(args: argparse.Namespace, par: ParallelConfig, m: int, num_layers: int) -> None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from core.config import Config
 from core.distributed_init import init_distributed
+from core.host_memory import keep_freed_host_memory
 from core.logger import get_logger
 from core.parallel_state import ParallelState, initialize_model_parallel
 from core.training_log import MetricsWriter, device_peak_tflops, flops_per_token, max_memory_gib
@@ -61,6 +62,8 @@ class ExitSignal:
 def pretrain(config: Config) -> int:
     """Train as `config` says; returns the process exit status."""
     device = init_distributed(config.parallel)
+    if device.type == "cpu" and config.training.keep_host_memory and keep_freed_host_memory():
+        log.info("host memory: malloc keeps freed memory for the next step (--release-host-memory to not)")
     par = config.parallel
     ps = initialize_model_parallel(par.tp_size, par.pp_size, par.vpp_size, par.order)
     set_seeds(config.training.seed, ps.tp_rank)

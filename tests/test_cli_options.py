@@ -20,7 +20,7 @@ FLAGS = """
 --normalization --num-attention-heads --num-layers --num-layers-per-virtual-pipeline-stage --num-query-groups
 --num-workers --optimizer --overlap-grad-reduce --parallel-order --pipeline-memory-limit
 --pipeline-model-parallel-size --pipeline-profile-iters --pipeline-schedule --position-embedding-type
---recompute-granularity --recompute-method --recompute-num-layers --rotary-base --save --save-interval --seed
+--recompute-granularity --recompute-method --recompute-num-layers --release-host-memory --rotary-base --save --save-interval --seed
 --seq-length --sequence-parallel --skip-nonfinite-steps --split --swiglu --tensor-model-parallel-size
 --tensorboard-dir --tie-embeddings-and-output-weights --tokenizer-model --tokenizer-type --train-iters
 --untie-embeddings-and-output-weights --use-distributed-optimizer --use-rotary-position-embeddings
