@@ -26,6 +26,9 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="model chunks per pipeline rank (newer Megatron's alternative to "
+                        "--num-layers-per-virtual-pipeline-stage)")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="layers on the first pipeline stage (uneven split; the rest split evenly)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,

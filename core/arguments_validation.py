@@ -26,6 +26,7 @@ class ArgumentError(ValueError):
 
 
 _POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+             "num_virtual_stages_per_pipeline_rank",
              "micro_batch_size", "global_batch_size", "seq_length", "train_iters", "num_layers", "hidden_size",
              "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size", "max_position_embeddings",
              "make_vocab_size_divisible_by", "log_interval", "save_interval", "eval_interval", "exit_interval",
@@ -70,7 +71,8 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():
         raise ArgumentError("--distributed-backend nccl needs CUDA, which is not available; use gloo")
-    schedule = args.pipeline_schedule or ("interleaved" if args.num_layers_per_virtual_pipeline_stage else "1f1b")
+    vpp = _vpp_size(args)
+    schedule = args.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
     if schedule not in SCHEDULES:
         raise ArgumentError(f"--pipeline-schedule {schedule} is unknown; choose one of {', '.join(SCHEDULES)}")
     if args.fp16 and args.bf16:
@@ -78,7 +80,7 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ArgumentError(f"--ddp-bucket-size must be a positive number of elements, got {args.ddp_bucket_size}")
     limit = args.pipeline_memory_limit
-    return ParallelConfig(world_size=world_size, tp_size=tp, pp_size=pp, vpp_size=_vpp_size(args),
+    return ParallelConfig(world_size=world_size, tp_size=tp, pp_size=pp, vpp_size=vpp,
                           dp_size=world_size // (tp * pp), order=args.parallel_order,
                           sequence_parallel=sequence_parallel, pipeline_schedule=schedule,
                           pipeline_memory_limit=None if isinstance(limit, MemoryBytes) else limit,
@@ -94,10 +96,18 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
 
 
 def _vpp_size(args: argparse.Namespace) -> int:
-    per_vstage = args.num_layers_per_virtual_pipeline_stage
+    per_vstage, chunks = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    pp = args.pipeline_model_parallel_size
+    if chunks is not None:
+        if per_vstage is not None:
+            raise ArgumentError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} and "
+                                f"--num-virtual-stages-per-pipeline-rank {chunks} both set the model chunks per "
+                                "pipeline rank; give only one")
+        if pp == 1 and chunks > 1:
+            raise ArgumentError("--num-virtual-stages-per-pipeline-rank needs --pipeline-model-parallel-size > 1")
+        return chunks           # the layer split over pp x chunks stages is checked with the model
     if per_vstage is None:
         return 1
-    pp = args.pipeline_model_parallel_size
     if pp == 1:
         raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     num_layers = args.num_layers if args.num_layers is not None else PRESETS[args.model]["num_layers"]
@@ -126,10 +136,12 @@ def _check_layer_split(args: argparse.Namespace, num_layers: int, par: ParallelC
         flags = " and ".join(uneven)
         if pp == 1:
             raise ArgumentError(f"{flags} needs --pipeline-model-parallel-size > 1")
-        if args.num_layers_per_virtual_pipeline_stage is not None:
+        virtual = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in
+                   ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
+                   if getattr(args, name) is not None]
+        if virtual:
             raise ArgumentError(f"{flags} splits layers per pipeline rank (one model chunk each) and cannot be "
-                                "combined with --num-layers-per-virtual-pipeline-stage "
-                                f"{args.num_layers_per_virtual_pipeline_stage}")
+                                f"combined with {virtual[0]}")
         if par.pipeline_schedule in ("zbv", "interleaved"):
             raise ArgumentError(f"{flags} needs one model chunk per pipeline rank, but --pipeline-schedule "
                                 f"{par.pipeline_schedule} uses two or more; use 1f1b, gpipe, zb-h1, zb-h2 or auto")
@@ -210,11 +222,11 @@ def check_schedule(args: argparse.Namespace, par: ParallelConfig, m: int, num_la
         return
     if s == "zbv" and vpp != 2:
         raise ArgumentError(f"--pipeline-schedule zbv needs exactly 2 model chunks per pipeline rank, got {vpp}; "
-                            f"set --num-layers-per-virtual-pipeline-stage "
-                            f"{(num_layers + par.account_for_embedding + par.account_for_loss) // (2 * pp)}")
+                            f"set --num-virtual-stages-per-pipeline-rank 2 (or --num-layers-per-virtual-pipeline-stage "
+                            f"{(num_layers + par.account_for_embedding + par.account_for_loss) // (2 * pp)})")
     if s == "interleaved" and vpp < 2:
-        raise ArgumentError("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
-                            "giving 2 or more model chunks per pipeline rank")
+        raise ArgumentError("--pipeline-schedule interleaved needs 2 or more model chunks per pipeline rank: set "
+                            "--num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage")
     if s == "auto" and vpp > 2:
         raise ArgumentError(f"--pipeline-schedule auto supports 1 or 2 model chunks per pipeline rank, got {vpp}")
     if s != "auto" and (par.pipeline_memory_limit is not None or par.pipeline_memory_limit_bytes is not None):
@@ -224,8 +236,8 @@ def check_schedule(args: argparse.Namespace, par: ParallelConfig, m: int, num_la
         raise ArgumentError(f"--pipeline-memory-limit {par.pipeline_memory_limit:g} is below the {vpp} activation "
                             "units one microbatch needs on all model chunks of a rank")
     if s in ("1f1b", "gpipe", "zb-h1", "zb-h2") and vpp > 1:
-        raise ArgumentError(f"--pipeline-schedule {s} uses one model chunk per pipeline rank; drop "
-                            f"--num-layers-per-virtual-pipeline-stage or use interleaved or zbv")
+        raise ArgumentError(f"--pipeline-schedule {s} uses one model chunk per pipeline rank, got {vpp}; drop "
+                            f"the virtual stages or use interleaved or zbv")
     if m < pp:
         raise ArgumentError(f"number of microbatches ({m} = --global-batch-size {m * args.micro_batch_size * par.dp_size}"
                             f" / (--micro-batch-size {args.micro_batch_size} x data-parallel size {par.dp_size})) "

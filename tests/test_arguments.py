@@ -39,6 +39,15 @@ def test_derived_sizes_and_default_interleaved_schedule():
     assert c.training.num_microbatches == 4
 
 
+def test_virtual_stages_per_rank_is_the_same_layout_as_layers_per_virtual_stage():
+    by_chunks = cfg(["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                     "--global-batch-size", "4"], world=2)
+    by_layers = cfg(["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+                     "--global-batch-size", "4"], world=2)
+    assert by_chunks == by_layers
+    assert (by_chunks.parallel.vpp_size, by_chunks.parallel.pipeline_schedule) == (2, "interleaved")
+
+
 def test_preset_and_override():
     c = cfg(["--model", "llama2-70b", "--num-layers", "4"])
     assert (c.model.hidden_size, c.model.num_query_groups, c.model.num_layers) == (8192, 8, 4)
@@ -104,6 +113,16 @@ CASES = [
      2, ("--decoder-first-pipeline-num-layers 9 is more than --num-layers 8",)),
     (["--attention-dropout", "0.1"], 1, ("--attention-dropout 0.1", "no dropout")),
     (["--ddp-bucket-size", "0"], 2, ("--ddp-bucket-size", "got 0")),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--num-layers-per-virtual-pipeline-stage", "2"], 2,
+     ("--num-layers-per-virtual-pipeline-stage 2 and --num-virtual-stages-per-pipeline-rank 2", "only one")),
+    (["--num-virtual-stages-per-pipeline-rank", "2"], 1, ("--num-virtual-stages-per-pipeline-rank",
+                                                          "--pipeline-model-parallel-size > 1")),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3",
+      "--global-batch-size", "2"], 2, ("--num-layers 8 is not divisible", "virtual stages per rank (3)")),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--decoder-first-pipeline-num-layers", "3", "--global-batch-size", "2"], 2,
+     ("cannot be combined with --num-virtual-stages-per-pipeline-rank 2",)),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "7", "--num-layers-per-virtual-pipeline-stage", "3",
       "--account-for-loss-in-pipeline-split", "--global-batch-size", "2"], 2,
      ("(4 = (--num-layers 7 + 1 each for the loss) / --pipeline-model-parallel-size 2)",)),
@@ -112,7 +131,8 @@ CASES = [
      ("(--num-layers 6 + 1 each for the loss) = 7 layers is not divisible by --pipeline-model-parallel-size 2",)),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "6", "--pipeline-schedule", "zbv",
       "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-      "--global-batch-size", "2"], 2, ("set --num-layers-per-virtual-pipeline-stage 2",)),
+      "--global-batch-size", "2"], 2, ("set --num-virtual-stages-per-pipeline-rank 2",
+                                       "--num-layers-per-virtual-pipeline-stage 2)")),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2", "--pipeline-schedule",
       "zbv", "--account-for-loss-in-pipeline-split", "--global-batch-size", "2"], 2,
      ("(--num-layers 8 + 1 each for the loss) = 9 layers is not divisible",)),
