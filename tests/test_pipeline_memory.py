@@ -194,3 +194,51 @@ def test_probe_with_recompute_reads_no_recomputed_tensor(granularity):
         assert len(calls) == before == 2, f"{label}: the probe ran {len(calls) - before} extra forwards"
         units[label] = probe.unit_bytes
     assert 0 < units["recompute"] < units["plain"], units
+
+
+def test_held_share_adds_the_output_gradients_w_keeps():
+    """Two stacked deferred linears, x (N x 8) -> y1 (N x 16) -> y2 (N x 32), loss (y2 * y2).sum(): the
+    forward saves x, y1 and y2 (twice for the product, one storage). After B the W closures keep x and y1
+    (saved) and the output gradients dy1 (N x 16) and dy2 (N x 32), which autograd never saved: the
+    held share is (8 + 16 + 16 + 32) / (8 + 16 + 32) of a unit, the saved share (8 + 16) / 56."""
+    from core.tensor_parallel.layers import INPUT_PARALLEL, LinearWithDeferredWeightGrad
+    torch.manual_seed(0)
+    w1, w2 = nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(32, 16))
+    holder = nn.ParameterList([w1, w2])
+    probe = ActivationProbe([holder])
+    x = torch.randn(24, 8, requires_grad=True)
+    (y1,) = LinearWithDeferredWeightGrad.apply(x, None, INPUT_PARALLEL, w1)
+    (y2,) = LinearWithDeferredWeightGrad.apply(y1, None, INPUT_PARALLEL, w2)
+    loss = (y2 * y2).sum()
+    probe.forward_done("k", loss)
+    with weight_grad_store.capture("k"):
+        loss.backward()
+    del loss, y1, y2
+    probe.backward_done("k", split=True)
+    weight_grad_store.run("k")
+    assert probe.units == [24 * (8 + 16 + 32) * 4]
+    assert probe.shares == [pytest.approx(24 / 56)]
+    assert probe.held_shares == [pytest.approx(72 / 56)]
+    assert probe.w_held_share == 1.0                # capped: the simulator needs M_W <= M_B
+    assert w1.grad is not None and w2.grad is not None
+
+
+@pytest.mark.parametrize("role", ["middle", "last"])
+def test_held_share_of_llama_chunks_counts_more_than_saved(role):
+    """On a LLaMA chunk the W closures' output gradients are about as large again as the saved inputs
+    they keep: the held share lies above the saved share and is what `auto` simulates."""
+    from model.llama import LlamaModel
+    from tests.test_pipeline_llama import CONFIG
+    chunk = LlamaModel(CONFIG, None, layer_range=(2, 4), pre_process=False, post_process=role == "last")
+    chunk.set_input_tensor(torch.randn(16, 2, CONFIG.hidden_size, requires_grad=True))
+    loss = (chunk(labels=torch.randint(0, 256, (2, 16))) if role == "last" else chunk()).float().sum()
+    probe = ActivationProbe([chunk])
+    probe.forward_done("k", loss)
+    with weight_grad_store.capture("k"):
+        loss.backward()
+    del loss
+    chunk.set_input_tensor(None)
+    probe.backward_done("k", split=True)
+    weight_grad_store.run("k")
+    assert 0.1 < probe.w_share < probe.held_shares[0] < 1.0, (probe.shares, probe.held_shares)
+    assert probe.held_shares[0] - probe.w_share > 0.2

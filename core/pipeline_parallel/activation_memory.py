@@ -3,9 +3,12 @@
 After a forward, `saved_storages(root)` walks the autograd graph behind `root` and collects the distinct
 floating-point storages its nodes saved for backward (model parameters and buffers excluded): their
 bytes are the forward's unit (M_B). `ActivationProbe` does this for every forward of a step and follows
-those storages with weak references; what is still alive after the forward's B is what the deferred
-weight gradients keep until W (M_W). `--pipeline-schedule auto` uses it on its first profiling iteration
-to simulate memory as it is and to turn a byte cap into units.
+those storages with weak references; what is still alive after the forward's B is the part of the saved
+activations the deferred weight gradients keep until W (`w_share`). The W closures also hold what autograd
+did not save: the output gradients, and the all-gathered input under sequence parallelism. `w_held_share`
+adds those (read from the closures in `weight_grad_store`): all that W holds from B until it runs (M_W).
+`--pipeline-schedule auto` uses it on its first profiling iteration to simulate memory as it is and to
+turn a byte cap into units.
 
 The graph is only read: saved-tensor hooks would have been simpler, but while they are active autograd
 hands backward a copy of each saved tensor instead of the tensor itself, which breaks code that sets
@@ -23,6 +26,8 @@ from typing import Hashable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
+
+from core.pipeline_parallel import weight_grad_store
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
 _SCALE = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
@@ -121,9 +126,11 @@ class ActivationProbe:
                          for t in list(chunk.parameters()) + list(chunk.buffers())}
         self._live: dict[Hashable, int] = {}
         self._unit: dict[Hashable, int] = {}
+        self._alive: dict[Hashable, set] = {}   # data pointers of a forward's saved storages still alive
         self.seconds = 0.0                  # spent measuring (the executor keeps it out of action times)
         self.units: list[int] = []          # saved bytes of each forward
-        self.shares: list[float] = []       # share of a forward's bytes still alive after its B (M_W / M_B)
+        self.shares: list[float] = []       # share of a forward's saved bytes still alive after its B
+        self.held_shares: list[float] = []  # that plus what the W closures hold besides, over the unit
 
     def forward_done(self, key: Hashable, output: torch.Tensor) -> None:
         """After the forward of `key` (chunk, microbatch); `output` is its output or loss."""
@@ -134,19 +141,37 @@ class ActivationProbe:
         total = sum(s.nbytes() for s in storages.values())
         self.units.append(total)
         self._unit[key] = self._live[key] = total
-        for storage in storages.values():
-            weakref.finalize(storage, self._freed, key, storage.nbytes())
+        self._alive[key] = set(storages)
+        for ptr, storage in storages.items():
+            weakref.finalize(storage, self._freed, key, ptr, storage.nbytes())
         self.seconds += time.perf_counter() - start
 
-    def _freed(self, key: Hashable, nbytes: int) -> None:
+    def _freed(self, key: Hashable, ptr: int, nbytes: int) -> None:
         if key in self._live:
             self._live[key] -= nbytes
+            self._alive[key].discard(ptr)
 
     def backward_done(self, key: Hashable, split: bool) -> None:
-        """After the B (`split`: W still to come) or the fused BW of `key`, once it dropped its graph."""
-        live, unit = self._live.pop(key, None), self._unit.pop(key, 0)
+        """After the B (`split`: W still to come) or the fused BW of `key`, once it dropped its graph and
+        before its W ran."""
+        start = time.perf_counter()
+        live, unit, alive = self._live.pop(key, None), self._unit.pop(key, 0), self._alive.pop(key, set())
         if split and live is not None and unit > 0:
             self.shares.append(live / unit)
+            self.held_shares.append((live + self._closure_bytes(key, alive)) / unit)
+        self.seconds += time.perf_counter() - start
+
+    def _closure_bytes(self, key: Hashable, counted: set) -> int:
+        """Bytes of the distinct floating-point storages key's W closures hold, beyond `counted` pointers
+        and the model's own parameters and buffers."""
+        found: dict[int, int] = {}
+        for t in weight_grad_store.held_tensors(key):
+            if t.is_floating_point():
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in counted and ptr not in self._exclude and storage.nbytes() > 0:
+                    found[ptr] = storage.nbytes()
+        return sum(found.values())
 
     @property
     def unit_bytes(self) -> int:
@@ -154,4 +179,12 @@ class ActivationProbe:
 
     @property
     def w_share(self) -> float:
+        """Median share of a unit's saved activations still alive from B until W (0.5 before any B)."""
         return min(max(statistics.median(self.shares), 0.0), 1.0) if self.shares else 0.5
+
+    @property
+    def w_held_share(self) -> float:
+        """Median share of a unit that W holds from B until it runs: the saved activations still alive and
+        the output gradients (and other tensors) of its closures. At most 1, as the simulator's memory
+        model needs (M_W <= M_B); 0.5 before any B."""
+        return min(max(statistics.median(self.held_shares), 0.0), 1.0) if self.held_shares else 0.5

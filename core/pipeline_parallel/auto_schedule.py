@@ -112,7 +112,7 @@ class AutoSchedule:
                            variable_seq_lengths=variable_seq_lengths, action_times=times, comm_stats=stats,
                            grad_sync=grad_sync, activation_probe=probe)
         if probe is not None:
-            self.unit_bytes, self.w_share = probe.unit_bytes, probe.w_share
+            self.unit_bytes, self.w_share = probe.unit_bytes, probe.w_held_share
         if times is not None:
             numel, dtype = stats["largest_send"]
             self._message_bytes = max(self._message_bytes, numel * dtype.itemsize)

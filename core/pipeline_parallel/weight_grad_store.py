@@ -91,6 +91,20 @@ def run(key: Hashable) -> int:
     return len(fns)
 
 
+def held_tensors(key: Hashable) -> Iterator[torch.Tensor]:
+    """Tensors the closures queued under `key` keep alive until its W: the free variables of each closure,
+    and tensors inside tuples / lists among them (e.g. the layer's input and its output gradients)."""
+    for fn, _ in _pending.get(key, ()):
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:           # an empty cell
+                continue
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(item, torch.Tensor):
+                    yield item
+
+
 def pending_keys() -> list:
     return list(_pending)
 
