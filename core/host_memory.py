@@ -5,10 +5,12 @@ of its heap back to the OS once more than a (dynamically raised) threshold is fr
 that holds more activations at its peak than between steps (zero-bubble schedules defer weight
 gradients, so they do) then frees past that threshold every step, and the next step touches the memory
 anew: measured on the 2-rank benchmark, 3,000-12,000 minor page faults per zb-h2 step against about 0 for
-1F1B, and about 5% more CPU time per step. `keep_freed_host_memory` sets glibc's mmap threshold to its
-maximum (32 MiB on 64-bit) and its trim threshold to 2 GiB, which is what a caching allocator (CUDA's, or
-jemalloc/tcmalloc preloaded) does anyway: steady-state steps reuse the same memory and the process keeps
-its peak resident set. Variables MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ set by the user win.
+1F1B. `keep_freed_host_memory` sets glibc's mmap threshold to its maximum (32 MiB on 64-bit) and its
+trim threshold to 2 GiB, which is what a caching allocator (CUDA's, or jemalloc/tcmalloc preloaded) does
+anyway: steady-state steps reuse the same memory and the process keeps its peak resident set. glibc still
+maps (and unmaps) every single block above 32 MiB; for models whose activations are that large, preload
+jemalloc or tcmalloc. The user's own settings win: MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_,
+glibc.malloc tunables in GLIBC_TUNABLES, or a jemalloc / tcmalloc in LD_PRELOAD.
 """
 from __future__ import annotations
 
@@ -21,12 +23,19 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3      # glibc's mallopt parameter num
 MMAP_THRESHOLD = 32 << 20                         # glibc's upper bound for M_MMAP_THRESHOLD on 64-bit
 TRIM_THRESHOLD = (1 << 31) - 1                    # mallopt takes a C int
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+
+def _user_chose_malloc() -> bool:
+    return (any(v in os.environ for v in USER_VARIABLES)
+            or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
+            or any(name in os.environ.get("LD_PRELOAD", "") for name in OTHER_ALLOCATORS))
 
 
 def keep_freed_host_memory() -> bool:
     """Tune glibc malloc to keep freed memory; returns whether it did (False off glibc, or when the
-    user set glibc's own variables)."""
-    if not sys.platform.startswith("linux") or any(v in os.environ for v in USER_VARIABLES):
+    user configured malloc or preloaded another allocator)."""
+    if not sys.platform.startswith("linux") or _user_chose_malloc():
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

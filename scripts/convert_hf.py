@@ -72,7 +72,7 @@ def model_specs(config: LlamaConfig, tp: int) -> dict[str, TensorSpec]:
 
 
 def import_hf(hf_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_stage: int | None,
-              make_vocab_size_divisible_by: int = 128) -> str:
+              make_vocab_size_divisible_by: int = 128, virtual_stages: int | None = None) -> str:
     from tqdm import tqdm
     hf_state_dict, hf_config = read_hf_dir(hf_dir)
     config, full = from_hf(hf_state_dict, hf_config, make_vocab_size_divisible_by)
@@ -83,6 +83,15 @@ def import_hf(hf_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_s
                              f"--pipeline-model-parallel-size {pp} does not divide the model's "
                              f"{config.num_layers} layers")
         vpp = config.num_layers // (pp * layers_per_virtual_stage)
+    if virtual_stages is not None:
+        if layers_per_virtual_stage is not None:
+            raise ValueError("give only one of --num-layers-per-virtual-pipeline-stage and "
+                             "--num-virtual-stages-per-pipeline-rank")
+        if virtual_stages < 1 or config.num_layers % (pp * virtual_stages):
+            raise ValueError(f"--num-virtual-stages-per-pipeline-rank {virtual_stages} x "
+                             f"--pipeline-model-parallel-size {pp} does not divide the model's "
+                             f"{config.num_layers} layers")
+        vpp = virtual_stages
     try:
         specs = model_specs(config, tp)
     except ValueError as exc:
@@ -124,6 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     imp.add_argument("--tensor-model-parallel-size", type=int, default=1)
     imp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     imp.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    imp.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
     imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     exp = sub.add_parser("export", help="llamapipe checkpoint -> HF directory")
     exp.add_argument("--load", required=True)
@@ -140,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                     raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
             out = import_hf(args.hf_dir, args.save, args.tensor_model_parallel_size,
                             args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage,
-                            args.make_vocab_size_divisible_by)
+                            args.make_vocab_size_divisible_by, args.num_virtual_stages_per_pipeline_rank)
             print(f"wrote {out}")
         else:
             out = export_hf(args.load, args.hf_dir)

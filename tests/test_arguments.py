@@ -48,6 +48,12 @@ def test_virtual_stages_per_rank_is_the_same_layout_as_layers_per_virtual_stage(
     assert (by_chunks.parallel.vpp_size, by_chunks.parallel.pipeline_schedule) == (2, "interleaved")
 
 
+def test_one_virtual_stage_per_rank_combines_with_an_uneven_split():
+    c = cfg(["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "1",
+             "--decoder-last-pipeline-num-layers", "3", "--global-batch-size", "2"], world=2)
+    assert (c.parallel.vpp_size, c.parallel.last_stage_layers) == (1, 3)
+
+
 def test_preset_and_override():
     c = cfg(["--model", "llama2-70b", "--num-layers", "4"])
     assert (c.model.hidden_size, c.model.num_query_groups, c.model.num_layers) == (8192, 8, 4)
@@ -119,7 +125,15 @@ CASES = [
     (["--num-virtual-stages-per-pipeline-rank", "2"], 1, ("--num-virtual-stages-per-pipeline-rank",
                                                           "--pipeline-model-parallel-size > 1")),
     (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3",
-      "--global-batch-size", "2"], 2, ("--num-layers 8 is not divisible", "virtual stages per rank (3)")),
+      "--global-batch-size", "2"], 2, ("--num-layers 8 is not divisible by --pipeline-model-parallel-size 2 x "
+                                       "--num-virtual-stages-per-pipeline-rank 3 (6 virtual stages)",)),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "6", "--pipeline-schedule", "zbv",
+      "--global-batch-size", "2"], 2, ("got 1, and --num-layers 6 is not divisible by the 2 x "
+                                       "--pipeline-model-parallel-size 2 = 4 virtual stages",)),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "4", "--pipeline-schedule",
+      "auto", "--global-batch-size", "2"], 2, ("auto supports 1 or 2", "(from --num-virtual-stages-per-pipeline-rank 4)")),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule",
+      "zb-h2", "--global-batch-size", "2"], 2, ("drop --num-virtual-stages-per-pipeline-rank 2",)),
     (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
       "--decoder-first-pipeline-num-layers", "3", "--global-batch-size", "2"], 2,
      ("cannot be combined with --num-virtual-stages-per-pipeline-rank 2",)),

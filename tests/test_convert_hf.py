@@ -74,6 +74,10 @@ def test_imported_checkpoint_loads_into_llama_model(hf_model, tmp_path):
     model, hf_dir = hf_model
     convert_hf.import_hf(hf_dir, str(tmp_path), 2, 2, 1)
     assert json.loads((tmp_path / "iter_0000000" / "metadata.json").read_text())["layout"]["vpp"] == 2
+    convert_hf.import_hf(hf_dir, str(tmp_path / "by_chunks"), 2, 2, None, virtual_stages=2)   # newer Megatron's flag
+    assert json.loads((tmp_path / "by_chunks" / "iter_0000000" / "metadata.json").read_text())["layout"]["vpp"] == 2
+    with pytest.raises(ValueError, match="--num-virtual-stages-per-pipeline-rank 3"):
+        convert_hf.import_hf(hf_dir, str(tmp_path / "bad"), 2, 2, None, virtual_stages=3)
     config = config_from_hf(model.config)
     ours = LlamaModel(config).eval()
     result = load_checkpoint(str(tmp_path), model_chunks=[ours], optimizer=None, scheduler=None,

@@ -31,7 +31,7 @@ STEPS = textwrap.dedent("""
 
 def _faults_per_step(mode: str) -> tuple[bool, float]:
     env = dict(os.environ)
-    for name in USER_VARIABLES:
+    for name in USER_VARIABLES + ("GLIBC_TUNABLES", "LD_PRELOAD"):
         env.pop(name, None)
     if mode == "release":
         env.update({name: str(128 * 1024) for name in USER_VARIABLES})
@@ -46,12 +46,16 @@ def test_kept_memory_stops_per_step_page_faults():
     released, released_faults = _faults_per_step("release")      # the user's variables win: not tuned
     kept, kept_faults = _faults_per_step("keep")
     assert (released, kept) == (False, True)
-    assert released_faults > 10_000, released_faults    # 128 MiB is 32,768 pages
-    assert kept_faults < released_faults / 100, (kept_faults, released_faults)
+    # 128 MiB is 32,768 small pages (64 huge pages where transparent huge pages are always on)
+    assert released_faults >= 60, released_faults
+    assert kept_faults < released_faults / 20, (kept_faults, released_faults)
 
 
-def test_user_malloc_variables_win(monkeypatch):
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+@pytest.mark.parametrize("name,value", [("MALLOC_TRIM_THRESHOLD_", "131072"),
+                                        ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072"),
+                                        ("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")])
+def test_the_users_malloc_choice_wins(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
     assert keep_freed_host_memory() is False
 
 

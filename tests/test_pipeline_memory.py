@@ -219,7 +219,8 @@ def test_held_share_adds_the_output_gradients_w_keeps():
     assert probe.units == [24 * (8 + 16 + 32) * 4]
     assert probe.shares == [pytest.approx(24 / 56)]
     assert probe.held_shares == [pytest.approx(72 / 56)]
-    assert probe.w_held_share == 1.0                # capped: the simulator needs M_W <= M_B
+    # the simulator needs M_W <= M_B, so the unit grows to what W holds and M_W is one unit
+    assert probe.planning_memory() == (24 * 72 * 4, 1.0)
     assert w1.grad is not None and w2.grad is not None
 
 
@@ -242,3 +243,25 @@ def test_held_share_of_llama_chunks_counts_more_than_saved(role):
     weight_grad_store.run("k")
     assert 0.1 < probe.w_share < probe.held_shares[0] < 1.0, (probe.shares, probe.held_shares)
     assert probe.held_shares[0] - probe.w_share > 0.2
+
+
+def test_planning_memory_under_recompute_covers_what_w_holds():
+    """With full recompute a forward saves only its checkpoints' inputs, but W still holds the recomputed
+    layer inputs and the output gradients: many units. The planning unit must grow to that, not cap it."""
+    from model.llama import LlamaModel
+    from tests.test_pipeline_llama import CONFIG
+    config = dataclasses.replace(CONFIG, recompute_granularity="full")
+    chunk = LlamaModel(config, None, layer_range=(2, 4), pre_process=False, post_process=False)
+    chunk.set_input_tensor(torch.randn(16, 2, CONFIG.hidden_size, requires_grad=True))
+    out = chunk()
+    probe = ActivationProbe([chunk])
+    probe.forward_done("k", out)
+    with weight_grad_store.capture("k"):
+        out.backward(torch.randn_like(out))
+    del out
+    chunk.set_input_tensor(None)
+    probe.backward_done("k", split=True)
+    weight_grad_store.run("k")
+    assert probe.w_held_share > 1.5, probe.held_shares
+    unit, w_mem = probe.planning_memory()
+    assert w_mem == 1.0 and unit == round(probe.unit_bytes * probe.w_held_share)

@@ -185,6 +185,15 @@ class ActivationProbe:
     @property
     def w_held_share(self) -> float:
         """Median share of a unit that W holds from B until it runs: the saved activations still alive and
-        the output gradients (and other tensors) of its closures. At most 1, as the simulator's memory
-        model needs (M_W <= M_B); 0.5 before any B."""
-        return min(max(statistics.median(self.held_shares), 0.0), 1.0) if self.held_shares else 0.5
+        the output gradients (and other tensors) of its closures; 0.5 before any B. It can exceed 1:
+        under activation recompute the unit is only the checkpoints' inputs."""
+        return max(statistics.median(self.held_shares), 0.0) if self.held_shares else 0.5
+
+    def planning_memory(self) -> tuple[int, float]:
+        """(bytes of one unit, M_W in units) for the simulator, whose model needs M_W <= M_B = 1. When W
+        holds more than the forward saved, the unit grows to what W holds (and M_W = 1), so memory is
+        overestimated between F and B rather than underestimated after B, and a byte cap stays safe."""
+        held = self.w_held_share
+        if held > 1.0:
+            return round(self.unit_bytes * held), 1.0
+        return self.unit_bytes, held

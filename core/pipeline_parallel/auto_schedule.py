@@ -5,7 +5,8 @@ and W times under a memory cap. `AutoSchedule` is a stateful forward-backward ca
 `profile_iters` iterations it runs 1F1B with every BW split into B then W, so the three are timed
 separately without changing order or memory (with two chunks per rank: ZB-V, auto's V placement).
 The first (warm-up, untimed) iteration also measures activation memory (`activation_memory`): the
-bytes one microbatch saves on one chunk (the unit) and the share of them its B leaves for W (M_W / M_B).
+bytes one microbatch saves on one chunk (the unit) and what a deferred W holds from B until it runs (the
+saved inputs still alive plus the output gradients of its closures), as a share of the unit (M_W / M_B).
 Then the slowest stage's median times and the largest unit and share (all-reduced MAX over the world, so
 every replica sees the same numbers) go to the builder on global rank 0: `builders.auto` under the memory
 cap (in units, or bytes turned into units; default: what the profiling plan needs), or for `zb-h2`
@@ -112,7 +113,7 @@ class AutoSchedule:
                            variable_seq_lengths=variable_seq_lengths, action_times=times, comm_stats=stats,
                            grad_sync=grad_sync, activation_probe=probe)
         if probe is not None:
-            self.unit_bytes, self.w_share = probe.unit_bytes, probe.w_held_share
+            self.unit_bytes, self.w_share = probe.planning_memory()
         if times is not None:
             numel, dtype = stats["largest_send"]
             self._message_bytes = max(self._message_bytes, numel * dtype.itemsize)
