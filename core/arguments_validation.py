@@ -112,13 +112,10 @@ def _vpp_size(args: argparse.Namespace) -> int:
     if pp == 1:
         raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     num_layers = args.num_layers if args.num_layers is not None else PRESETS[args.model]["num_layers"]
-    counted = [part for part, on in (("embedding", args.account_for_embedding_in_pipeline_split),
-                                     ("loss", args.account_for_loss_in_pipeline_split)) if on]   # Megatron
-    units = num_layers + len(counted)
-    total = f"(--num-layers {num_layers} + 1 each for the {' and '.join(counted)})" if counted else \
-        f"--num-layers {num_layers}"
-    if counted and units % pp:
-        raise ArgumentError(f"{total} = {units} layers is not divisible by --pipeline-model-parallel-size {pp}")
+    units, said, total = _layer_units(num_layers, args.account_for_embedding_in_pipeline_split,
+                                      args.account_for_loss_in_pipeline_split)
+    if units > num_layers and units % pp:
+        raise ArgumentError(f"{said} is not divisible by --pipeline-model-parallel-size {pp}")
     per_rank = units // pp
     if units % pp == 0 and per_rank % per_vstage:
         raise ArgumentError(f"layers per pipeline rank ({per_rank} = {total} / "
@@ -135,13 +132,14 @@ def virtual_stage_flag(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def _layer_units(num_layers: int, par: ParallelConfig) -> tuple[int, str]:
-    """Layers counted by the split (the embedding / loss as one each when accounted for), and how to say it."""
-    counted = [part for part, on in (("embedding", par.account_for_embedding), ("loss", par.account_for_loss)) if on]
+def _layer_units(num_layers: int, embedding: bool, loss: bool) -> tuple[int, str, str]:
+    """Layers counted by the split (the embedding / loss as one each when accounted for, as in Megatron),
+    how to say that count ("(--num-layers 7 + 1 each for the loss) = 8 layers") and its sum alone."""
+    counted = [part for part, on in (("embedding", embedding), ("loss", loss)) if on]
     if not counted:
-        return num_layers, f"--num-layers {num_layers}"
-    units = num_layers + len(counted)
-    return units, f"(--num-layers {num_layers} + 1 each for the {' and '.join(counted)}) = {units} layers"
+        return num_layers, f"--num-layers {num_layers}", f"--num-layers {num_layers}"
+    units, total = num_layers + len(counted), f"(--num-layers {num_layers} + 1 each for the {' and '.join(counted)})"
+    return units, f"{total} = {units} layers", total
 
 
 def _check_layer_split(args: argparse.Namespace, num_layers: int, par: ParallelConfig) -> None:
@@ -165,7 +163,7 @@ def _check_layer_split(args: argparse.Namespace, num_layers: int, par: ParallelC
     elif num_layers % pp and not (par.account_for_embedding or par.account_for_loss):
         raise ArgumentError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size ({pp})")
     elif args.num_virtual_stages_per_pipeline_rank is not None and par.vpp_size > 1:
-        units, total = _layer_units(num_layers, par)
+        units, total, _ = _layer_units(num_layers, par.account_for_embedding, par.account_for_loss)
         if units % (pp * par.vpp_size):
             raise ArgumentError(f"{total} is not divisible by --pipeline-model-parallel-size {pp}"
                                 f" x --num-virtual-stages-per-pipeline-rank {par.vpp_size} "
@@ -244,7 +242,7 @@ def check_schedule(args: argparse.Namespace, par: ParallelConfig, m: int, num_la
             raise ArgumentError("--pipeline-schedule zbv needs --pipeline-model-parallel-size > 1")
         return
     if s == "zbv" and vpp != 2:
-        units, total = _layer_units(num_layers, par)
+        units, total, _ = _layer_units(num_layers, par.account_for_embedding, par.account_for_loss)
         given = f" (from {virtual_stage_flag(args)})" if virtual_stage_flag(args) else ""
         fix = (f"; set --num-virtual-stages-per-pipeline-rank 2 (or --num-layers-per-virtual-pipeline-stage "
                f"{units // (2 * pp)})" if units % (2 * pp) == 0 else
