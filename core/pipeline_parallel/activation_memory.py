@@ -98,6 +98,16 @@ def _checkpoint_inputs(unpack_hook) -> list:
         return []
 
 
+def _activation_storages(tensors: Iterable[torch.Tensor], exclude: set,
+                         found: dict[int, torch.UntypedStorage]) -> None:
+    """Add to `found` the non-empty storages of floating-point `tensors`, by data pointer, except `exclude`d."""
+    for t in tensors:
+        if t.is_floating_point():
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in exclude and storage.nbytes() > 0:
+                found[storage.data_ptr()] = storage
+
+
 def saved_storages(root: torch.Tensor, exclude: Iterable[int] = ()) -> dict[int, torch.UntypedStorage]:
     """Distinct floating-point storages saved for backward behind `root`, by data pointer (`exclude`d
     pointers left out)."""
@@ -109,11 +119,7 @@ def saved_storages(root: torch.Tensor, exclude: Iterable[int] = ()) -> dict[int,
         if node is None or node in seen:
             continue
         seen.add(node)
-        for t in _saved_tensors(node):
-            if t.is_floating_point():
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in exclude and storage.nbytes() > 0:
-                    found[storage.data_ptr()] = storage
+        _activation_storages(_saved_tensors(node), exclude, found)
         stack.extend(fn for fn, _ in node.next_functions)
     return found
 
@@ -164,14 +170,9 @@ class ActivationProbe:
     def _closure_bytes(self, key: Hashable, counted: set) -> int:
         """Bytes of the distinct floating-point storages key's W closures hold, beyond `counted` pointers
         and the model's own parameters and buffers."""
-        found: dict[int, int] = {}
-        for t in weight_grad_store.held_tensors(key):
-            if t.is_floating_point():
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr not in counted and ptr not in self._exclude and storage.nbytes() > 0:
-                    found[ptr] = storage.nbytes()
-        return sum(found.values())
+        found: dict[int, torch.UntypedStorage] = {}
+        _activation_storages(weight_grad_store.held_tensors(key), self._exclude | counted, found)
+        return sum(storage.nbytes() for storage in found.values())
 
     @property
     def unit_bytes(self) -> int:
