@@ -1,8 +1,8 @@
 """Command-line arguments with Megatron-LM flag names -> validated, frozen `Config`.
 
 The flags are defined here; every inconsistent combination is rejected by the checks in
-`core/arguments_validation.py`, before any process group exists, as one plain sentence that names the
-flags and the numbers (DESIGN.md section 2).
+`core/arguments_validation.py` (the pipeline layout's in `core/arguments_pipeline.py`), before any process
+group exists, as one plain sentence that names the flags and the numbers (DESIGN.md section 2).
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from core.arguments_validation import (ArgumentError, check_model, check_positive, check_schedule,
-                                       checkpoint_config, data_config, optimizer_config, parallel_config,
-                                       training_config)
-from core.config import SCHEDULES, Config, LoggingConfig
+from core.arguments_pipeline import check_schedule
+from core.arguments_validation import (check_model, check_positive, checkpoint_config, data_config,
+                                       optimizer_config, parallel_config, training_config)
+from core.config import SCHEDULES, ArgumentError, Config, LoggingConfig
 from core.pipeline_parallel.activation_memory import memory_limit
 from model.config import PRESETS, LlamaConfig
 

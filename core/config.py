@@ -9,6 +9,11 @@ from typing import Optional
 
 from model.config import LlamaConfig
 
+
+class ArgumentError(ValueError):
+    """A user-caused configuration error; the message is one plain sentence."""
+
+
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "zbv", "auto")
 
 
