@@ -3,7 +3,11 @@
 Every schedule of ours (and Megatron's fused-BW 1F1B), the ideal (single-rank step / 2), the busy ideal
 (both ranks run the whole model on half the microbatches at once: the ideal with every core loaded) and
 torch.distributed.pipelining's Schedule1F1B / ScheduleZBVZeroBubble (with its I/W split) are timed
-round-robin in one run. Besides step times it records where the time goes:
+round-robin in one run. Torch's last stage returns logits and its `loss_fn` takes the token cross-entropy
+(summed), the loss ours computes inside its last stage; the warm-up step checks that both give the same
+per-microbatch losses (rel 1e-4). (Ours fuses the cross-entropy into the head, in place on the vocab-parallel
+logits; torch's takes it from the (b, s, vocab) logits the stage returns. Runs 1-12 in benchmarks/results gave
+torch a cheaper stand-in, the sum of the logits.) Besides step times it records where the time goes:
   busy      main-thread CPU seconds per rank (`time.thread_time`; gloo waits block, so they do not count):
             the busiest rank's compute, including the runtime's own main-thread work, bounds any schedule
             whatever its order, so step / busiest measures idle time only;
@@ -38,9 +42,32 @@ def placement(schedule: str, vpp: int) -> str:
 
 
 def loss_step(data_iterator, model):
+    """Megatron-style forward step: the last stage returns per-token cross-entropy (b, s), summed here."""
     batch = next(data_iterator) if data_iterator is not None else {}
     out = model(**batch)
     return out, lambda o: (o.float().sum(), torch.tensor(o.numel()), {})
+
+
+def loss_mismatch(ours: list, theirs: list, name: str, rtol: float = 1e-4) -> tuple[float, str]:
+    """(largest relative difference between our per-microbatch loss sums and torch's, "" or why they are
+    not the same losses: a count that differs, or a difference above `rtol`)."""
+    if len(ours) != len(theirs):
+        return float("inf"), f"{name}: {len(ours)} microbatch losses from ours, {len(theirs)} from torch"
+    worst, why = 0.0, ""
+    for mb, (a, b) in enumerate(zip(ours, theirs)):
+        a, b = float(a["loss_sum"]), float(b)
+        worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
+        if abs(a - b) > rtol * abs(b) and not why:
+            why = f"{name}: microbatch {mb} loss {a} (ours) vs {b} (torch)"
+    return worst, why
+
+
+def check_same_losses(ours: list, theirs: list, name: str, rtol: float = 1e-4) -> float:
+    """`loss_mismatch`'s difference; raises if the two do not compute the same losses."""
+    worst, why = loss_mismatch(ours, theirs, name, rtol)
+    if why:
+        raise AssertionError(why)
+    return worst
 
 
 def llama_config(args):
@@ -105,21 +132,25 @@ def _torch_step(config, ps, name: str, m: int, tokens: torch.Tensor, labels: tor
               for i, c in enumerate(chunks)]
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return logits.float().sum()                 # the same loss as loss_step (target unused)
-    schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn) if vpp == 2 else \
-        Schedule1F1B(stages[0], m, loss_fn=loss_fn)
+        # the loss ours computes inside its last stage (token cross-entropy, summed), written as a
+        # torch.distributed.pipelining user writes it: on the logits the last stage returns
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="sum")
+    # a summed loss, as ours: torch's default scale_grads=True would divide the gradients by m once more
+    schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn, scale_grads=False) if vpp == 2 else \
+        Schedule1F1B(stages[0], m, loss_fn=loss_fn, scale_grads=False)
     holds_first = any(c.pre_process for c in chunks)
     holds_last = any(c.post_process for c in chunks)
 
-    def step() -> None:
-        args = (tokens,) if holds_first else ()
+    def step() -> list[torch.Tensor]:
+        args, losses = ((tokens,) if holds_first else ()), []
         if dw is not None:
             dw.start()
         try:
-            schedule.step(*args, target=labels if holds_last else None)
+            schedule.step(*args, target=labels if holds_last else None, losses=losses if holds_last else None)
         finally:
             if dw is not None:
                 dw.stop()
+        return [loss.detach() for loss in losses]
     return step
 
 
@@ -169,6 +200,20 @@ def _our_step(config, ps0, name: str, vpp: int, m: int, batches: list):
                        num_microbatches=m)), plan, fb if profiled else None
 
 
+def _loss_diff(ps, ours: list, theirs: list, name: str) -> float:
+    """`loss_mismatch` on the rank that holds the loss, MAX over the pipeline ranks; every rank raises
+    together when the losses differ (a raise on one rank alone would leave the other in a collective)."""
+    import torch.distributed as dist
+    worst, why = loss_mismatch(ours, theirs, name)
+    got = torch.tensor([worst, len(theirs), bool(why)], dtype=torch.float64)
+    dist.all_reduce(got, op=dist.ReduceOp.MAX, group=ps.pp_group)
+    if got[2]:
+        raise AssertionError(why or f"{name}: another pipeline rank's losses differ from torch's")
+    if got[1] == 0:
+        raise AssertionError(f"{name}: no rank returned microbatch losses to compare")
+    return float(got[0])
+
+
 def _ideal_steps(config, rank: int, world: int, batches: list) -> dict:
     """`single`: rank 0 runs the whole model on every microbatch (the others wait), so ideal = single / p;
     `busy-ideal`: every rank runs the whole model on its 1/p of the microbatches at the same time, with no
@@ -213,8 +258,8 @@ def real_worker(rank: int, world: int, args) -> list[dict]:
             except Exception as err:  # an API mismatch is a result to report, not a crash
                 steps.pop(name)
                 errors[name] = f"{type(err).__name__}: {err}"
-        for step in steps.values():
-            step()                                     # warm-up; `auto` profiles here and switches
+        out = {name: step() for name, step in steps.items()}   # warm-up; `auto` profiles here and switches
+        loss_diff = {n: _loss_diff(ps0, out[ours], out[n], n) for ours, n in TORCH_EQUIVALENT.items() if n in out}
         wall, busy, faults = timed_rounds(ps0, steps, args.real_rounds)
         ideal = statistics.median(wall.pop("single")) / world
         busy_ideal = statistics.median(wall.pop("busy-ideal"))
@@ -223,6 +268,8 @@ def real_worker(rank: int, world: int, args) -> list[dict]:
             row = {"schedule": name, "m": m, "step_s": statistics.median(times), "ideal_s": ideal,
                    "busy_ideal_s": busy_ideal, "busy_s": busy[name], "page_faults": faults[name],
                    "host_memory_kept": kept, "rounds_s": times}
+            if name in loss_diff:          # largest relative loss difference to ours (MAX over the ranks)
+                row["loss_rel_diff_vs_ours"] = loss_diff[name]
             if name in plans:              # auto profiled F/B/W/comm of one whole stage during warm-up
                 row["sim_fill"] = _simulated_fill(plans[name](), dict(REAL_SCHEDULES)[name], auto.costs,
                                                    early_send=name != "1f1b-fused")

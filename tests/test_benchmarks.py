@@ -1,8 +1,9 @@
 """The real-mode summary of benchmarks/bench_schedules.py: the ratios the README reports."""
 import pytest
+import torch
 
 from benchmarks.pool_runs import bootstrap_median, pooled, round_ratios
-from benchmarks.schedules_real import _simulated_fill, summary
+from benchmarks.schedules_real import _simulated_fill, check_same_losses, summary
 from core.pipeline_parallel.builders import build
 from core.pipeline_parallel.simulator import Costs
 
@@ -57,3 +58,16 @@ def test_bootstrap_interval_narrows_with_more_rounds():
     (few_low, few_high), (low, high) = bootstrap_median(rounds[:7]), bootstrap_median(rounds)
     assert few_low <= low <= 1.0 <= high <= few_high
     assert high - low < 0.5 * (few_high - few_low)
+
+
+def test_torch_comparison_requires_the_same_losses():
+    """The benchmark compares against torch only when both compute the same per-microbatch losses."""
+    ours = [{"loss_sum": torch.tensor(100.0)}, {"loss_sum": torch.tensor(50.0)}]
+    assert check_same_losses(ours, [torch.tensor(100.0), torch.tensor(50.0)], "torch-zbv") == 0.0
+    assert check_same_losses(ours, [torch.tensor(100.001), torch.tensor(50.0)], "torch-zbv") == \
+        pytest.approx(1e-5, rel=1e-2)
+    with pytest.raises(AssertionError, match="microbatch 1 loss"):      # e.g. a sum of logits, not the loss
+        check_same_losses(ours, [torch.tensor(100.0), torch.tensor(51.0)], "torch-zbv")
+    with pytest.raises(AssertionError, match="1 microbatch losses from ours, 2 from torch"):
+        check_same_losses(ours[:1], [torch.tensor(100.0), torch.tensor(50.0)], "torch-zbv")
+    assert check_same_losses([], [], "torch-1f1b") == 0.0              # a rank without the loss
