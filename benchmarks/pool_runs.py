@@ -56,6 +56,9 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="bench_schedules.py JSON files with a real mode")
     args = parser.parse_args()
     runs = [json.load(open(path)) for path in args.runs]
+    runs = [run for run in runs if run.get("real")]       # synthetic- or simulated-only files have no rounds
+    if not runs:
+        parser.error("none of the files has real-mode results (bench_schedules.py --modes real)")
     print(f"{'m':>2} {'schedule / baseline':>26} {'rounds':>6} {'median':>7} {'95% interval':>15} {'wins':>5}")
     for r in pooled(runs):
         print(f"{r['m']:>2} {r['ours'] + ' / ' + r['base']:>26} {r['rounds']:>6} {r['median']:>7.3f} "
