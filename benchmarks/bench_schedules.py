@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -30,7 +31,7 @@ from core.pipeline_parallel import weight_grad_store  # noqa: E402
 from core.pipeline_parallel.builders import build  # noqa: E402
 from core.pipeline_parallel.schedule_ir import stage_of  # noqa: E402
 from core.pipeline_parallel.simulator import Costs, simulate  # noqa: E402
-from benchmarks.schedules_real import SCHEDULES, loss_step, placement, real_worker, summary  # noqa: E402
+from benchmarks.schedules_real import SCHEDULES, loss_step, placement, real_worker, summary, timed_rounds  # noqa: E402,E501
 
 
 def chunk_costs(vpp: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> Costs:
@@ -109,49 +110,38 @@ class SleepChunk(nn.Module):
         return out.sum(-1).t() if self.post_process else out
 
 
-def _timed(ps, fn, steps: int) -> float:
-    """Median wall time of `steps` calls (after one warm-up), max over the pipeline group."""
-    import torch.distributed as dist
-    times = []
-    for i in range(steps + 1):
-        dist.barrier(group=ps.pp_group)
-        start = time.perf_counter()
-        fn()
-        dist.barrier(group=ps.pp_group)
-        if i:
-            times.append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(times)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.pp_group)
-    return float(t)
-
-
 def synthetic_worker(rank: int, world: int, m: int, sleep_s: float, steps: int) -> list[dict]:
+    """Every schedule on sleeping chunks, timed round-robin: round k runs each schedule once, so a slow
+    spell of the machine lands on all schedules alike instead of on one schedule's steps."""
     from core.parallel_state import initialize_model_parallel
     from core.pipeline_parallel.schedules import get_forward_backward_func
     from core.pipeline_parallel.p2p_communication import measure_latency
-    ps0, rows = initialize_model_parallel(1, world), []
+    ps0, rows, fbs, runs = initialize_model_parallel(1, world), [], {}, {}
     x = torch.randn(64, 2, 32)
     _calibrate_sleep()
     comm = measure_latency(ps0.pp_rank, ps0.pp_ranks, ps0.pp_group, nbytes=x.numel() * x.element_size(),
                            device=x.device, rounds=50)
     for name, vpp in SCHEDULES:
         ps = dataclasses.replace(ps0, vpp_size=vpp)
-        times = (sleep_s / vpp,) * 3
         stages = [stage_of(ps.pp_rank, c, world, placement(name, vpp)) for c in range(vpp)]
-        chunks = [SleepChunk(times, s == world * vpp - 1) for s in stages]
+        chunks = [SleepChunk((sleep_s / vpp,) * 3, s == world * vpp - 1) for s in stages]
         data = [itertools.repeat({"input_ids": x}) if s == 0 else None for s in stages]
-        fb = get_forward_backward_func(ps, name, profile_iters=1)
-        step = lambda: fb(forward_step_func=loss_step, data_iterator=data, model=chunks, num_microbatches=m)  # noqa
-        if name in ("auto", "zb-h2"):
-            step()                                   # profiling iteration, then the fitted plan is used
-        measured = _timed(ps, step, steps)
-        plan = fb.plan if name in ("auto", "zb-h2") else build(name, world, vpp, m)
+        fbs[name] = get_forward_backward_func(ps, name, profile_iters=1)
+        runs[name] = functools.partial(fbs[name], forward_step_func=loss_step, data_iterator=data, model=chunks,
+                                       num_microbatches=m)
+        for _ in range(2 if name in ("auto", "zb-h2") else 1):
+            runs[name]()               # warm-up; `auto` and `zb-h2` profile in their first step, then switch
+    wall, _, _ = timed_rounds(ps0, runs, steps)
+    for name, vpp in SCHEDULES:
+        plan = fbs[name].plan if name in ("auto", "zb-h2") else build(name, world, vpp, m)
         costs = chunk_costs(vpp, sleep_s, sleep_s, sleep_s)
         predicted = simulate(plan, costs).makespan
         with_comm = simulate(plan, dataclasses.replace(costs, comm=comm)).makespan
+        measured = statistics.median(wall[name])
         rows.append({"schedule": name, "vpp": vpp, "m": m, "measured_s": measured, "simulated_s": predicted,
                      "ratio": measured / predicted, "comm_ms": comm * 1e3, "sim_comm_s": with_comm,
-                     "ratio_comm": measured / with_comm})
+                     "ratio_comm": measured / with_comm, "actions_per_rank": max(map(len, plan.actions)),
+                     "rounds_s": wall[name]})
     return rows
 
 
@@ -171,7 +161,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="simulated,synthetic,real", help="comma list of simulated, synthetic, real")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_schedules.json"))
-    parser.add_argument("--steps", type=int, default=7, help="synthetic mode: timed steps per schedule, after one warm-up")
+    parser.add_argument("--steps", type=int, default=9,
+                        help="synthetic mode: timed rounds over all schedules, after one warm-up step each")
     parser.add_argument("--real-rounds", type=int, default=7, help="real mode: timed rounds over all schedules")
     parser.add_argument("--release-host-memory", dest="keep_host_memory", action="store_false",
                         help="real mode: leave glibc malloc's defaults (trim freed memory) as they are")
@@ -192,7 +183,8 @@ def main(argv=None) -> dict:
     if "synthetic" in modes:
         results["synthetic"] = run_distributed(synthetic_worker, 4, args.synthetic_m, args.sleep_ms / 1e3,
                                                args.steps, timeout=900)[0]
-        print(_table(f"synthetic (p=4, m={args.synthetic_m}, F=B=W={args.sleep_ms:g} ms)", results["synthetic"]))
+        print(_table(f"synthetic (p=4, m={args.synthetic_m}, F=B=W={args.sleep_ms:g} ms)",
+                     [{k: v for k, v in r.items() if k != "rounds_s"} for r in results["synthetic"]]))
     if "real" in modes:
         results["real"] = run_distributed(real_worker, 2, args, timeout=1800)[0]
         results["real_summary"] = summary(results["real"])

@@ -71,3 +71,20 @@ def test_torch_comparison_requires_the_same_losses():
     with pytest.raises(AssertionError, match="1 microbatch losses from ours, 2 from torch"):
         check_same_losses(ours[:1], [torch.tensor(100.0), torch.tensor(50.0)], "torch-zbv")
     assert check_same_losses([], [], "torch-1f1b") == 0.0              # a rank without the loss
+
+
+def test_synthetic_mode_times_every_schedule_round_robin():
+    """The synthetic mode's sleeping stages run every schedule end to end on 4 gloo ranks; a step can
+    never beat the simulated makespan of its sleeps by more than the sleep calibration allows."""
+    from benchmarks.bench_schedules import synthetic_worker
+    from benchmarks.schedules_real import SCHEDULES
+    from tests.harness import run_distributed
+    rows = run_distributed(synthetic_worker, 4, 4, 0.004, 2, timeout=300)[0]
+    assert [(r["schedule"], r["vpp"]) for r in rows] == list(SCHEDULES)
+    for r in rows:
+        assert len(r["rounds_s"]) == 2 and r["measured_s"] == pytest.approx(sum(r["rounds_s"]) / 2)
+        assert r["ratio"] > 0.9, r
+        assert r["ratio_comm"] <= r["ratio"]
+        plan_actions = {"gpipe": 8, "1f1b": 8, "interleaved": 16, "zb-h1": 12, "zbv": 24}
+        if r["schedule"] in plan_actions:
+            assert r["actions_per_rank"] == plan_actions[r["schedule"]]
