@@ -1,4 +1,5 @@
-"""The real-mode summary of benchmarks/bench_schedules.py: the ratios the README reports."""
+"""benchmarks/bench_schedules.py: the real-mode summary (the ratios the README reports), the pooling of
+runs and the synthetic mode end to end."""
 import pytest
 import torch
 
@@ -79,12 +80,12 @@ def test_synthetic_mode_times_every_schedule_round_robin():
     from benchmarks.bench_schedules import synthetic_worker
     from benchmarks.schedules_real import SCHEDULES
     from tests.harness import run_distributed
-    rows = run_distributed(synthetic_worker, 4, 4, 0.004, 2, timeout=300)[0]
+    rows = run_distributed(synthetic_worker, 4, 4, 0.01, 3, timeout=300)[0]
     assert [(r["schedule"], r["vpp"]) for r in rows] == list(SCHEDULES)
     for r in rows:
-        assert len(r["rounds_s"]) == 2 and r["measured_s"] == pytest.approx(sum(r["rounds_s"]) / 2)
+        assert len(r["rounds_s"]) == 3 and r["measured_s"] == sorted(r["rounds_s"])[1]
         assert r["ratio"] > 0.9, r
-        assert r["ratio_comm"] <= r["ratio"]
+        assert r["comm_ms"] > 0 and 0 <= r["sleep_overshoot_ms"] <= 0.3
         plan_actions = {"gpipe": 8, "1f1b": 8, "interleaved": 16, "zb-h1": 12, "zbv": 24}
         if r["schedule"] in plan_actions:
             assert r["actions_per_rank"] == plan_actions[r["schedule"]]
