@@ -51,6 +51,7 @@ def simulated(pp: int = 4, ms: tuple = (8, 16)) -> list[dict]:
 
 _OVERSHOOT = [0.0]          # median time.sleep overshoot of this process, set by _calibrate_sleep
 _MAX_OVERSHOOT = 0.3e-3     # typical is 0.07-0.12 ms
+_PROFILED = ("auto", "zb-h2")   # schedules that profile in their first step, then switch to a fitted plan
 
 
 def _calibrate_sleep() -> None:
@@ -130,11 +131,11 @@ def synthetic_worker(rank: int, world: int, m: int, sleep_s: float, steps: int) 
         fbs[name] = get_forward_backward_func(ps, name, profile_iters=1)
         runs[name] = functools.partial(fbs[name], forward_step_func=loss_step, data_iterator=data, model=chunks,
                                        num_microbatches=m)
-        for _ in range(2 if name in ("auto", "zb-h2") else 1):
-            runs[name]()               # warm-up; `auto` and `zb-h2` profile in their first step, then switch
+        for _ in range(2 if name in _PROFILED else 1):
+            runs[name]()               # warm-up (the profiling step first, for _PROFILED)
     wall, _, _ = timed_rounds(ps0, runs, steps)
     for name, vpp in SCHEDULES:
-        plan = fbs[name].plan if name in ("auto", "zb-h2") else build(name, world, vpp, m)
+        plan = fbs[name].plan if name in _PROFILED else build(name, world, vpp, m)
         costs = chunk_costs(vpp, sleep_s, sleep_s, sleep_s)
         predicted = simulate(plan, costs).makespan
         with_comm = simulate(plan, dataclasses.replace(costs, comm=comm)).makespan
