@@ -9,7 +9,6 @@ Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -17,24 +16,17 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+import torch
+
+from llamapipe.data.gpt_dataset import GPTDataset
+from llamapipe.data.indexed_dataset import IndexedDataset
+from llamapipe.data.redpajama import iter_documents
+from llamapipe.data.tokenizer import build_tokenizer
+from llamapipe.tools import make_sample_corpus, preprocess_data, train_tokenizer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from data.gpt_dataset import GPTDataset  # noqa: E402
-from data.indexed_dataset import IndexedDataset  # noqa: E402
-from data.redpajama import iter_documents  # noqa: E402
-from data.tokenizer import build_tokenizer  # noqa: E402
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module   # pool workers unpickle functions by module name
-    spec.loader.exec_module(module)
-    return module
 
 
 def raw_encode_speed(corpus: str, model: str, batch_docs: int) -> dict:
@@ -101,10 +93,10 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="bench_data_")
     corpus = args.corpus or os.path.join(work, "corpus")
     if args.corpus is None:
-        _script("make_sample_corpus").main(["--out", corpus, "--max-mb", str(args.max_mb)])
-    model = args.tokenizer_model or _script("train_tokenizer").train([corpus], args.vocab_size,
+        make_sample_corpus.main(["--out", corpus, "--max-mb", str(args.max_mb)])
+    model = args.tokenizer_model or train_tokenizer.train([corpus], args.vocab_size,
                                                                       os.path.join(work, "tok"))
-    preprocess = _script("preprocess_data").preprocess
+    preprocess = preprocess_data.preprocess
     # best of --repeats: the machine may be shared, and the fastest run is the least disturbed one
     raws = [raw_encode_speed(corpus, model, args.batch_docs) for _ in range(args.repeats)]
     results = {"raw": max(raws, key=lambda r: r["batch_encode_tokens_per_s"]), "preprocess": {}}

@@ -13,13 +13,12 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from core.training_log import device_peak_tflops, flops_per_token  # noqa: E402
-from model.config import LlamaConfig  # noqa: E402
-from model.llama import LlamaModel  # noqa: E402
+from llamapipe.training.log import device_peak_tflops, flops_per_token
+from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaModel
 
 TINYLLAMA_1B = LlamaConfig(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32,
                            num_query_groups=4, vocab_size=32000, max_position_embeddings=4096)

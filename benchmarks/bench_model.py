@@ -16,15 +16,13 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model.hf_checkpoint import from_hf  # noqa: E402
-from model.llama import LlamaModel  # noqa: E402
+from llamapipe.model.hf_checkpoint import from_hf
+from llamapipe.model.llama import LlamaModel
 
 
 def build_models(args: argparse.Namespace):

@@ -19,19 +19,16 @@ import itertools
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from core.pipeline_parallel import weight_grad_store  # noqa: E402
-from core.pipeline_parallel.builders import build  # noqa: E402
-from core.pipeline_parallel.schedule_ir import stage_of  # noqa: E402
-from core.pipeline_parallel.simulator import Costs, simulate  # noqa: E402
-from benchmarks.schedules_real import SCHEDULES, loss_step, placement, real_worker, summary, timed_rounds  # noqa: E402,E501
+from llamapipe.core.pipeline_parallel import weight_grad_store
+from llamapipe.core.pipeline_parallel.builders import build
+from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
+from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
+from benchmarks.schedules_real import SCHEDULES, loss_step, placement, real_worker, summary, timed_rounds  # noqa: E501
 
 
 def chunk_costs(vpp: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> Costs:
@@ -115,9 +112,9 @@ class SleepChunk(nn.Module):
 def synthetic_worker(rank: int, world: int, m: int, sleep_s: float, steps: int) -> list[dict]:
     """Every schedule on sleeping chunks, timed round-robin: round k runs each schedule once, so a slow
     spell of the machine lands on all schedules alike instead of on one schedule's steps."""
-    from core.parallel_state import initialize_model_parallel
-    from core.pipeline_parallel.schedules import get_forward_backward_func
-    from core.pipeline_parallel.p2p_communication import measure_latency
+    from llamapipe.core.parallel_state import initialize_model_parallel
+    from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
+    from llamapipe.core.pipeline_parallel.p2p_communication import measure_latency
     ps0, rows, fbs, runs = initialize_model_parallel(1, world), [], {}, {}
     x = torch.randn(64, 2, 32)
     _calibrate_sleep()

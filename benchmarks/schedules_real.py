@@ -27,10 +27,10 @@ import time
 import torch
 from torch import nn
 
-from core.host_memory import keep_freed_host_memory, minor_page_faults
-from core.pipeline_parallel import weight_grad_store
-from core.pipeline_parallel.schedule_ir import stage_of
-from core.pipeline_parallel.simulator import Costs, simulate
+from llamapipe.core.host_memory import keep_freed_host_memory, minor_page_faults
+from llamapipe.core.pipeline_parallel import weight_grad_store
+from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
+from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zbv", 2), ("auto", 1)]
 REAL_SCHEDULES = SCHEDULES[:2] + [("1f1b-fused", 1)] + SCHEDULES[2:]
@@ -71,14 +71,14 @@ def check_same_losses(ours: list, theirs: list, name: str, rtol: float = 1e-4) -
 
 
 def llama_config(args):
-    from model.config import LlamaConfig
+    from llamapipe.model.config import LlamaConfig
     return LlamaConfig(num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.hidden * 11 // 4,
                        num_attention_heads=args.hidden // 32, num_query_groups=args.hidden // 64,
                        vocab_size=1024, max_position_embeddings=args.seq)
 
 
 def llama_chunks(config, ps, schedule: str, vpp: int) -> list[nn.Module]:
-    from model.llama import LlamaModel
+    from llamapipe.model.llama import LlamaModel
     stages = ps.pp_size * vpp
     per = config.num_layers // stages
     return [LlamaModel(config, ps, layer_range=(s * per, (s + 1) * per), pre_process=s == 0,
@@ -184,8 +184,8 @@ def timed_rounds(ps, steps: dict, rounds: int) -> tuple[dict, dict, dict]:
 def _our_step(config, ps0, name: str, vpp: int, m: int, batches: list):
     """(step callable, callable giving the plan that runs, the AutoSchedule or None): `auto` and `zb-h2`
     know their plan and costs once they have profiled."""
-    from core.pipeline_parallel import executor
-    from core.pipeline_parallel.schedules import cached_plan, get_forward_backward_func
+    from llamapipe.core.pipeline_parallel import executor
+    from llamapipe.core.pipeline_parallel.schedules import cached_plan, get_forward_backward_func
     ps = dataclasses.replace(ps0, vpp_size=vpp)
     chunks = llama_chunks(config, ps, name, vpp)
     if name == "1f1b-fused":                  # Megatron-LM's 1F1B: a BW sends only after its weight grads
@@ -218,7 +218,7 @@ def _ideal_steps(config, rank: int, world: int, batches: list) -> dict:
     """`single`: rank 0 runs the whole model on every microbatch (the others wait), so ideal = single / p;
     `busy-ideal`: every rank runs the whole model on its 1/p of the microbatches at the same time, with no
     communication: the ideal with every core busy (shared caches and memory bandwidth included)."""
-    from model.llama import LlamaModel
+    from llamapipe.model.llama import LlamaModel
     model = LlamaModel(config)
 
     def run(mine: list) -> None:
@@ -236,7 +236,7 @@ def _simulated_fill(plan, vpp: int, stage_costs: Costs, early_send: bool) -> flo
 
 
 def real_worker(rank: int, world: int, args) -> list[dict]:
-    from core.parallel_state import initialize_model_parallel
+    from llamapipe.core.parallel_state import initialize_model_parallel
     torch.set_num_threads(1)
     kept = args.keep_host_memory and keep_freed_host_memory()      # as pretrain_llama.py does on CPU
     if args.pin and len(os.sched_getaffinity(0)) >= world:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from core.arguments import ArgumentError, build_parser, config_from_args, parse_args
+from llamapipe.training.arguments.parser import ArgumentError, build_parser, config_from_args, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -176,7 +176,7 @@ def test_missing_data_path_files_are_named(tmp_path):
 
 
 def test_sequence_parallel_with_tp1_warns_and_turns_off(caplog):
-    from core.logger import get_logger
+    from llamapipe.core.logger import get_logger
     get_logger().propagate = True
     try:
         with caplog.at_level("WARNING", logger="llamapipe"):

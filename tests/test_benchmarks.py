@@ -5,8 +5,8 @@ import torch
 
 from benchmarks.pool_runs import bootstrap_median, pooled, round_ratios
 from benchmarks.schedules_real import _simulated_fill, check_same_losses, summary
-from core.pipeline_parallel.builders import build
-from core.pipeline_parallel.simulator import Costs
+from llamapipe.core.pipeline_parallel.builders import build
+from llamapipe.core.pipeline_parallel.simulator import Costs
 
 
 def _row(name, rounds, busy):

@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from core.pipeline_parallel.builders import (auto, build, gpipe, interleaved, one_f_one_b, zb_h1, zb_h2,
+from llamapipe.core.pipeline_parallel.builders import (auto, build, gpipe, interleaved, one_f_one_b, zb_h1, zb_h2,
                                              zb_h2_fitted, zbv)
-from core.pipeline_parallel.schedule_ir import Action, Plan
-from core.pipeline_parallel.simulator import Costs, simulate
+from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 
 UNIT = Costs()
 

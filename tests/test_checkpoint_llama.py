@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.checkpointing import LoadResult, load_checkpoint, save_checkpoint
-from core.config import Config, OptimizerConfig
-from core.optimizer import OptimizerParamScheduler, build_optimizer
-from core.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
-from core.pipeline_parallel.schedule_ir import stage_of
-from model.config import LlamaConfig
-from model.llama import LlamaModel
+from llamapipe.training.checkpointing.save_load import LoadResult, load_checkpoint, save_checkpoint
+from llamapipe.core.config import OptimizerConfig
+from llamapipe.training.config import Config
+from llamapipe.core.optimizer import OptimizerParamScheduler, build_optimizer
+from llamapipe.core.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
+from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
+from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaModel
 from tests.harness import run_distributed
 
 CFG = LlamaConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from core import checkpoint_io as cio
-from core.checkpointing import LoadResult, latest_checkpoint, load_checkpoint, save_checkpoint
-from core.config import Config
-from core.parallel_state import ParallelState, RankGrid
-from model.config import LlamaConfig
+from llamapipe.training.checkpointing import io as cio
+from llamapipe.training.checkpointing.save_load import LoadResult, latest_checkpoint, load_checkpoint, save_checkpoint
+from llamapipe.training.config import Config
+from llamapipe.core.parallel_state import ParallelState, RankGrid
+from llamapipe.model.config import LlamaConfig
 from tests.harness import ROOT, run_distributed
 
 CFG = LlamaConfig(num_layers=4, hidden_size=8, ffn_hidden_size=12, num_attention_heads=2, num_query_groups=2,
@@ -239,8 +239,8 @@ def test_malicious_pickle_is_refused_unrun(tmp_path, fname):
 _CRASHING_SAVE = """
 import os, sys
 sys.path.insert(0, {root!r})
-import core.checkpointing as ck
-from core.parallel_state import ParallelState
+import llamapipe.training.checkpointing.save_load as ck
+from llamapipe.core.parallel_state import ParallelState
 from tests.test_checkpointing import _save_single, make_chunks
 ck.cio.torch_save = lambda obj, path: os._exit(3)   # die after the model shard, before rng/metadata
 _save_single({save_dir!r}, 2, make_chunks(ParallelState(), fill=2.0))

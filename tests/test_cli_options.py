@@ -2,7 +2,7 @@
 here, and every flag is documented in README.md."""
 import os
 
-from core.arguments import build_parser
+from llamapipe.training.arguments.parser import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""scripts/convert_hf.py: a tiny random HF LLaMA (GQA, odd vocabulary) imported into tp=2 pp=2 and exported
+"""`llamapipe convert-hf`: a tiny random HF LLaMA (GQA, odd vocabulary) imported into tp=2 pp=2 and exported
 back gives the identical HF state dict and logits; the checkpoint loads into our model; bad input exits 2."""
 from __future__ import annotations
 
@@ -11,16 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core import checkpoint_io as cio
-from core.checkpointing import LoadResult, load_checkpoint
-from core.config import Config
+from llamapipe.training.checkpointing import io as cio
+from llamapipe.training.checkpointing.save_load import LoadResult, load_checkpoint
+from llamapipe.training.config import Config
 from tests.harness import ROOT
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import convert_hf  # noqa: E402
+from llamapipe.tools import convert_hf
 
-SCRIPT = os.path.join(ROOT, "scripts", "convert_hf.py")
+SCRIPT = ["-m", "llamapipe", "convert-hf"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,7 @@ def hf_model(tmp_path_factory):
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return subprocess.run([sys.executable, *SCRIPT, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def test_import_tp2_pp2_export_roundtrip(hf_model, tmp_path):
@@ -69,8 +68,8 @@ def test_import_tp2_pp2_export_roundtrip(hf_model, tmp_path):
 
 def test_imported_checkpoint_loads_into_llama_model(hf_model, tmp_path):
     """Our model, loaded from a tp=2 pp=2 vpp=2 import, reproduces HF's logits (fp32, 1e-5)."""
-    from model.hf_checkpoint import config_from_hf
-    from model.llama import LlamaModel
+    from llamapipe.model.hf_checkpoint import config_from_hf
+    from llamapipe.model.llama import LlamaModel
     model, hf_dir = hf_model
     convert_hf.import_hf(hf_dir, str(tmp_path), 2, 2, 1)
     assert json.loads((tmp_path / "iter_0000000" / "metadata.json").read_text())["layout"]["vpp"] == 2

@@ -1,36 +1,27 @@
 """End to end: make_sample_corpus -> train_tokenizer -> preprocess_data (2 workers) -> build_data_iterators,
 whose batches decode back to corpus text."""
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 
-from core.config import DataConfig, TrainingConfig
-from data.indexed_dataset import IndexedDataset
-from data.redpajama import iter_documents
-from data.sampler import build_data_iterators
-from data.tokenizer import build_tokenizer
-from tests.harness import ROOT
+from llamapipe.core.config import DataConfig, TrainingConfig
+from llamapipe.data.indexed_dataset import IndexedDataset
+from llamapipe.data.redpajama import iter_documents
+from llamapipe.data.sampler import build_data_iterators
+from llamapipe.data.tokenizer import build_tokenizer
+from llamapipe.tools import make_sample_corpus, preprocess_data, train_tokenizer
 
-
-def _script(name):
-    if name not in sys.modules:   # registered so pool workers can unpickle its functions
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     corpus, prefix = str(tmp / "corpus"), str(tmp / "data" / "corpus")
-    assert _script("make_sample_corpus").main(["--out", corpus, "--max-mb", "0.4"]) == 0
-    assert _script("train_tokenizer").main(["--input", corpus, "--vocab-size", "512",
+    assert make_sample_corpus.main(["--out", corpus, "--max-mb", "0.4"]) == 0
+    assert train_tokenizer.main(["--input", corpus, "--vocab-size", "512",
                                             "--model-prefix", str(tmp / "tok")]) == 0
-    assert _script("preprocess_data").main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-model",
+    assert preprocess_data.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-model",
                                             str(tmp / "tok.model"), "--workers", "2", "--append-eod",
                                             "--no-progress"]) == 0
     return corpus, prefix + "_text_document", build_tokenizer(str(tmp / "tok.model"))
@@ -43,7 +34,7 @@ def test_corpus_format_and_determinism(pipeline, tmp_path):
     docs = list(iter_documents([corpus]))
     assert {d.subset for d in docs} >= {"stdlib_docstrings", "stdlib_comments"}
     assert all(d.meta["source"] for d in docs)
-    _script("make_sample_corpus").main(["--out", str(tmp_path), "--max-mb", "0.4"])
+    make_sample_corpus.main(["--out", str(tmp_path), "--max-mb", "0.4"])
     for name in names:
         assert open(os.path.join(corpus, name), "rb").read() == open(tmp_path / name, "rb").read(), name
 
@@ -89,5 +80,5 @@ def test_strict_preprocessing_names_the_bad_line(pipeline, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + "{oops\n")
     with pytest.raises(SystemExit, match=f"bad record at {bad}:2: invalid JSON"):
-        _script("preprocess_data").main(["--input", str(bad), "--output-prefix", str(tmp_path / "o"),
+        preprocess_data.main(["--input", str(bad), "--output-prefix", str(tmp_path / "o"),
                                          "--tokenizer-model", tok.model_path, "--strict", "--no-progress"])

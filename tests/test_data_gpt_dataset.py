@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from data.gpt_dataset import (BlendedDataset, GPTDataset, MockGPTDataset, blending_index, build_gpt_datasets,
+from llamapipe.data.gpt_dataset import (BlendedDataset, GPTDataset, MockGPTDataset, blending_index, build_gpt_datasets,
                               build_indices, split_ranges)
-from data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+from llamapipe.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 
 
 def write_docs(prefix, num_docs, seed=0, base=0, max_len=40):

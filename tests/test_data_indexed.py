@@ -4,7 +4,7 @@ import struct
 import numpy as np
 import pytest
 
-from data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, best_dtype
+from llamapipe.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, best_dtype
 
 DOCS = [[5, 6, 7], [1], [300, 2, 9, 9]]
 

@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data.redpajama import ReadStats, iter_documents, resolve_inputs
-from data.tokenizer import build_tokenizer, check_vocab
+from llamapipe.data.redpajama import ReadStats, iter_documents, resolve_inputs
+from llamapipe.data.tokenizer import build_tokenizer, check_vocab
 
 GOOD = [{"text": f"document number {i} with some words", "meta": {"id": i}, "red_pajama_subset": "book"}
         for i in range(5)]

@@ -3,8 +3,8 @@ and the union over DP ranks of every global batch is the dp=1 global batch (mock
 import pytest
 import torch
 
-from core.config import DataConfig, TrainingConfig
-from data.sampler import EvalSampler, PretrainingSampler, build_data_iterators
+from llamapipe.core.config import DataConfig, TrainingConfig
+from llamapipe.data.sampler import EvalSampler, PretrainingSampler, build_data_iterators
 from tests.harness import run_distributed
 from tests.test_data_gpt_dataset import write_docs
 
@@ -106,10 +106,10 @@ def test_first_and_last_stage_chunks_share_one_dataset(tmp_path, monkeypatch, mo
     """Under the V placement one rank holds the first and the last stage: build_iterators builds the datasets
     once, and both chunks read the same microbatches as one build_data_iterators call, also when the first
     stage's forwards run ahead of the last stage's."""
-    import data.sampler as sampler
-    from core.config import Config
-    from core.parallel_state import ParallelState
-    from core.training_setup import build_iterators
+    import llamapipe.data.sampler as sampler
+    from llamapipe.training.config import Config
+    from llamapipe.core.parallel_state import ParallelState
+    from llamapipe.training.setup import build_iterators
     data, training = _configs(tmp_path, mock)
     builds = []
     for name in ("MockGPTDataset", "build_gpt_datasets"):
@@ -144,9 +144,9 @@ def test_first_and_last_stage_chunks_share_one_dataset(tmp_path, monkeypatch, mo
 def test_rank_without_data_chunks_still_evaluates(tmp_path):
     """A rank that holds only middle stages (rank 1 of pp 2 under the V placement) reads no data but must join
     every evaluation schedule, so its validation list exists (all None) whenever --eval-iters > 0."""
-    from core.config import Config
-    from core.parallel_state import ParallelState
-    from core.training_setup import build_iterators
+    from llamapipe.training.config import Config
+    from llamapipe.core.parallel_state import ParallelState
+    from llamapipe.training.setup import build_iterators
     for eval_iters in (2, 0):
         data, training = _configs(tmp_path, mock=True, eval_iters=eval_iters)
         config = Config(data=data, training=training)

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from core.checkpoint_io import read_model_state_dict
-from model.hf_checkpoint import from_hf
-from model.llama import LlamaModel
+from llamapipe.training.checkpointing.io import read_model_state_dict
+from llamapipe.model.hf_checkpoint import from_hf
+from llamapipe.model.llama import LlamaModel
 from tests.cli import ROOT, TINY, train
 
 FLAGS = ["--micro-batch-size", "1", "--global-batch-size", "8", "--lr-decay-style", "constant"]
@@ -67,7 +67,7 @@ def test_hf_import_finetune_export_matches_our_loss(tmp_path):
                                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
-    convert = [sys.executable, "scripts/convert_hf.py"]
+    convert = [sys.executable, "-m", "llamapipe", "convert-hf"]
     subprocess.run(convert + ["import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt"),
                               "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
                    cwd=ROOT, check=True, capture_output=True)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from model.config import LlamaConfig
-from model.llama import LlamaModel
+from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaModel
 from tests.cli import train
 
 pytestmark = pytest.mark.gpu

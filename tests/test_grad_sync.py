@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from core.distributed import finalize_model_grads
-from core.grad_sync import GradSync
-from core.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
-from core.pipeline_parallel import weight_grad_store
-from core.pipeline_parallel.builders import build
-from core.pipeline_parallel.executor import _last_backward_actions
-from core.tensor_parallel.layers import ColumnParallelLinear
+from llamapipe.core.distributed.grad_reduce import finalize_model_grads
+from llamapipe.core.distributed.grad_sync import GradSync
+from llamapipe.core.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
+from llamapipe.core.pipeline_parallel import weight_grad_store
+from llamapipe.core.pipeline_parallel.builders import build
+from llamapipe.core.pipeline_parallel.executor import _last_backward_actions
+from llamapipe.core.tensor_parallel.layers import ColumnParallelLinear
 from tests.harness import run_distributed
 
 HIDDEN, LAYERS = 8, 3

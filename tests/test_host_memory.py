@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from core.host_memory import USER_VARIABLES, keep_freed_host_memory
+from llamapipe.core.host_memory import USER_VARIABLES, keep_freed_host_memory
 
 # A step that holds 128 MiB of 1 MiB tensors at its peak and frees them all. Whether glibc's dynamic
 # thresholds trim that depends on the heap's layout, so the baseline pins glibc's initial thresholds
@@ -15,7 +15,7 @@ from core.host_memory import USER_VARIABLES, keep_freed_host_memory
 # it in anew. Kept memory is reused.
 STEPS = textwrap.dedent("""
     import sys, torch
-    from core.host_memory import USER_VARIABLES, keep_freed_host_memory, minor_page_faults
+    from llamapipe.core.host_memory import USER_VARIABLES, keep_freed_host_memory, minor_page_faults
     kept = sys.argv[1] == "keep" and keep_freed_host_memory()
     def step():
         held = [torch.ones(256 * 1024) for _ in range(128)]

@@ -1,7 +1,8 @@
 """Which layers each pipeline stage builds: the even split and Megatron's uneven first/last stage split."""
 import pytest
 
-from core.resharding import pp_rank_of, stage_layer_ranges
+from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
+from llamapipe.training.checkpointing.resharding import pp_rank_of
 
 
 def test_even_split_follows_stage_order():

@@ -4,10 +4,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from core.pipeline_parallel import weight_grad_store
-from model.config import LlamaConfig
-from model.hf_checkpoint import from_hf, to_hf
-from model.llama import LlamaModel
+from llamapipe.core.pipeline_parallel import weight_grad_store
+from llamapipe.model.config import LlamaConfig
+from llamapipe.model.hf_checkpoint import from_hf, to_hf
+from llamapipe.model.llama import LlamaModel
 
 VOCAB = 1003
 
@@ -161,7 +161,7 @@ def test_bf16_params_give_fp32_loss_close_to_fp32():
 
 def test_rmsnorm_and_rope_functions_match_autograd_reference():
     """The hand-written RMSNorm and RoPE backward passes equal autograd over the textbook formulas."""
-    from model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+    from llamapipe.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 2, 3, 16, generator=gen)
     grad = torch.randn(6, 2, 3, 16, generator=gen)

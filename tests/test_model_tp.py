@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from core.tensor_parallel.layers import allreduce_sequence_parallel_grads, gather_logical_tensor
-from model.config import LlamaConfig
-from model.llama import LlamaModel
+from llamapipe.core.tensor_parallel.layers import allreduce_sequence_parallel_grads, gather_logical_tensor
+from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaModel
 from tests.harness import run_distributed
 
 # vocab 1003 padded to a multiple of 100 x tp: 1100 rows at TP=1, 1200 at TP=2 and 4 (one shard all padding-heavy)
@@ -53,7 +53,7 @@ def _run_step(model: LlamaModel, input_ids, labels, tp_group) -> tuple[torch.Ten
 
 def _tp_worker(rank: int, world_size: int, cases: list, with_pipeline: bool) -> tuple:
     """Every (sequence_parallel, recompute) case, then optionally the two-chunk split with sequence parallel."""
-    from core.parallel_state import initialize_model_parallel
+    from llamapipe.core.parallel_state import initialize_model_parallel
     state = initialize_model_parallel(tp=world_size)
     input_ids, labels = _batch()
     out = []

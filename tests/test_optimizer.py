@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from core.config import OptimizerConfig
-from core.optimizer import DynamicGradScaler, OptimizerParamScheduler, build_optimizer
-from core.parallel_state import ParallelState
+from llamapipe.core.config import OptimizerConfig
+from llamapipe.core.optimizer import DynamicGradScaler, OptimizerParamScheduler, build_optimizer
+from llamapipe.core.parallel_state import ParallelState
 
 CFG = OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0)
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from core.config import OptimizerConfig
-from core.optimizer import build_optimizer
-from core.parallel_state import destroy_model_parallel, initialize_model_parallel
+from llamapipe.core.config import OptimizerConfig
+from llamapipe.core.optimizer import build_optimizer
+from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.harness import run_distributed
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core.parallel_state import RankGrid, destroy_model_parallel, initialize_model_parallel
+from llamapipe.core.parallel_state import RankGrid, destroy_model_parallel, initialize_model_parallel
 from tests.harness import RankFailure, run_distributed
 
 LAYOUTS = [(w, tp, pp) for w in (1, 2, 4, 6, 8, 12, 16) for tp in (1, 2, 4) for pp in (1, 2, 3, 4)
@@ -88,7 +88,7 @@ def test_harness_fails_fast_with_the_failing_ranks_traceback():
 
 
 def test_accessors_raise_before_initialisation():
-    from core import parallel_state
+    from llamapipe.core import parallel_state
     destroy_model_parallel()
     with pytest.raises(RuntimeError, match="not initialised"):
         parallel_state.get_tensor_model_parallel_group()

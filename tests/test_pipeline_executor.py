@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from core.pipeline_parallel import weight_grad_store
+from llamapipe.core.pipeline_parallel import weight_grad_store
 from tests.harness import run_distributed
 
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ = 32, 16, 8, 2, 6
@@ -109,7 +109,7 @@ def reference(steps: int, m: int, dp: int, lr: float = 0.5) -> tuple[list[float]
 
 
 def make_chunks(pp_rank: int, pp: int, vpp: int, placement: str) -> list[ToyChunk]:
-    from core.pipeline_parallel.schedule_ir import stage_of
+    from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
     stages, per_stage = pp * vpp, LAYERS // (pp * vpp)
     return [ToyChunk(s * per_stage, (s + 1) * per_stage, s == 0, s == stages - 1)
             for s in (stage_of(pp_rank, c, pp, placement) for c in range(vpp))]
@@ -119,12 +119,12 @@ def train(ps, schedule: str, vpp: int, m: int, steps: int, lr: float = 0.5) -> t
     """`steps` SGD steps with `schedule`; returns per-step mean loss and first-step grads (by name)."""
     import dataclasses
     import torch.distributed as dist
-    from core.pipeline_parallel.schedules import get_forward_backward_func
+    from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
     ps = dataclasses.replace(ps, vpp_size=vpp)
     chunks = make_chunks(ps.pp_rank, ps.pp_size, vpp, "v" if schedule in ("zbv", "auto") and vpp == 2
                          else "interleaved")
     if schedule.startswith("unit-"):      # the fixed unit-cost plan, not fitted to measured costs
-        from core.pipeline_parallel.schedules import forward_backward_zero_bubble
+        from llamapipe.core.pipeline_parallel.schedules import forward_backward_zero_bubble
         fb = functools.partial(forward_backward_zero_bubble, variant=schedule[5:], parallel_state=ps)
     else:
         fb = get_forward_backward_func(ps, schedule, profile_iters=1)
@@ -152,7 +152,7 @@ def train(ps, schedule: str, vpp: int, m: int, steps: int, lr: float = 0.5) -> t
 
 def train_worker(rank: int, world: int, tp: int, pp: int, cases: list, steps: int) -> dict:
     """Run every (schedule, vpp, m) case on one process grid; results keyed by case."""
-    from core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     ps = initialize_model_parallel(tp, pp)
     try:
         return {case: train(ps, *case, steps=steps) for case in cases}
@@ -240,9 +240,9 @@ class _SlowWChunk(nn.Module):
 
 def _early_send_worker(rank: int, world: int, fused_bw: bool) -> dict:
     import time
-    from core.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from core.pipeline_parallel import executor
-    from core.pipeline_parallel.builders import one_f_one_b
+    from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from llamapipe.core.pipeline_parallel import executor
+    from llamapipe.core.pipeline_parallel.builders import one_f_one_b
     ps, log = initialize_model_parallel(1, 2), {}
     try:
         chunk = _SlowWChunk(rank == 0, rank == 1, 0.0 if rank == 0 else 0.6, log)
@@ -266,8 +266,8 @@ def test_bw_sends_the_input_gradient_before_its_weight_gradients(fused_bw):
 
 
 def _fitted_zb_h2_worker(rank: int, world: int) -> dict:
-    from core.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from core.pipeline_parallel.schedules import get_forward_backward_func
+    from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
     ps = initialize_model_parallel(1, world)
     try:
         chunks = make_chunks(ps.pp_rank, world, 1, "interleaved")
@@ -287,9 +287,9 @@ def _fitted_zb_h2_worker(rank: int, world: int) -> dict:
 def test_zb_h2_profiles_then_runs_a_plan_fitted_to_measured_costs():
     """`zb-h2` runs profiled 1F1B for --pipeline-profile-iters steps, then every rank runs the same
     plan, built from the measured F/B/W and p2p costs within ZB-H2's 2p-1 microbatches of activations."""
-    from core.pipeline_parallel.builders import zb_h2_fitted
-    from core.pipeline_parallel.schedule_ir import Plan
-    from core.pipeline_parallel.simulator import simulate
+    from llamapipe.core.pipeline_parallel.builders import zb_h2_fitted
+    from llamapipe.core.pipeline_parallel.schedule_ir import Plan
+    from llamapipe.core.pipeline_parallel.simulator import simulate
     results = run_distributed(_fitted_zb_h2_worker, 4)
     assert all(r["plans"][:1] == [None] for r in results)       # still profiling after the first step
     plan = Plan.from_json(results[0]["plans"][1])

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from model.config import LlamaConfig
+from llamapipe.model.config import LlamaConfig
 from tests.harness import run_distributed
 
 CONFIG = LlamaConfig(num_layers=8, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4, num_query_groups=2,
@@ -66,10 +66,10 @@ def _sgd_steps(chunks: list, fb, ps, m: int) -> tuple[list[float], dict]:
 
 
 def llama_worker(rank: int, world: int, tp: int, pp: int, cases: list) -> dict:
-    from core.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from core.pipeline_parallel.schedule_ir import stage_of
-    from core.pipeline_parallel.schedules import get_forward_backward_func
-    from model.llama import LlamaModel
+    from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
+    from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
+    from llamapipe.model.llama import LlamaModel
     ps0 = initialize_model_parallel(tp, pp)
     out = {}
     try:
@@ -88,7 +88,7 @@ def llama_worker(rank: int, world: int, tp: int, pp: int, cases: list) -> dict:
 
 
 def _single_rank(m: int, dp: int) -> tuple[list[float], dict]:
-    from model.llama import LlamaModel
+    from llamapipe.model.llama import LlamaModel
     model = LlamaModel(CONFIG)
     losses, first = [], None
     for step in range(STEPS):

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from core.pipeline_parallel import weight_grad_store
-from core.pipeline_parallel.activation_memory import ActivationProbe
+from llamapipe.core.pipeline_parallel import weight_grad_store
+from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
 from tests.harness import run_distributed
 from tests.test_pipeline_executor import BATCH, LAYERS, SEQ, ToyChunk, _Linear, make_batches
 
@@ -62,7 +62,7 @@ class SavedBytes:
 
 
 def _mem_chunks(pp_rank: int, pp: int, vpp: int, placement: str) -> list[MemChunk]:
-    from core.pipeline_parallel.schedule_ir import stage_of
+    from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
     stages, per = pp * vpp, LAYERS // (pp * vpp)
     chunks = []
     for s in (stage_of(pp_rank, c, pp, placement) for c in range(vpp)):
@@ -92,10 +92,10 @@ def _forward_step(data_iterator, model):
 
 def memory_worker(rank: int, world: int, cases: list) -> dict:
     import dataclasses
-    from core.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from core.pipeline_parallel import executor
-    from core.pipeline_parallel.schedules import cached_plan
-    from core.pipeline_parallel.simulator import Costs, simulate
+    from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from llamapipe.core.pipeline_parallel import executor
+    from llamapipe.core.pipeline_parallel.schedules import cached_plan
+    from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
     ps = initialize_model_parallel(1, world)
     out = {}
     try:
@@ -142,7 +142,7 @@ def test_peak_saved_activations_match_simulator():
 def test_probe_on_llama_chunks_matches_saved_tensor_hooks(role):
     """The probe `auto` uses (a graph walk and weak references, no hooks, so saved weights stay the same
     objects) against saved-tensor hooks: a LLaMA chunk's unit, and the share still alive after B."""
-    from model.llama import LlamaModel
+    from llamapipe.model.llama import LlamaModel
     from tests.test_pipeline_llama import CONFIG
     chunk = LlamaModel(CONFIG, None, layer_range=(2, 4), pre_process=False, post_process=role == "last")
     exclude = {p.untyped_storage().data_ptr() for p in list(chunk.parameters()) + list(chunk.buffers())}
@@ -176,7 +176,7 @@ def test_probe_on_llama_chunks_matches_saved_tensor_hooks(role):
 def test_probe_with_recompute_reads_no_recomputed_tensor(granularity):
     """Under activation recompute the probe must not unpack checkpointed tensors (that re-runs the layer's
     forward and holds the result until B): no extra forward runs, and the unit shrinks."""
-    from model.llama import LlamaModel
+    from llamapipe.model.llama import LlamaModel
     from tests.test_pipeline_llama import CONFIG
     units = {}
     for label, config in (("plain", CONFIG), ("recompute", dataclasses.replace(CONFIG, recompute_granularity=granularity))):
@@ -201,7 +201,7 @@ def test_held_share_adds_the_output_gradients_w_keeps():
     forward saves x, y1 and y2 (twice for the product, one storage). After B the W closures keep x and y1
     (saved) and the output gradients dy1 (N x 16) and dy2 (N x 32), which autograd never saved: the
     held share is (8 + 16 + 16 + 32) / (8 + 16 + 32) of a unit, the saved share (8 + 16) / 56."""
-    from core.tensor_parallel.layers import INPUT_PARALLEL, LinearWithDeferredWeightGrad
+    from llamapipe.core.tensor_parallel.layers import INPUT_PARALLEL, LinearWithDeferredWeightGrad
     torch.manual_seed(0)
     w1, w2 = nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(32, 16))
     holder = nn.ParameterList([w1, w2])
@@ -228,7 +228,7 @@ def test_held_share_adds_the_output_gradients_w_keeps():
 def test_held_share_of_llama_chunks_counts_more_than_saved(role):
     """On a LLaMA chunk the W closures' output gradients are about as large again as the saved inputs
     they keep: the held share lies above the saved share and is what `auto` simulates."""
-    from model.llama import LlamaModel
+    from llamapipe.model.llama import LlamaModel
     from tests.test_pipeline_llama import CONFIG
     chunk = LlamaModel(CONFIG, None, layer_range=(2, 4), pre_process=False, post_process=role == "last")
     chunk.set_input_tensor(torch.randn(16, 2, CONFIG.hidden_size, requires_grad=True))
@@ -248,7 +248,7 @@ def test_held_share_of_llama_chunks_counts_more_than_saved(role):
 def test_planning_memory_under_recompute_covers_what_w_holds():
     """With full recompute a forward saves only its checkpoints' inputs, but W still holds the recomputed
     layer inputs and the output gradients: many units. The planning unit must grow to that, not cap it."""
-    from model.llama import LlamaModel
+    from llamapipe.model.llama import LlamaModel
     from tests.test_pipeline_llama import CONFIG
     config = dataclasses.replace(CONFIG, recompute_granularity="full")
     chunk = LlamaModel(config, None, layer_range=(2, 4), pre_process=False, post_process=False)

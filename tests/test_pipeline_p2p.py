@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-from core.pipeline_parallel import builders
-from core.pipeline_parallel.p2p_communication import Message, needs_and_sends, receive_order
-from core.pipeline_parallel.schedule_ir import Action
+from llamapipe.core.pipeline_parallel import builders
+from llamapipe.core.pipeline_parallel.p2p_communication import Message, needs_and_sends, receive_order
+from llamapipe.core.pipeline_parallel.schedule_ir import Action
 from tests.harness import run_distributed
 from tests.test_pipeline_executor import LAYERS, ToyChunk, forward_step, make_batches, make_chunks
 
@@ -54,8 +54,8 @@ STEPS = ((0, True, False), (1, True, True), (2, False, False))   # (seed, variab
 def p2p_worker(rank: int, world: int) -> dict:
     """Per schedule: a variable-length training step, a variable-length forward-only step, then a
     fixed-length step whose shape differs from the earlier ones (the per-step handshake must see it)."""
-    from core.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from core.pipeline_parallel.schedules import get_forward_backward_func
+    from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
     ps = initialize_model_parallel(1, world)
     out = {}
     try:
@@ -97,8 +97,8 @@ def test_variable_lengths_forward_only_and_shape_change_between_steps():
 
 
 def _latency_worker(rank: int, world: int) -> list[float]:
-    from core.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from core.pipeline_parallel.p2p_communication import measure_latency
+    from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from llamapipe.core.pipeline_parallel.p2p_communication import measure_latency
     ps = initialize_model_parallel(1, world)
     try:
         return [measure_latency(ps.pp_rank, ps.pp_ranks, ps.pp_group, nbytes=n, device=torch.device("cpu"))

@@ -1,8 +1,8 @@
 """The simulator: exact times on hand-computed plans, and a clear PlanError for each kind of bad plan."""
 import pytest
 
-from core.pipeline_parallel.schedule_ir import Action, Plan
-from core.pipeline_parallel.simulator import Costs, PlanError, simulate
+from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+from llamapipe.core.pipeline_parallel.simulator import Costs, PlanError, simulate
 
 F, B, W, BW = (lambda c, mb, k=k: Action(k, c, mb) for k in ("F", "B", "W", "BW"))
 

@@ -3,11 +3,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.tensor_parallel import mappings
-from core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from llamapipe.core.tensor_parallel import mappings
+from llamapipe.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from llamapipe.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                          allreduce_sequence_parallel_grads, shard_logical_tensor)
-from core.tensor_parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_seed
+from llamapipe.core.tensor_parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_seed
 from tests.harness import run_distributed
 
 VOCAB, PADDED = 37, 40
@@ -103,7 +103,7 @@ def _sp_grads_and_rng_case(tp_group, tp_rank: int) -> list[str]:
 
 
 def _worker(rank: int, world_size: int) -> list[str]:
-    from core.parallel_state import initialize_model_parallel
+    from llamapipe.core.parallel_state import initialize_model_parallel
     state = initialize_model_parallel(tp=world_size)
     done = []
     for sequence_parallel in (False, True):

@@ -1,5 +1,4 @@
-"""Timeline drawing (ASCII, PNG, SVG) and scripts/plot_schedule.py."""
-import importlib.util
+"""Timeline drawing (ASCII, PNG, SVG) and `llamapipe plot-schedule`."""
 import json
 import os
 import subprocess
@@ -7,20 +6,13 @@ import sys
 
 import pytest
 
-from core.config import SCHEDULES
-from core.pipeline_parallel.builders import one_f_one_b, zbv
-from core.pipeline_parallel.simulator import simulate
-from core.pipeline_parallel.visualize import ascii_timeline, plot_timeline
+from llamapipe.core.config import SCHEDULES
+from llamapipe.core.pipeline_parallel.builders import one_f_one_b, zbv
+from llamapipe.core.pipeline_parallel.simulator import simulate
+from llamapipe.core.pipeline_parallel.visualize import ascii_timeline, plot_timeline
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "plot_schedule.py")
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("plot_schedule", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from llamapipe.tools import plot_schedule
+from tests.harness import ROOT
 
 
 def test_ascii_timeline_of_1f1b_by_hand():
@@ -45,7 +37,7 @@ def test_plot_writes_small_picture(tmp_path, suffix, magic):
 
 
 def test_script_writes_a_png_for_every_schedule(tmp_path, capsys):
-    main = _script().main
+    main = plot_schedule.main
     for name in SCHEDULES:
         out = tmp_path / f"{name}.png"
         assert main(["--schedule", name, "--pp", "2", "--microbatches", "3", "--out", str(out)]) == 0
@@ -55,7 +47,7 @@ def test_script_writes_a_png_for_every_schedule(tmp_path, capsys):
 
 
 def test_script_json_from_repo_root(tmp_path):
-    out = subprocess.run([sys.executable, "scripts/plot_schedule.py", "--schedule", "1f1b", "--pp", "4",
+    out = subprocess.run([sys.executable, "-m", "llamapipe", "plot-schedule", "--schedule", "1f1b", "--pp", "4",
                           "--microbatches", "8", "--out", str(tmp_path / "t.svg"), "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -76,7 +68,7 @@ def test_script_json_from_repo_root(tmp_path):
 def test_script_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exc:
-        sys.exit(_script().main(argv))
+        sys.exit(plot_schedule.main(argv))
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err

@@ -1,16 +1,13 @@
 """Test-only launcher: pretrain_llama.py with an infinite loss at one iteration (fp16 skip test).
 
     torchrun ... tests/scripts/inject_inf.py --inject-inf-iteration 3 -- <pretrain_llama.py flags>
-The patch lives here, not in the library: it wraps the loss function of core/training_setup.py.
+The patch lives here, not in the library: it wraps the loss function of llamapipe/training/setup.py.
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import core.training as training  # noqa: E402
-import core.training_setup as setup  # noqa: E402
-import pretrain_llama  # noqa: E402
+import llamapipe.training.loop as training
+import llamapipe.training.setup as setup
+from llamapipe.train import main as pretrain_main
 
 
 def main() -> int:
@@ -33,7 +30,7 @@ def main() -> int:
             setup.loss_func = original_loss
 
     training.Trainer.train_step = train_step
-    return pretrain_llama.main(argv[split + 1:])
+    return pretrain_main(argv[split + 1:])
 
 
 if __name__ == "__main__":

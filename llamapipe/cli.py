@@ -1,0 +1,48 @@
+"""The `llamapipe` command: one entry point for the tools, `llamapipe <subcommand> [flags]`.
+
+    llamapipe preprocess --input corpus --output-prefix data/corpus --tokenizer-model tok.model
+    llamapipe plot-schedule --schedule zbv --pp 4 --microbatches 8 --out runs/zbv.png
+
+Training itself is launched with torchrun (`torchrun pretrain_llama.py ...` or `torchrun -m llamapipe.train ...`);
+`llamapipe train` runs it in this one process, which is handy for a quick check.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, one-line summary)
+SUBCOMMANDS = {
+    "train": ("llamapipe.train", "pretrain in this process (use torchrun for several)"),
+    "make-sample-corpus": ("llamapipe.tools.make_sample_corpus",
+                           "a small RedPajama-format corpus from text already on this machine"),
+    "train-tokenizer": ("llamapipe.tools.train_tokenizer", "train a sentencepiece or BPE tokenizer on a corpus"),
+    "preprocess": ("llamapipe.tools.preprocess_data", "tokenize jsonl/parquet into Megatron .bin/.idx"),
+    "convert-hf": ("llamapipe.tools.convert_hf", "import / export HF transformers LLaMA checkpoints"),
+    "plot-schedule": ("llamapipe.tools.plot_schedule", "draw and simulate a pipeline schedule"),
+    "flag-reference": ("llamapipe.tools.flag_reference", "write docs/flags.md from the argument parser"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    rows = "\n".join(f"  {name:<{width}}  {summary}" for name, (_, summary) in SUBCOMMANDS.items())
+    return f"usage: llamapipe <subcommand> [flags]   (llamapipe <subcommand> --help for its flags)\n\n{rows}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        sys.stderr.write(f"llamapipe: error: unknown subcommand {name!r}; choose one of {', '.join(SUBCOMMANDS)}\n")
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    sys.argv[0] = f"llamapipe {name}"
+    return module.main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Frozen configuration dataclasses of the library, one per concern; built by llamapipe.training.arguments.
+
+A component receives only its own part (e.g. the optimizer gets `OptimizerConfig`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+class ArgumentError(ValueError):
+    """A user-caused configuration error; the message is one plain sentence."""
+
+
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "zbv", "auto")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    world_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+    vpp_size: int = 1                   # model chunks per pipeline rank
+    dp_size: int = 1
+    order: str = "tp-dp-pp"             # rank order, fastest-varying axis first
+    sequence_parallel: bool = False
+    pipeline_schedule: str = "1f1b"     # effective schedule; ignored when pp_size == 1
+    pipeline_memory_limit: Optional[float] = None   # activation units per rank for `auto`
+    pipeline_memory_limit_bytes: Optional[int] = None   # or a byte cap, turned into units once measured
+    first_stage_layers: Optional[int] = None        # --decoder-first-pipeline-num-layers (uneven split)
+    last_stage_layers: Optional[int] = None         # --decoder-last-pipeline-num-layers
+    account_for_embedding: bool = False             # --account-for-embedding-in-pipeline-split
+    account_for_loss: bool = False                  # --account-for-loss-in-pipeline-split
+    distributed_backend: str = "gloo"
+    distributed_timeout_minutes: float = 10.0
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    ddp_bucket_size: int = 25_000_000               # elements per DP all-reduce bucket
+
+    @property
+    def num_chunks(self) -> int:
+        return self.vpp_size
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    seq_length: int = 128
+    train_iters: int = 10
+    seed: int = 1234
+    eval_interval: Optional[int] = None
+    eval_iters: int = 0
+    exit_interval: Optional[int] = None
+    exit_duration_in_mins: Optional[float] = None
+    exit_signal_handler: bool = False
+    skip_nonfinite_steps: bool = False
+    num_microbatches: int = 1           # derived: global / (micro x dp)
+    profile_iters: int = 3              # `auto` and `zb-h2`: 1F1B iterations measured before switching
+    keep_host_memory: bool = True       # CPU runs: glibc keeps freed memory (core.host_memory)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: Optional[float] = None  # fixed fp16 loss scale; None means dynamic
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    use_distributed_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data_path: tuple = ()               # prefixes, or weight prefix weight prefix ...
+    split: str = "969,30,1"
+    tokenizer_model: Optional[str] = None
+    mock_data: bool = False
+    data_cache_path: Optional[str] = None
+    num_workers: int = 0
+    seq_length: int = 128
+    seed: int = 1234

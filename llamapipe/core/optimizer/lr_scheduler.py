@@ -1,0 +1,68 @@
+"""Learning-rate schedule: linear warmup from 0, then constant, linear or cosine decay to min_lr.
+
+Follows Megatron-LM's `OptimizerParamScheduler.get_lr` formulas; one `step()` per successful
+optimizer update. Iteration 1 runs at `get_lr()` of step 0 (0 during warmup), as in Megatron.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from llamapipe.core.config import OptimizerConfig
+
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+class OptimizerParamScheduler:
+    """Sets `lr` on every param group of `optimizer` from the number of steps taken so far."""
+
+    def __init__(self, optimizer: Any, opt_cfg: OptimizerConfig, train_iters: int) -> None:
+        if opt_cfg.lr_decay_style not in DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style {opt_cfg.lr_decay_style} is not one of {', '.join(DECAY_STYLES)}")
+        self.optimizer = optimizer
+        self.max_lr = float(opt_cfg.lr)
+        self.min_lr = float(opt_cfg.min_lr)
+        self.lr_warmup_steps = int(opt_cfg.lr_warmup_iters)
+        decay = opt_cfg.lr_decay_iters if opt_cfg.lr_decay_iters is not None else train_iters
+        self.lr_decay_steps = int(decay)
+        self.lr_decay_style = opt_cfg.lr_decay_style
+        if self.lr_decay_style != "constant" and self.lr_warmup_steps > self.lr_decay_steps:
+            raise ValueError(f"--lr-warmup-iters {self.lr_warmup_steps} is larger than the decay length "
+                             f"(--lr-decay-iters or --train-iters) {self.lr_decay_steps}")
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self, num_steps: Optional[int] = None) -> float:
+        """Learning rate after `num_steps` updates (default: the current step count)."""
+        n = self.num_steps if num_steps is None else num_steps
+        if self.lr_warmup_steps > 0 and n <= self.lr_warmup_steps:
+            return self.max_lr * n / self.lr_warmup_steps
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if n > self.lr_decay_steps:
+            return self.min_lr
+        decay_ratio = (n - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
+        assert 0.0 <= decay_ratio <= 1.0, decay_ratio
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - decay_ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int = 1) -> float:
+        """Advance the step count and write the new learning rate into the optimizer; returns it."""
+        self.num_steps += increment
+        lr = self.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
+                "lr_warmup_steps": self.lr_warmup_steps, "lr_decay_steps": self.lr_decay_steps,
+                "lr_decay_style": self.lr_decay_style}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the step count; the schedule's shape comes from the current flags, as in Megatron."""
+        self.num_steps = 0
+        self.step(int(state["num_steps"]))

@@ -1,0 +1,204 @@
+"""The training optimizer: fp32 master weights, loss scaling, global grad-norm clipping, AdamW, ZeRO-1.
+
+One class covers every precision and layout. Each rank steps the `Segment`s of its `ShardLayout`: all of
+its parameters (plain) or its DP range of them (`--use-distributed-optimizer`). A segment's main tensor is
+a view of the model parameter when that is fp32 (the update lands in the model directly) and an fp32
+master copy when the model is bf16/fp16 (grads are converted into fp32 main grads before the step, and the
+updated masters are written back after it). Step order follows Megatron: main grads -> unscale and
+global inf check (fp16) -> global grad norm -> clip -> AdamW -> copy back / all-gather over DP.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from llamapipe.core.config import OptimizerConfig
+from llamapipe.core.logger import get_logger
+from llamapipe.core.optimizer.adamw import decays_weight, get_adam_state, make_adamw, set_adam_state
+from llamapipe.core.optimizer.clip_grads import clip_grads_, counts_for_norm, global_grad_norm, unscale_and_check_
+from llamapipe.core.optimizer.distrib_optimizer import ShardLayout, gather_shards, pack_shard, unflatten
+from llamapipe.core.optimizer.grad_scaler import build_grad_scaler
+from llamapipe.core.parallel_state import ParallelState
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    update_successful: bool
+    grad_norm: float        # global norm before clipping; NaN when the loss scaler skipped the step
+    found_inf: bool         # inf/NaN grads under loss scaling: update skipped, loss scale updated
+
+
+def named_model_params(model_chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
+    """Trainable parameters of all chunks with their logical names (unique across chunks)."""
+    named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
+    names = [n for n, _ in named]
+    assert len(set(names)) == len(names), "parameter names must be unique across model chunks"
+    return named
+
+
+class Optimizer:
+    """AdamW with master weights, loss scaling, clipping and optional ZeRO-1 sharding over DP."""
+
+    def __init__(self, model_chunks: list[torch.nn.Module], opt_cfg: OptimizerConfig,
+                 parallel_state: ParallelState, shard_over_dp: bool = False) -> None:
+        ps = parallel_state
+        named = named_model_params(model_chunks)
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        assert all(p.is_contiguous() for p in self.params), "parameters must be contiguous"
+        self.opt_cfg = opt_cfg
+        self.parallel_state = ps
+        self.sharded = shard_over_dp and ps.dp_size > 1
+        self.layout = ShardLayout(tuple(p.numel() for p in self.params),
+                                  ps.dp_size if self.sharded else 1, ps.dp_rank if self.sharded else 0)
+        self.segments = self.layout.segments()
+        self.mains = [self._main_for(seg.param_index, seg.start, seg.end) for seg in self.segments]
+        self._has_master = [self.params[s.param_index].dtype != torch.float32 for s in self.segments]
+        self._counted = [counts_for_norm(self.params[s.param_index], ps.tp_rank) for s in self.segments]
+        decay = [decays_weight(self.names[s.param_index], self.params[s.param_index]) for s in self.segments]
+        self.inner = make_adamw([m for m, d in zip(self.mains, decay) if d],
+                                [m for m, d in zip(self.mains, decay) if not d], opt_cfg)
+        self.grad_scaler = build_grad_scaler(opt_cfg)
+        self.num_steps = 0
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        # together these groups cover every element exactly once (DP too when DP ranks hold disjoint shards)
+        self._reduce_groups = [ps.mp_group] + ([ps.dp_group] if self.sharded else [])
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def _main_for(self, index: int, start: int, end: int) -> torch.Tensor:
+        flat = self.params[index].detach().view(-1)[start:end]
+        return flat if flat.dtype == torch.float32 else flat.to(torch.float32, copy=True)
+
+    def get_loss_scale(self) -> float:
+        """The factor the runtime multiplies each microbatch loss by before backward."""
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        self._release_main_grads()
+
+    def _release_main_grads(self) -> None:
+        for main in self.mains:
+            main.grad = None
+
+    def _main_grads(self) -> list[torch.Tensor]:
+        """Point (fp32) or convert (bf16/fp16) each segment's slice of param.grad into the main grad."""
+        grads = []
+        for seg, main in zip(self.segments, self.mains):
+            grad = self.params[seg.param_index].grad
+            if grad is None:
+                flat = torch.zeros_like(main)
+            else:
+                flat = grad.detach().reshape(-1)[seg.start:seg.end]
+            main.grad = flat if flat.dtype == torch.float32 else flat.float()
+            grads.append(main.grad)
+        return grads
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """One update from the grads in param.grad (already reduced over DP and divided by the token count)."""
+        grads = self._main_grads()
+        if self.grad_scaler is not None:
+            found_inf = unscale_and_check_(grads, self.grad_scaler.inv_scale, self._reduce_groups, self.device)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                get_logger().info("found inf/NaN in the gradients: update skipped, loss scale is now %g",
+                                  self.grad_scaler.scale)
+                self._release_main_grads()
+                return StepResult(False, float("nan"), True)
+        counted = [g for g, c in zip(grads, self._counted) if c]
+        grad_norm = global_grad_norm(counted, self._reduce_groups, self.device)
+        if not math.isfinite(grad_norm):
+            get_logger().info("gradient norm is %s: update skipped", grad_norm)
+            self._release_main_grads()
+            return StepResult(False, grad_norm, False)
+        if self.opt_cfg.clip_grad > 0:
+            clip_grads_(grads, self.opt_cfg.clip_grad, grad_norm)
+        self.inner.step()
+        self.num_steps += 1
+        self._copy_main_to_model()
+        self._release_main_grads()
+        return StepResult(True, grad_norm, False)
+
+    def _copy_main_to_model(self) -> None:
+        if not self.sharded:
+            for seg, main, has_master in zip(self.segments, self.mains, self._has_master):
+                if has_master:
+                    self.params[seg.param_index].detach().view(-1)[seg.start:seg.end].copy_(main)
+            return
+        dtypes = {p.dtype for p in self.params}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        shard = pack_shard(self.layout, self.segments, self.mains, dtype, self.device)
+        full = gather_shards(shard, self.layout, self.parallel_state.dp_group)
+        for p, value in zip(self.params, unflatten(full, self.layout, [p.shape for p in self.params])):
+            p.detach().copy_(value)
+
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 masters from the model (after loading model weights without optimizer state)."""
+        for seg, main, has_master in zip(self.segments, self.mains, self._has_master):
+            if has_master:
+                main.copy_(self.params[seg.param_index].detach().view(-1)[seg.start:seg.end])
+
+    def _segment_values(self, key: str) -> list[torch.Tensor]:
+        if key == "master_param":
+            return self.mains
+        return [get_adam_state(self.inner, main)[0 if key == "exp_avg" else 1] for main in self.mains]
+
+    def state_dict(self, *, keep: bool = True) -> dict:
+        """Per-parameter state, each tensor shaped like the local (TP-shard) parameter, on the CPU.
+
+        Collective over DP. `keep=False` (ranks that do not write the checkpoint) takes part in the gathers
+        but keeps nothing, so only the writer ever holds the full, unsharded ZeRO-1 state.
+        """
+        param_state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self.names}
+        shapes = [p.shape for p in self.params]
+        mixed = any(p.dtype != torch.float32 for p in self.params)  # same on every DP rank: safe collective
+        for key in STATE_KEYS if mixed else STATE_KEYS[:2]:
+            shard = pack_shard(self.layout, self.segments, self._segment_values(key), torch.float32, self.device)
+            full = gather_shards(shard, self.layout, self.parallel_state.dp_group)
+            if not keep:
+                continue
+            for name, p, value in zip(self.names, self.params, unflatten(full, self.layout, shapes)):
+                if key != "master_param" or p.dtype != torch.float32:
+                    param_state[name][key] = value.to("cpu", copy=True)
+        scaler = self.grad_scaler.state_dict() if self.grad_scaler is not None else {}
+        return {"param_state": param_state, "step": self.num_steps, "grad_scaler": scaler}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load the per-parameter form of `state_dict()`, keeping only this rank's shard."""
+        param_state = state_dict["param_state"]
+        for name, p in zip(self.names, self.params):
+            if name not in param_state:
+                raise ValueError(f"the optimizer checkpoint has no state for parameter {name}")
+            shape = tuple(param_state[name]["exp_avg"].shape)
+            if shape != tuple(p.shape):
+                raise ValueError(f"the optimizer state of {name} has shape {shape} but the parameter has "
+                                 f"shape {tuple(p.shape)}")
+        step = int(state_dict["step"])
+        for seg, main, has_master in zip(self.segments, self.mains, self._has_master):
+            state = param_state[self.names[seg.param_index]]
+            part = lambda t: t.reshape(-1)[seg.start:seg.end]  # noqa: E731
+            set_adam_state(self.inner, main, part(state["exp_avg"]), part(state["exp_avg_sq"]), step)
+            if has_master:
+                source = state.get("master_param", self.params[seg.param_index].detach())
+                main.copy_(part(source))
+        self.num_steps = step
+        if self.grad_scaler is not None and state_dict.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+
+def build_optimizer(model_chunks: list[torch.nn.Module], opt_cfg: OptimizerConfig,
+                    parallel_state: ParallelState) -> Optimizer:
+    """The optimizer for this rank's chunks; ZeRO-1 over DP with `--use-distributed-optimizer`."""
+    return Optimizer(model_chunks, opt_cfg, parallel_state, shard_over_dp=opt_cfg.use_distributed_optimizer)

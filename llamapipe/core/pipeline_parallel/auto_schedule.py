@@ -1,0 +1,176 @@
+"""`--pipeline-schedule auto` and `zb-h2`: profile the first iterations, then switch to a cost-fitted plan.
+
+The zero-bubble paper (Qi et al., arXiv 2401.10241, section 3) builds its schedule from measured F, B
+and W times under a memory cap. `AutoSchedule` is a stateful forward-backward callable: for the first
+`profile_iters` iterations it runs 1F1B with every BW split into B then W, so the three are timed
+separately without changing order or memory (with two chunks per rank: ZB-V, auto's V placement).
+The first (warm-up, untimed) iteration also measures activation memory (`activation_memory`): the
+bytes one microbatch saves on one chunk (the unit) and what a deferred W holds from B until it runs (the
+saved inputs still alive plus the output gradients of its closures), as a share of the unit (M_W / M_B).
+Then the slowest stage's median times and the largest unit and share (all-reduced MAX over the world, so
+every replica sees the same numbers) go to the builder on global rank 0: `builders.auto` under the memory
+cap (in units, or bytes turned into units; default: what the profiling plan needs), or for `zb-h2`
+`builders.zb_h2_fitted` under ZB-H2's cap of 2p-1 microbatches.
+The plan is broadcast to all ranks as JSON bytes (no pickle) and used from then on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llamapipe.core.logger import get_logger
+from llamapipe.core.pipeline_parallel import builders, executor
+from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
+from llamapipe.core.pipeline_parallel.p2p_communication import measure_latency
+from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
+
+
+def split_bw(plan: Plan) -> Plan:
+    """The same plan with every fused BW replaced by B immediately followed by W."""
+    actions = tuple(tuple(x for a in rank for x in ((Action("B", a.chunk, a.microbatch),
+                                                     Action("W", a.chunk, a.microbatch)) if a.kind == "BW" else (a,)))
+                    for rank in plan.actions)
+    return Plan(plan.name + "-split", plan.pp, plan.vpp, plan.num_microbatches, plan.placement, actions)
+
+
+def profiling_plan(pp: int, vpp: int, m: int) -> Plan:
+    """1F1B with B/W split for one chunk; for two chunks ZB-V, which has auto's V placement."""
+    if vpp not in (1, 2):
+        raise ValueError(f"--pipeline-schedule auto supports 1 or 2 model chunks per rank, got {vpp}")
+    return split_bw(builders.one_f_one_b(pp, m)) if vpp == 1 else builders.zbv(pp, m)
+
+
+def measured_costs(action_times: list, group: Any = None) -> Costs:
+    """Median F, B, W seconds of this rank, then the MAX over `group` (the slowest stage bounds the step)."""
+    by_kind = {k: [t for a, t in action_times if a.kind == k] for k in "FBW"}
+    local = torch.tensor([statistics.median(by_kind[k]) if by_kind[k] else 0.0 for k in "FBW"],
+                         dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    f, b, w = (max(float(x), 1e-9) for x in local)
+    return Costs(f=f, b=b, w=w)
+
+
+def broadcast_plan(plan: Optional[Plan], src: int = 0, group: Any = None) -> Plan:
+    """Send `plan` (given on global rank `src`) to every rank of `group` as JSON bytes in a uint8 tensor."""
+    if not dist.is_initialized():
+        return plan
+    payload = json.dumps(plan.to_json()).encode() if dist.get_rank() == src else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+        torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=src, group=group)
+    return Plan.from_json(json.loads(bytes(data.tolist()).decode()))
+
+
+class MemoryLimitError(ValueError):
+    """A byte cap (--pipeline-memory-limit 2GiB) too small for one microbatch on every chunk of a rank."""
+
+
+class AutoSchedule:
+    """Forward-backward callable for `auto`; `plan` is None while profiling."""
+
+    def __init__(self, parallel_state, *, memory_limit: Optional[float] = None, profile_iters: int = 3,
+                 variant: str = "auto", memory_limit_bytes: Optional[int] = None) -> None:
+        if profile_iters < 1:
+            raise ValueError(f"--pipeline-schedule {variant} needs at least 1 profiling iteration, "
+                             f"got {profile_iters}")
+        if variant not in ("auto", "zb-h2"):
+            raise ValueError(f"AutoSchedule fits auto or zb-h2 to measured costs, not {variant}")
+        self.ps, self.memory_limit, self.profile_iters = parallel_state, memory_limit, profile_iters
+        self.memory_limit_bytes, self.variant = memory_limit_bytes, variant
+        self.unit_bytes, self.w_share = 0, 0.5    # measured on the first profiling iteration
+        self.plan: Optional[Plan] = None
+        self.costs: Optional[Costs] = None
+        self._times: list = []
+        self._iters = 0
+        self._message_bytes = 0         # largest p2p message seen while profiling (sizes the comm probe)
+        self._device = torch.device("cpu")
+
+    def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
+                 num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
+                 variable_seq_lengths: bool = False, grad_sync: Any = None, **ignored: Any) -> list[dict]:
+        model = list(model) if isinstance(model, (list, tuple)) else [model]
+        pp, vpp, m = self.ps.pp_size, len(model), num_microbatches
+        if self.variant == "zb-h2" and vpp != 1:
+            raise ValueError(f"--pipeline-schedule zb-h2 uses one model chunk per rank, got {vpp}")
+        profiling = self.plan is None or self.plan.num_microbatches != m
+        plan = profiling_plan(pp, vpp, m) if profiling else self.plan
+        times = [] if profiling and not forward_only else None
+        probe = ActivationProbe(model) if times is not None and self._iters == 0 else None
+        stats: dict = {}
+        out = executor.run(plan, model_chunks=model, forward_step_func=forward_step_func,
+                           data_iterator=data_iterator, parallel_state=self.ps, num_microbatches=m,
+                           forward_only=forward_only, loss_scale=loss_scale,
+                           variable_seq_lengths=variable_seq_lengths, action_times=times, comm_stats=stats,
+                           grad_sync=grad_sync, activation_probe=probe)
+        if probe is not None:
+            self.unit_bytes, self.w_share = probe.planning_memory()
+        if times is not None:
+            numel, dtype = stats["largest_send"]
+            self._message_bytes = max(self._message_bytes, numel * dtype.itemsize)
+            self._device = next(model[0].parameters()).device
+            self._iters += 1
+            if self._iters > 1 or self.profile_iters == 1:      # the first iteration is warm-up
+                self._times += times
+            if self._iters >= self.profile_iters:
+                self._switch(pp, vpp, m)
+        return out
+
+    def _switch(self, pp: int, vpp: int, m: int) -> None:
+        unit, share = self._measured_memory()
+        self.costs = dataclasses.replace(measured_costs(self._times), comm=self._comm_latency(), w_mem=share)
+        reference = profiling_plan(pp, vpp, m)
+        if self.variant == "zb-h2":
+            limit = 2 * pp - 1
+            build = lambda: builders.zb_h2_fitted(pp, m, self.costs)  # noqa: E731
+        else:
+            limit = self.memory_limit or max(simulate(reference, self.costs).peak_memory)   # 1F1B's need
+            if self.memory_limit_bytes is not None:
+                limit = self._units_of(self.memory_limit_bytes, unit, vpp)
+            build = lambda: builders.auto(pp, vpp, m, self.costs, limit)  # noqa: E731
+        self.plan = broadcast_plan(build() if not dist.is_initialized() or dist.get_rank() == 0 else None)
+        chosen, base = simulate(self.plan, self.costs), simulate(reference, self.costs)
+        ref, mib = ("1F1B" if vpp == 1 else "ZB-V"), unit / 2 ** 20
+        peak = max(chosen.peak_memory)
+        get_logger().info(
+            f"{self.variant} schedule: F={self.costs.f * 1e3:.2f} ms B={self.costs.b * 1e3:.2f} ms "
+            f"W={self.costs.w * 1e3:.2f} ms comm={self.costs.comm * 1e3:.3f} ms, activations {mib:.3g} MiB per "
+            f"unit (W keeps {share:.0%}), memory limit {limit:.3g} units ({limit * mib:.3g} MiB) -> "
+            f"{self.plan.name}: simulated bubble {chosen.bubble_rate:.1%} ({ref} {base.bubble_rate:.1%}), peak memory "
+            f"{peak:.3g} units ({peak * mib:.3g} MiB), makespan {chosen.makespan / base.makespan:.3f}x {ref}")
+        self._times, self._iters = [], 0
+
+    def _measured_memory(self) -> tuple[int, float]:
+        """(bytes per unit, W share): this rank's measurement, MAX over the world."""
+        packed = torch.tensor([float(self.unit_bytes), self.w_share], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+        return int(packed[0]), float(packed[1])
+
+    def _units_of(self, nbytes: int, unit: int, vpp: int) -> float:
+        """A byte cap in units; every rank raises the same error when it cannot hold one microbatch per chunk."""
+        units = nbytes / unit if unit > 0 else float("inf")
+        if units < vpp:
+            raise MemoryLimitError(
+                f"--pipeline-memory-limit {nbytes / 2 ** 20:.3g} MiB holds {units:.2f} microbatch-chunks of "
+                f"activations ({unit / 2 ** 20:.3g} MiB each, measured), but one microbatch on the {vpp} model "
+                f"chunk(s) of a rank needs {vpp}")
+        return units
+
+    def _comm_latency(self) -> float:
+        """One-way p2p time of the largest profiled message (MAX over the world, like the F/B/W times)."""
+        if not dist.is_initialized() or self.ps.pp_size < 2:
+            return 0.0
+        nbytes = torch.tensor([self._message_bytes], dtype=torch.int64)
+        dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)
+        return measure_latency(self.ps.pp_rank, self.ps.pp_ranks, self.ps.pp_group, nbytes=int(nbytes),
+                               device=self._device, reduce_group=dist.group.WORLD)

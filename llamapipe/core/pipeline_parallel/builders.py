@@ -1,0 +1,193 @@
+"""Pipeline schedule builders: pure functions that return a `Plan` (no torch.distributed).
+
+Why: one executor runs every schedule, so a schedule is only an ordering of F/B/W actions per rank.
+Fixed-order schedules live here: GPipe (Huang et al., arXiv 1811.06965), 1F1B and interleaved 1F1B
+(Narayanan et al., arXiv 2104.04473, Megatron's order), ZB-H1 (Qi et al., arXiv 2401.10241,
+figure 3) and ZB-V (Qi et al., arXiv 2405.15362; the handcrafted order of sail-sg/zero-bubble-pipeline-
+parallelism and torch.distributed.pipelining's ScheduleZBVZeroBubble). ZB-H2 comes from the zero-bubble
+greedy heuristic in builders_zb.py, at unit costs or (`zb_h2_fitted`) on measured costs, as `auto`
+runs it; `build` dispatches on the --pipeline-schedule name.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from llamapipe.core.pipeline_parallel.builders_zb import greedy_plan, zb_h2
+from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
+
+__all__ = ["gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "zb_h2_fitted", "zbv", "auto", "build"]
+
+
+def _check_sizes(name: str, pp: int, vpp: int, m: int) -> None:
+    if pp < 1 or vpp < 1 or m < 1:
+        raise ValueError(f"--pipeline-schedule {name} needs pipeline size ({pp}), model chunks ({vpp}) "
+                         f"and microbatches ({m}) of at least 1")
+
+
+def gpipe(pp: int, m: int) -> Plan:
+    """All forwards, then all fused backwards; peak memory m microbatches on every rank."""
+    _check_sizes("gpipe", pp, 1, m)
+    rank_actions = tuple(Action("F", 0, mb) for mb in range(m)) + tuple(Action("BW", 0, mb) for mb in range(m))
+    return Plan("gpipe", pp, 1, m, "interleaved", (rank_actions,) * pp)
+
+
+def one_f_one_b(pp: int, m: int) -> Plan:
+    """Megatron's non-interleaved 1F1B: pp-rank-1 warmup forwards, steady F/BW pairs, cooldown BWs."""
+    _check_sizes("1f1b", pp, 1, m)
+    actions = []
+    for rank in range(pp):
+        warmup = min(pp - rank - 1, m)
+        acts = [Action("F", 0, mb) for mb in range(warmup)]
+        for k in range(m - warmup):
+            acts += [Action("F", 0, warmup + k), Action("BW", 0, k)]
+        acts += [Action("BW", 0, mb) for mb in range(m - warmup, m)]
+        actions.append(tuple(acts))
+    return Plan("1f1b", pp, 1, m, "interleaved", tuple(actions))
+
+
+def _interleaved_table(pp: int, vpp: int, m: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of the k-th forward on every rank: groups of pp microbatches run through
+    chunk 0, then chunk 1, ..."""
+    return [(first + i, chunk) for first in range(0, m, pp) for chunk in range(vpp) for i in range(pp)]
+
+
+def interleaved(pp: int, vpp: int, m: int) -> Plan:
+    """Megatron's interleaved 1F1B over vpp model chunks per rank (placement: stage v on rank v % pp).
+
+    Warmup on rank r is 2*(pp-r-1) + (vpp-1)*pp forwards, then F/BW pairs, then the remaining BWs;
+    backwards walk the same table with chunks reversed. The order needs m % pp == 0 (a short last
+    group deadlocks), so other m are built for the next multiple of pp and the phantom microbatches
+    dropped: removing whole microbatches keeps a plan's dependency graph acyclic and its streams in order.
+    """
+    _check_sizes("interleaved", pp, vpp, m)
+    padded = -(-m // pp) * pp
+    table = _interleaved_table(pp, vpp, padded)
+    total = len(table)
+    fwd = [Action("F", chunk, mb) for mb, chunk in table]
+    bwd = [Action("BW", vpp - 1 - chunk, mb) for mb, chunk in table]
+    actions = []
+    for rank in range(pp):
+        warmup = min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+        acts = fwd[:warmup]
+        for k in range(total - warmup):
+            acts += [fwd[warmup + k], bwd[k]]
+        acts += bwd[total - warmup:]
+        actions.append(tuple(a for a in acts if a.microbatch < m))
+    return Plan("interleaved", pp, vpp, m, "interleaved", tuple(actions))
+
+
+def zb_h1(pp: int, m: int) -> Plan:
+    """ZB-H1: 1F1B with B and W split; rank r delays its W's by r microbatches, so the cooldown's
+    backward chain runs at B speed and the W's fill the bubbles. Bubble (p-1)(F+B-W) instead of
+    1F1B's (p-1)(F+B+W); in-flight forwards, hence peak memory p*M_B, as in 1F1B."""
+    _check_sizes("zb-h1", pp, 1, m)
+    actions = []
+    for rank in range(pp):
+        next_f = min(pp - rank, m)
+        acts = [Action("F", 0, mb) for mb in range(next_f)]
+        for k in range(m):
+            acts.append(Action("B", 0, k))
+            if k >= rank:
+                acts.append(Action("W", 0, k - rank))
+            if next_f < m:
+                acts.append(Action("F", 0, next_f))
+                next_f += 1
+        acts += [Action("W", 0, mb) for mb in range(max(m - rank, 0), m)]
+        actions.append(tuple(acts))
+    return Plan("zb-h1", pp, 1, m, "interleaved", tuple(actions))
+
+
+def zbv(pp: int, m: int) -> Plan:
+    """ZB-V: two chunks per rank in V placement (chunk 0 = stage r, chunk 1 = stage 2p-1-r), B/W split,
+    peak memory 2p chunk units (1F1B's). Rank r: 2(p-r)-1 chunk-0 F's, r pairs (F chunk 1, F chunk 0),
+    p-r rounds F B W on chunk 1, then steady rounds F B W on chunk 0 and chunk 1, and a cooldown of r
+    B pairs and p-r chunk-0 B W before the remaining W's. Each steady round holds B right after the F
+    that feeds it, so the V stays full whatever the F:B:W ratio, unlike a list schedule made at unit
+    costs. The order needs m >= 2p-1: smaller m are built for 2p-1 and the phantom microbatches dropped
+    (as in interleaved)."""
+    _check_sizes("zbv", pp, 2, m)
+    n = max(2 * pp - 1, m)
+    actions = []
+    for rank in range(pp):
+        acts: list[Action] = []
+        done = {kind: [0, 0] for kind in "FBW"}
+
+        def add(kind: str, chunk: int) -> None:
+            acts.append(Action(kind, chunk, done[kind][chunk]))
+            done[kind][chunk] += 1
+        for chunk in [0] * (2 * (pp - rank) - 1) + [1, 0] * rank:
+            add("F", chunk)
+        for _ in range(pp - rank):
+            add("F", 1), add("B", 1), add("W", 1)
+        while done["F"][1] < done["F"][0] or done["F"][0] < n:
+            if done["F"][0] < n:
+                add("F", 0)
+            add("B", 0), add("W", 0), add("F", 1), add("B", 1), add("W", 1)
+        for _ in range(rank):
+            add("B", 0), add("B", 1)
+        for _ in range(pp - rank):
+            add("B", 0), add("W", 0)
+        for chunk in (1, 0):
+            while done["W"][chunk] < done["B"][chunk]:
+                add("W", chunk)
+        actions.append(tuple(a for a in acts if a.microbatch < m))
+    return Plan("zbv", pp, 2, m, "v", tuple(actions))
+
+
+def _fastest(name: str, candidates: list[Plan], costs: Costs, limit: float) -> Plan:
+    """The candidate with the smallest simulated makespan under `costs` among those within `limit`."""
+    best = None
+    for plan in candidates:
+        result = simulate(plan, costs)
+        if max(result.peak_memory) <= limit + 1e-9 and (best is None or result.makespan < best[0] - 1e-9):
+            best = (result.makespan, plan)
+    return dataclasses.replace(best[1], name=name)
+
+
+def zb_h2_fitted(pp: int, m: int, costs: Costs) -> Plan:
+    """ZB-H2 for measured costs: the paper's heuristic run on `costs` under ZB-H2's cap of 2p-1
+    microbatches, or the unit-cost ZB-H2, ZB-H1 or 1F1B if one of those simulates faster. The unit-cost
+    plan relies on F = B = W; with B about 2W it can be slower than 1F1B (1.05x at p=2, m=8)."""
+    _check_sizes("zb-h2", pp, 1, m)
+    limit = 2 * pp - 1
+    candidates = [greedy_plan("zb-h2", pp, 1, m, "interleaved", costs, limit), zb_h2(pp, m), zb_h1(pp, m),
+                  one_f_one_b(pp, m)]
+    return _fastest("zb-h2", candidates, costs, limit)
+
+
+def auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: float | None = None) -> Plan:
+    """Fastest plan under measured `costs` within `mem_limit` activation units per rank (default 2p:
+    ZB-2p for one chunk, 1F1B's memory for two chunks on V placement). Candidates: the zero-bubble
+    greedy heuristic, plus ZB-H1 and 1F1B for one chunk, ZB-V for two, when they fit (the greedy is a
+    heuristic, so this keeps auto never slower than those under the same costs)."""
+    if vpp not in (1, 2):
+        raise ValueError(f"--pipeline-schedule auto supports 1 or 2 model chunks per rank, got {vpp}")
+    costs = costs or Costs()
+    limit = 2 * pp if mem_limit is None else mem_limit
+    candidates = [greedy_plan("auto", pp, vpp, m, "interleaved" if vpp == 1 else "v", costs, limit)]
+    candidates += [zb_h1(pp, m), one_f_one_b(pp, m)] if vpp == 1 else [zbv(pp, m)]
+    return _fastest("auto", candidates, costs, limit)
+
+
+def build(schedule: str, pp: int, vpp: int, m: int, costs: Costs | None = None,
+          mem_limit: float | None = None) -> Plan:
+    """Plan for a --pipeline-schedule name; `costs` are used by auto and zb-h2 (fitted to them when
+    given, else the unit-cost plan), `mem_limit` by auto only."""
+    one_chunk = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb-h1": zb_h1, "zb-h2": zb_h2}
+    if schedule in one_chunk:
+        if vpp != 1:
+            raise ValueError(f"--pipeline-schedule {schedule} uses one model chunk per rank, got {vpp}")
+        if schedule == "zb-h2" and costs is not None:
+            return zb_h2_fitted(pp, m, costs)
+        return one_chunk[schedule](pp, m)
+    if schedule == "interleaved":
+        return interleaved(pp, vpp, m)
+    if schedule == "zbv":
+        if vpp != 2:
+            raise ValueError(f"--pipeline-schedule zbv needs exactly 2 model chunks per rank, got {vpp}")
+        return zbv(pp, m)
+    if schedule == "auto":
+        return auto(pp, vpp, m, costs, mem_limit)
+    raise ValueError(f"--pipeline-schedule {schedule} is unknown; choose one of 1f1b, interleaved, gpipe, "
+                     f"zb-h1, zb-h2, zbv, auto")

@@ -1,0 +1,145 @@
+"""Zero-bubble schedules found by list scheduling: ZB-H2 and the heuristic behind `auto`.
+
+Why: the zero-bubble paper (Qi et al., arXiv 2401.10241, section 3.1) builds schedules greedily from
+F/B/W costs and a memory cap: as many F's as memory allows in the warmup, then B first (it is on the
+critical path), then F, and W only to fill a bubble at least as long as W, or to free memory when the
+cap blocks an F. Its handcrafted ZB-H2 is that heuristic at unit costs with cap (2p-1)*M_B; on V placement it is one
+of `auto`'s candidates (the fixed ZB-V order is in builders.py).
+
+The scheduler simulates time: the rank with the earliest clock picks next, so every other rank's
+clock is later and the arrivals it sees are final. Each stage runs F's and B's in microbatch order,
+so messages on every stream arrive in the order they are consumed.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan, rank_chunk_of, stage_of
+from llamapipe.core.pipeline_parallel.simulator import Costs
+
+_EPS = 1e-9
+
+
+@dataclass
+class _Rank:
+    next_f: list[int]
+    next_b: list[int]
+    clock: float = 0.0
+    mem: float = 0.0
+    pending_w: deque = field(default_factory=deque)
+    actions: list[Action] = field(default_factory=list)
+
+
+class _Greedy:
+    def __init__(self, pp: int, vpp: int, m: int, placement: str, costs: Costs, mem_limit: float):
+        self.pp, self.vpp, self.m, self.placement = pp, vpp, m, placement
+        self.costs, self.mem_limit = costs, mem_limit
+        self.last = pp * vpp - 1
+        self.ranks = [_Rank([0] * vpp, [0] * vpp) for _ in range(pp)]
+        self.f_end: dict = {}
+        self.b_end: dict = {}
+
+    def _arrival(self, rank: int, stage: int, kind: str, mb: int) -> float | None:
+        """When the input of F/B (stage, mb) is on `rank`; None while its producer has not run."""
+        if (kind == "F" and stage == 0) or (kind == "B" and stage == self.last):
+            return 0.0
+        src = stage - 1 if kind == "F" else stage + 1
+        end = (self.f_end if kind == "F" else self.b_end).get((src, mb))
+        if end is None:
+            return None
+        return end + (self.costs.comm if rank_chunk_of(src, self.pp, self.placement)[0] != rank else 0.0)
+
+    def _candidates(self, rank: int, kind: str) -> list[tuple[float | None, int, int, int, bool]]:
+        """(arrival, mb, -stage, chunk, fits in memory) of the next F or B of each chunk on `rank`."""
+        st, out = self.ranks[rank], []
+        for chunk in range(self.vpp):
+            mb = st.next_f[chunk] if kind == "F" else st.next_b[chunk]
+            if mb >= (self.m if kind == "F" else st.next_f[chunk]):
+                continue
+            fits = True
+            if kind == "F":
+                later_chunks = self.vpp - 1 - chunk   # keep room so a started microbatch can reach the loss
+                fits = st.mem + self.costs.act_mem * (1 + later_chunks) <= self.mem_limit + _EPS
+            stage = stage_of(rank, chunk, self.pp, self.placement)
+            out.append((self._arrival(rank, stage, kind, mb), mb, -stage, chunk, fits))
+        return out
+
+    def _emit(self, rank: int, action: Action) -> None:
+        st, costs = self.ranks[rank], self.costs
+        st.clock += costs.duration(action.kind)
+        st.mem += costs.mem_delta(action.kind)
+        st.actions.append(action)
+        stage, mb = stage_of(rank, action.chunk, self.pp, self.placement), action.microbatch
+        if action.kind == "F":
+            st.next_f[action.chunk] += 1
+            self.f_end[(stage, mb)] = st.clock
+        elif action.kind == "B":
+            st.next_b[action.chunk] += 1
+            self.b_end[(stage, mb)] = st.clock
+            st.pending_w.append((action.chunk, mb))
+
+    def _try_act(self, rank: int) -> bool:
+        """Run one action on `rank` at its clock if the heuristic wants one now."""
+        st = self.ranks[rank]
+        cands = {kind: self._candidates(rank, kind) for kind in ("B", "F")}
+        for kind in ("B", "F"):
+            ready = sorted(c[1:4] for c in cands[kind] if c[4] and c[0] is not None and c[0] <= st.clock + _EPS)
+            if ready:
+                self._emit(rank, Action(kind, ready[0][2], ready[0][0]))
+                return True
+        if not st.pending_w:
+            return False
+        # W fills a gap it fits in (or one of unknown length), or frees memory when the cap holds back an F
+        blocked = any(not c[4] and c[0] is not None and c[0] <= st.clock + _EPS for c in cands["F"])
+        if blocked or self._next_arrival(rank, cands) - st.clock >= self.costs.w - _EPS:
+            chunk, mb = st.pending_w.popleft()
+            self._emit(rank, Action("W", chunk, mb))
+            return True
+        return False
+
+    def _next_arrival(self, rank: int, cands: dict | None = None) -> float:
+        cands = cands or {kind: self._candidates(rank, kind) for kind in ("B", "F")}
+        return min((c[0] for kind in ("B", "F") for c in cands[kind] if c[4] and c[0] is not None),
+                   default=math.inf)
+
+    def _done(self, st: _Rank) -> bool:
+        return min(st.next_b) >= self.m and not st.pending_w
+
+    def run(self, name: str) -> Plan:
+        while True:
+            active = [r for r in range(self.pp) if not self._done(self.ranks[r])]
+            if not active:
+                break
+            now = min(self.ranks[r].clock for r in active)
+            waiting = [r for r in active if self.ranks[r].clock <= now + _EPS]
+            if any(self._try_act(r) for r in waiting):
+                continue
+            # nothing can start at `now`: jump to the next arrival or the next rank's decision
+            later = [self.ranks[r].clock for r in active if r not in waiting]
+            wake = min([self._next_arrival(r) for r in waiting] + later)
+            assert wake < math.inf, f"greedy schedule is stuck at time {now} (memory limit {self.mem_limit})"
+            for r in waiting:
+                self.ranks[r].clock = wake
+        actions = tuple(tuple(st.actions) for st in self.ranks)
+        return Plan(name, self.pp, self.vpp, self.m, self.placement, actions)
+
+
+def greedy_plan(name: str, pp: int, vpp: int, m: int, placement: str, costs: Costs,
+                mem_limit: float = math.inf) -> Plan:
+    """List-schedule F/B/W under `costs` and a per-rank activation-memory cap."""
+    if pp < 1 or m < 1:
+        raise ValueError(f"--pipeline-schedule {name} needs pipeline size ({pp}) and microbatches ({m}) "
+                         f"of at least 1")
+    need = vpp * costs.act_mem
+    if mem_limit < need - _EPS:
+        raise ValueError(f"--pipeline-memory-limit {mem_limit:g} is below the {need:g} activation units one "
+                         f"microbatch needs on all {vpp} model chunks of a rank")
+    return _Greedy(pp, vpp, m, placement, costs, mem_limit).run(name)
+
+
+def zb_h2(pp: int, m: int) -> Plan:
+    """ZB-H2: zero bubble at F=B=W with peak memory (2p-1)*M_B (extra warmup F's, W's in the tail)."""
+    return greedy_plan("zb-h2", pp, 1, m, "interleaved", Costs(), mem_limit=2 * pp - 1)
+

@@ -1,0 +1,224 @@
+"""The one interpreter that runs any pipeline plan on real model chunks (DESIGN.md section 3).
+
+`run(plan, ...)` executes this rank's `plan.actions[pp_rank]` in order: F (forward, send the output),
+B (input-gradient backward with weight gradients deferred into `weight_grad_store`, send the input
+gradient), W (run the deferred weight gradients), BW (both; a BW that sends runs B, sends, then runs W,
+so the upstream rank waits one W less: the simulator's `early_send`). Every transfer is derived from the
+plan by `p2p_communication`; a hop between two chunks of one rank (ZB-V, arXiv 2401.10241) is a local hand-off.
+After an output is sent its data is freed and only its graph kept (Megatron-LM's deallocate-output
+trick, arXiv 2104.04473); backward then runs through the autograd engine directly to skip the shape check.
+
+Loss convention (Megatron-core per-token loss): on the last stage `loss_func(output)` returns
+(loss_sum, num_tokens, log); backward runs on loss_sum * loss_scale and the caller divides the
+accumulated grads by the global token count. Grads are left in `.grad`; nothing is reduced over DP.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from llamapipe.core.pipeline_parallel import weight_grad_store
+from llamapipe.core.pipeline_parallel.p2p_communication import Message, P2PCommunicator, needs_and_sends
+from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+
+
+def forward_only_actions(plan: Plan, pp_rank: int) -> tuple[Action, ...]:
+    """The plan's F actions in plan order: a deadlock-free evaluation pass (F only depends on F)."""
+    return tuple(a for a in plan.actions[pp_rank] if a.kind == "F")
+
+
+def _free_output(out: torch.Tensor) -> None:
+    """Release a sent output's storage but keep its autograd graph (the send holds its own alias)."""
+    if out._base is None:
+        out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def _backward(out: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+    if grad is None:
+        torch.autograd.backward(out)
+        return
+    # The output's data may have been freed, so the shape check of torch.autograd.backward must be skipped.
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+class _Step:
+    """State of one rank during one step: live inputs/outputs per (chunk, mb) and local hand-offs."""
+
+    def __init__(self, plan: Plan, pp_rank: int, comm: P2PCommunicator, model_chunks: list[nn.Module],
+                 forward_step_func: Callable, data_iterator: Any, forward_only: bool, loss_scale: float,
+                 fused_bw: bool = False, probe: Any = None) -> None:
+        self.plan, self.pp_rank, self.comm, self.chunks = plan, pp_rank, comm, model_chunks
+        self.probe = probe                   # an activation_memory.ActivationProbe, or None
+        self.fused_bw = fused_bw
+        self.forward_step_func, self.data_iterator = forward_step_func, data_iterator
+        self.forward_only, self.loss_scale = forward_only, loss_scale
+        self.inputs: dict[tuple, Optional[torch.Tensor]] = {}
+        self.outputs: dict[tuple, torch.Tensor] = {}
+        self.local: dict[Message, torch.Tensor] = {}
+        self.losses: dict[int, dict] = {}
+        self.wait_s = 0.0                    # time blocked on receives, excluded from action timings
+
+    def untimed_s(self) -> float:
+        """Seconds so far blocked on receives or measuring activations: not part of any action's time."""
+        return self.wait_s + (self.probe.seconds if self.probe is not None else 0.0)
+
+    def _take(self, msg: Message) -> torch.Tensor:
+        if msg.src == msg.dst:
+            return self.local.pop(msg)
+        start = time.perf_counter()
+        tensor = self.comm.recv(msg)
+        self.wait_s += time.perf_counter() - start
+        return tensor
+
+    def _give(self, msg: Message, tensor: torch.Tensor) -> None:
+        if msg.src == msg.dst:
+            self.local[msg] = tensor.detach()
+        else:
+            self.comm.send(msg, tensor)
+
+    def _iterator(self, chunk: int) -> Any:
+        return self.data_iterator[chunk] if isinstance(self.data_iterator, (list, tuple)) else self.data_iterator
+
+    def forward(self, action: Action) -> None:
+        key, chunk = (action.chunk, action.microbatch), self.chunks[action.chunk]
+        need, send = needs_and_sends(self.plan, self.pp_rank, action)
+        x = None
+        if need is not None:
+            x = self._take(need)
+            if not self.forward_only:
+                x.requires_grad_(True)
+            chunk.set_input_tensor(x)
+        out, loss_func = self.forward_step_func(self._iterator(action.chunk), chunk)
+        if send is None:
+            loss_sum, num_tokens, log = loss_func(out)
+            self.losses[action.microbatch] = {"loss_sum": loss_sum.detach().float(), "num_tokens": num_tokens,
+                                              "log": log}
+            out = loss_sum * self.loss_scale
+        if self.probe is not None:
+            self.probe.forward_done(key, out)
+        if send is not None:
+            self._give(send, out)
+            if send.src != send.dst and not self.forward_only:
+                _free_output(out)
+        if not self.forward_only:
+            self.inputs[key], self.outputs[key] = x, out
+
+    def backward(self, action: Action) -> None:
+        key = (action.chunk, action.microbatch)
+        need, send = needs_and_sends(self.plan, self.pp_rank, action)
+        grad = self._take(need) if need is not None else None
+        out, x = self.outputs.pop(key), self.inputs.pop(key)
+        # A BW that sends to another rank runs as B, send, W: the upstream rank gets its gradient one W
+        # earlier, at no memory cost (the simulator's early_send); fused_bw keeps Megatron's order.
+        split = action.kind == "B" or (not self.fused_bw and send is not None and send.src != send.dst)
+        with weight_grad_store.capture(key) if split else nullcontext():
+            _backward(out, grad)
+        if send is not None:
+            assert x is not None and x.grad is not None, f"no input gradient for {action}"
+            self._give(send, x.grad)
+        if self.probe is not None:
+            del out, x                       # so the probe sees only what the deferred W keeps alive
+            self.probe.backward_done(key, split=action.kind == "B")
+        if split and action.kind == "BW":
+            self.comm.flush()
+            weight_grad_store.run(key)
+
+    def execute(self, action: Action) -> None:
+        if action.kind == "F":
+            self.forward(action)
+        elif action.kind in ("B", "BW"):
+            self.backward(action)
+        else:
+            weight_grad_store.run((action.chunk, action.microbatch))
+
+
+def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callable, data_iterator: Any,
+        parallel_state, num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
+        variable_seq_lengths: bool = False, action_times: Optional[list] = None,
+        fused_bw: bool = False, comm_stats: Optional[dict] = None, grad_sync: Any = None,
+        activation_probe: Any = None) -> list[dict]:
+    """Run this rank's part of `plan`; returns per-microbatch loss dicts on the last stage, else [].
+
+    `model_chunks[c]` is local chunk c. `data_iterator` is one iterator or one per local chunk.
+    `action_times`, when given, receives (action, compute seconds without receive waits) per action.
+    `fused_bw=True` sends a BW's input gradient only after its weight gradients (Megatron-LM's order;
+    benchmarks use it as the baseline); by default the gradient goes out between the B and W parts.
+    `comm_stats`, when given, receives "largest_send": (numel, dtype) of this rank's largest message.
+    `grad_sync` (a `core.grad_sync.GradSync`), when given, is told which actions finish each chunk's
+    backward so it can start data-parallel gradient all-reduces during the step.
+    `activation_probe` (an `activation_memory.ActivationProbe`), when given, measures each forward's saved
+    activation bytes and the part of them the deferred W keeps.
+    """
+    pp_rank = parallel_state.pp_rank
+    if num_microbatches != plan.num_microbatches:
+        raise ValueError(f"the plan has {plan.num_microbatches} microbatches but num_microbatches is "
+                         f"{num_microbatches}")
+    if len(model_chunks) != plan.vpp or plan.pp != parallel_state.pp_size:
+        raise ValueError(f"plan {plan.name} needs pp={plan.pp} with {plan.vpp} chunks per rank, got "
+                         f"pp={parallel_state.pp_size} with {len(model_chunks)} chunks")
+    actions = forward_only_actions(plan, pp_rank) if forward_only else plan.actions[pp_rank]
+    actions_of = (lambda r: forward_only_actions(plan, r)) if forward_only else None
+    device = next(model_chunks[0].parameters()).device
+    comm = P2PCommunicator(plan, pp_rank, parallel_state.pp_ranks, parallel_state.pp_group, device=device,
+                           variable_seq_lengths=variable_seq_lengths, actions_of=actions_of)
+    step = _Step(plan, pp_rank, comm, model_chunks, forward_step_func, data_iterator, forward_only, loss_scale,
+                 fused_bw, None if forward_only else activation_probe)
+    grad_sync = None if forward_only else grad_sync
+    try:
+        if grad_sync is not None:
+            grad_sync.begin_step()
+        with torch.no_grad() if forward_only else nullcontext():
+            _loop(step, actions, comm, action_times, grad_sync)
+        comm.finish()
+    except BaseException:
+        weight_grad_store.clear()
+        if grad_sync is not None:
+            grad_sync.abort()
+        raise
+    if grad_sync is not None:
+        grad_sync.end_step()
+    weight_grad_store.assert_empty()
+    assert not step.outputs and not step.local, "activations left alive at step end"
+    if comm_stats is not None:
+        comm_stats["largest_send"] = comm.largest_send
+    return [step.losses[mb] for mb in sorted(step.losses)]
+
+
+def _last_backward_actions(actions: tuple) -> tuple[dict, dict]:
+    """Per chunk: the index of its last B/BW, and of its last B/BW/W (after which its grads are final)."""
+    last_b, last_any = {}, {}
+    for i, a in enumerate(actions):
+        if a.kind in ("B", "BW"):
+            last_b[a.chunk] = i
+        if a.kind != "F":
+            last_any[a.chunk] = i
+    return last_b, last_any
+
+
+def _loop(step: _Step, actions: tuple, comm: P2PCommunicator, action_times: Optional[list],
+          grad_sync: Any = None) -> None:
+    last_b, last_any = _last_backward_actions(actions) if grad_sync is not None else ({}, {})
+    last = max(last_any.values(), default=-1)
+    comm.post_ahead()
+    comm.flush()
+    for i, action in enumerate(actions):
+        start, untimed = time.perf_counter(), step.untimed_s()
+        if last_b.get(action.chunk) == i:
+            grad_sync.arm(action.chunk)
+        if i == last:
+            grad_sync.last_action()
+        step.execute(action)
+        if grad_sync is not None:
+            grad_sync.disarm()
+            if last_any.get(action.chunk) == i:
+                grad_sync.chunk_done(action.chunk, last_action=i == last)
+        if action_times is not None:
+            action_times.append((action, time.perf_counter() - start - (step.untimed_s() - untimed)))
+        comm.post_ahead()
+        comm.flush()

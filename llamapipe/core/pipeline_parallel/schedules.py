@@ -1,0 +1,137 @@
+"""Megatron-compatible forward-backward entry points; each builds a plan and hands it to the executor.
+
+Megatron-LM (arXiv 2104.04473) exposes `forward_backward_no_pipelining`,
+`forward_backward_pipelining_without_interleaving` (1F1B), `..._with_interleaving` and
+`get_forward_backward_func()`; here every one of them is `executor.run(<builder>(...), ...)`, and the
+zero-bubble schedules (arXiv 2401.10241) are one more entry point, not another runtime. All entry
+points are keyword-only and take `model` as the list of this rank's chunks (local chunk order).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+from torch import nn
+
+from llamapipe.core.pipeline_parallel import builders, executor
+from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "zbv", "auto")
+
+
+def no_pipelining_plan(m: int) -> Plan:
+    """One rank, one chunk: forward and fused backward per microbatch (grads accumulate)."""
+    actions = tuple(a for mb in range(m) for a in (Action("F", 0, mb), Action("BW", 0, mb)))
+    return Plan("no-pipelining", 1, 1, m, "interleaved", (actions,))
+
+
+@functools.lru_cache(maxsize=64)
+def cached_plan(schedule: str, pp: int, vpp: int, m: int) -> Plan:
+    """Builders are pure, so one plan per (schedule, pp, vpp, m) is built once per process."""
+    if pp == 1:
+        return no_pipelining_plan(m)
+    return builders.build(schedule, pp, vpp, m)
+
+
+def _run(plan_name: str, *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
+         num_microbatches: int, parallel_state, forward_only: bool, loss_scale: float,
+         variable_seq_lengths: bool, grad_sync: Any = None) -> list[dict]:
+    model = model if isinstance(model, (list, tuple)) else [model]
+    plan = cached_plan(plan_name, parallel_state.pp_size, len(model), num_microbatches)
+    return executor.run(plan, model_chunks=list(model), forward_step_func=forward_step_func,
+                        data_iterator=data_iterator, parallel_state=parallel_state,
+                        num_microbatches=num_microbatches, forward_only=forward_only, loss_scale=loss_scale,
+                        variable_seq_lengths=variable_seq_lengths, grad_sync=grad_sync)
+
+
+def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
+                                   num_microbatches: int, parallel_state, forward_only: bool = False,
+                                   loss_scale: float = 1.0, variable_seq_lengths: bool = False,
+                                   grad_sync: Any = None) -> list[dict]:
+    """pp == 1: every microbatch forward then backward on the single chunk."""
+    if parallel_state.pp_size != 1:
+        raise ValueError(f"forward_backward_no_pipelining needs pipeline size 1, got {parallel_state.pp_size}")
+    return _run("1f1b", **locals())
+
+
+def forward_backward_pipelining_without_interleaving(
+        *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module], num_microbatches: int,
+        parallel_state, forward_only: bool = False, loss_scale: float = 1.0,
+        variable_seq_lengths: bool = False, grad_sync: Any = None) -> list[dict]:
+    """Megatron's 1F1B with one chunk per rank."""
+    return _run("1f1b", **locals())
+
+
+def forward_backward_pipelining_with_interleaving(
+        *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module], num_microbatches: int,
+        parallel_state, forward_only: bool = False, loss_scale: float = 1.0,
+        variable_seq_lengths: bool = False, grad_sync: Any = None) -> list[dict]:
+    """Megatron's interleaved 1F1B over len(model) chunks per rank."""
+    return _run("interleaved", **locals())
+
+
+def forward_backward_gpipe(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
+                           num_microbatches: int, parallel_state, forward_only: bool = False,
+                           loss_scale: float = 1.0, variable_seq_lengths: bool = False,
+                           grad_sync: Any = None) -> list[dict]:
+    """GPipe: all forwards, then all backwards (peak memory grows with the microbatch count)."""
+    return _run("gpipe", **locals())
+
+
+def forward_backward_zero_bubble(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
+                                 num_microbatches: int, parallel_state, variant: str = "zb-h1",
+                                 forward_only: bool = False, loss_scale: float = 1.0,
+                                 variable_seq_lengths: bool = False, grad_sync: Any = None) -> list[dict]:
+    """Zero-bubble schedules with B/W split: zb-h1, zb-h2, zbv (two chunks per rank, V placement), or
+    auto, with unit costs (the profiling `auto` and `zb-h2`, fitted to measured costs, come from
+    `get_forward_backward_func(..., "auto" | "zb-h2")`)."""
+    if variant not in ZERO_BUBBLE:
+        raise ValueError(f"zero-bubble variant {variant} is unknown; choose one of {', '.join(ZERO_BUBBLE)}")
+    kwargs = dict(locals())
+    del kwargs["variant"]
+    return _run(variant, **kwargs)
+
+
+_BY_NAME = {"1f1b": forward_backward_pipelining_without_interleaving,
+            "interleaved": forward_backward_pipelining_with_interleaving,
+            "gpipe": forward_backward_gpipe}
+
+
+def get_forward_backward_func(parallel_state, schedule_name: str = "1f1b", *, config=None,
+                              pipeline_memory_limit: Optional[float] = None,
+                              profile_iters: Optional[int] = None) -> Callable[..., list[dict]]:
+    """The forward-backward callable for `schedule_name`, bound to `parallel_state`.
+
+    Returns `fn(*, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
+    loss_scale=1.0, variable_seq_lengths=False, grad_sync=None, **ignored)` where `model` is the list of
+    local chunks and `grad_sync` a `core.grad_sync.GradSync` for --overlap-grad-reduce;
+    Megatron's extra keywords (seq_length, micro_batch_size, ...) are accepted and ignored because
+    shapes are exchanged at run time. `config` (the full Config) supplies the auto options.
+    """
+    if parallel_state.pp_size == 1:
+        entry = forward_backward_no_pipelining
+    elif schedule_name in ("auto", "zb-h2"):      # profiled: fitted to measured F/B/W costs
+        from llamapipe.core.pipeline_parallel.auto_schedule import AutoSchedule
+        limit_bytes = None
+        if config is not None:
+            pipeline_memory_limit = pipeline_memory_limit or config.parallel.pipeline_memory_limit
+            limit_bytes = config.parallel.pipeline_memory_limit_bytes
+            profile_iters = profile_iters or config.training.profile_iters
+        return AutoSchedule(parallel_state, memory_limit=pipeline_memory_limit, profile_iters=profile_iters or 3,
+                            variant=schedule_name, memory_limit_bytes=limit_bytes)
+    elif schedule_name in _BY_NAME:
+        entry = _BY_NAME[schedule_name]
+    elif schedule_name in ZERO_BUBBLE:
+        entry = functools.partial(forward_backward_zero_bubble, variant=schedule_name)
+    else:
+        raise ValueError(f"--pipeline-schedule {schedule_name} is unknown; choose one of "
+                         f"{', '.join(list(_BY_NAME) + list(ZERO_BUBBLE))}")
+
+    def forward_backward(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
+                         num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
+                         variable_seq_lengths: bool = False, grad_sync: Any = None, **ignored: Any) -> list[dict]:
+        return entry(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                     num_microbatches=num_microbatches, parallel_state=parallel_state,
+                     forward_only=forward_only, loss_scale=loss_scale, variable_seq_lengths=variable_seq_lengths,
+                     grad_sync=grad_sync)
+    return forward_backward

@@ -1,0 +1,79 @@
+"""Draw a simulated pipeline timeline: ASCII for terminals and logs, PNG/SVG with matplotlib.
+
+Why: a schedule is easiest to judge by eye, in the style of the figures of the Megatron interleaving
+paper (arXiv 2104.04473) and the zero-bubble paper (arXiv 2401.10241): one row per pipeline rank,
+F/B/W in distinct colours, darker for later model chunks, microbatch number in each box.
+"""
+from __future__ import annotations
+
+import math
+
+from llamapipe.core.pipeline_parallel.schedule_ir import Plan
+from llamapipe.core.pipeline_parallel.simulator import Result
+
+# light to dark per chunk: F blue, B green, W orange, BW teal (B and W fused)
+_COLOURS = {
+    "F": ("#9ecae1", "#4292c6", "#2171b5", "#08519c"),
+    "B": ("#a1d99b", "#41ab5d", "#238b45", "#006d2c"),
+    "W": ("#fdd0a2", "#fd8d3c", "#e6550d", "#a63603"),
+    "BW": ("#99d8c9", "#41ae76", "#238b45", "#005824"),
+}
+
+
+def ascii_timeline(plan: Plan, result: Result) -> str:
+    """One line per rank; the time slot is the shortest action, idle slots are '.', an action's
+    later slots are '='. Labels are the IR's: kind, microbatch, then 'c<chunk>' for chunks > 0."""
+    rows = [row for row in result.timeline]
+    durations = [e - s for row in rows for s, e, _ in row if e > s]
+    if not durations:
+        return "\n".join(f"rank {r}: (empty)" for r in range(plan.pp))
+    slot = min(durations)
+    width = max(len(str(a)) for row in rows for _, _, a in row) + 1
+    n_slots = math.ceil(result.makespan / slot - 1e-9)
+    lines = []
+    for rank, row in enumerate(rows):
+        cells = ["." * (width - 1) + " "] * n_slots
+        for start, end, action in row:
+            first = round(start / slot)
+            last = max(first + 1, round(end / slot))
+            cells[first] = str(action).ljust(width)
+            for i in range(first + 1, min(last, n_slots)):
+                cells[i] = "=" * (width - 1) + " "
+        lines.append(f"rank {rank}: " + "".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def plot_timeline(plan: Plan, result: Result, path: str, title: str | None = None) -> None:
+    """Write the timeline to `path` (format from the suffix, e.g. .png or .svg)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    makespan = max(result.makespan, 1e-9)
+    shortest = min((e - s for row in result.timeline for s, e, _ in row if e > s), default=makespan)
+    fig_w = min(max(6.0, 0.25 * makespan / shortest + 2.0), 18.0)   # about a quarter inch per short box
+    fig, ax = plt.subplots(figsize=(fig_w, 0.45 * plan.pp + 1.1), dpi=100)
+    box_points = 72 * 0.8 * fig_w * shortest / makespan   # axes take about 80% of the figure width
+    font = max(4.0, min(8.0, 0.45 * box_points))
+    for rank, row in enumerate(result.timeline):
+        for start, end, a in row:
+            colour = _COLOURS[a.kind][min(a.chunk, 3)]
+            ax.broken_barh([(start, end - start)], (rank - 0.4, 0.8), facecolors=colour,
+                           edgecolors="black", linewidth=0.4)
+            ax.text((start + end) / 2, rank, str(a.microbatch), ha="center", va="center", fontsize=font,
+                    color="white" if a.chunk else "black")
+    ax.set_xlim(0, makespan)
+    ax.set_ylim(plan.pp - 0.5, -0.5)
+    ax.set_yticks(range(plan.pp), [f"rank {r}" for r in range(plan.pp)], fontsize=8)
+    ax.set_xlabel("time", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    kinds = sorted({a.kind for row in plan.actions for a in row}, key=["F", "B", "W", "BW"].index)
+    handles = [Patch(facecolor=_COLOURS[k][c], edgecolor="black", label=f"{k} chunk {c}" if plan.vpp > 1 else k)
+               for k in kinds for c in range(min(plan.vpp, 4))]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    ax.set_title(title or f"{plan.name}: pp={plan.pp} vpp={plan.vpp} microbatches={plan.num_microbatches}, "
+                 f"bubble {100 * result.bubble_rate:.1f}%", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,110 @@
+"""Data-parallel, resumable batch sampling (Megatron's pretraining sampler) and `build_data_iterators`.
+
+Samples are read in dataset order (the dataset is already shuffled). Global batch b holds samples
+[b * gbs, (b + 1) * gbs); it is cut into chunks of mbs x dp samples, and microbatch j of DP rank r is
+
+    samples  b * gbs + j * (mbs * dp) + r * mbs  ...  + mbs - 1
+
+so the union over DP ranks of a global batch is the same set for every dp, and resuming at
+consumed_samples = k continues exactly where an uninterrupted run would be (no replay, no skip).
+Only the first and last pipeline stages read data; all TP ranks of a DP rank read the same samples.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from llamapipe.core.config import DataConfig, TrainingConfig
+from llamapipe.data.gpt_dataset import MockGPTDataset, build_gpt_datasets
+
+
+class PretrainingSampler:
+    """Batch sampler: this DP rank's microbatches of samples [consumed_samples, total_samples)."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int,
+                 dp_size: int) -> None:
+        assert 0 <= dp_rank < dp_size and micro_batch_size > 0
+        if consumed_samples % (micro_batch_size * dp_size):
+            raise ValueError(f"consumed samples {consumed_samples} is not a multiple of micro-batch-size "
+                             f"({micro_batch_size}) x data-parallel size ({dp_size})")
+        if consumed_samples > total_samples:
+            raise ValueError(f"consumed samples {consumed_samples} exceed the {total_samples} training samples "
+                             "(--train-iters x --global-batch-size)")
+        self.total, self.consumed, self.mbs, self.dp_rank, self.dp_size = (
+            total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size)
+
+    def __len__(self) -> int:
+        return (self.total - self.consumed) // (self.mbs * self.dp_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        chunk = self.mbs * self.dp_size
+        for start in range(self.consumed, self.total - chunk + 1, chunk):
+            first = start + self.dp_rank * self.mbs
+            yield list(range(first, first + self.mbs))
+
+
+class EvalSampler(PretrainingSampler):
+    """Cycles forever over the first num_samples samples: every evaluation scores the same batches."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            yield from super().__iter__()
+
+
+def _loader(dataset, sampler, num_workers: int) -> Iterator[dict]:
+    return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                            persistent_workers=num_workers > 0))
+
+
+def _split_is_used(split: str, index: int) -> bool:
+    return float(split.split(",")[index]) > 0
+
+
+def build_data_iterators(data_cfg: DataConfig, training_cfg: TrainingConfig, *, dp_rank: int, dp_size: int,
+                         vocab_size: int, consumed_samples: int = 0,
+                         needs_data: bool = True) -> tuple[Optional[Iterator], Optional[Iterator], Optional[Iterator]]:
+    """(train, valid, test) iterators of this DP rank's microbatches {tokens, labels, loss_mask}, each (mbs, s).
+
+    train yields train_iters x num_microbatches microbatches starting after consumed_samples. valid and
+    test (None when --eval-iters is 0 or their --split share is 0) cycle over the first eval_iters global
+    batches of their split, so each evaluation that draws eval_iters x num_microbatches microbatches sees
+    the same samples. Collective when torch.distributed is initialised and --data-path is used: every
+    rank calls it (needs_data=False ranks only join the barrier); global rank 0 builds the index caches
+    first, the others load them.
+    """
+    mbs, gbs = training_cfg.micro_batch_size, training_cfg.global_batch_size
+    assert gbs % (mbs * dp_size) == 0, "arguments.py guarantees gbs divisible by mbs x dp"
+    eval_samples = training_cfg.eval_iters * gbs
+    num_samples = [training_cfg.train_iters * gbs,
+                   eval_samples if _split_is_used(data_cfg.split, 1) else 0,
+                   eval_samples if _split_is_used(data_cfg.split, 2) else 0]
+    if data_cfg.mock_data:
+        if not needs_data:
+            return None, None, None
+        datasets = [MockGPTDataset(n, training_cfg.seq_length, vocab_size, data_cfg.seed + 1000 * i) if n else None
+                    for i, n in enumerate(num_samples)]
+    else:
+        datasets = _build_on_rank0_first(data_cfg, training_cfg.seq_length, num_samples, needs_data)
+        if datasets is None:
+            return None, None, None
+    train = _loader(datasets[0], PretrainingSampler(num_samples[0], consumed_samples, mbs, dp_rank, dp_size),
+                    data_cfg.num_workers)
+    evals = [_loader(ds, EvalSampler(n, 0, mbs, dp_rank, dp_size), data_cfg.num_workers) if ds is not None else None
+             for ds, n in zip(datasets[1:], num_samples[1:])]
+    return train, evals[0], evals[1]
+
+
+def _build_on_rank0_first(data_cfg: DataConfig, seq_length: int, num_samples: list[int], needs_data: bool):
+    distributed = dist.is_available() and dist.is_initialized()
+    rank0 = not distributed or dist.get_rank() == 0
+    if distributed and not rank0:
+        dist.barrier()      # wait until rank 0 has written the index caches
+    datasets = None
+    if needs_data or rank0:
+        datasets = build_gpt_datasets(data_cfg.data_path, data_cfg.split, num_samples, seq_length,
+                                      data_cfg.seed, data_cfg.data_cache_path)
+    if distributed and rank0:
+        dist.barrier()
+    return datasets if needs_data else None

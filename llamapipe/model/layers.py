@@ -1,0 +1,202 @@
+"""LLaMA building blocks (arXiv 2302.13971): RMSNorm, rotary embedding, GQA attention, SwiGLU MLP, decoder layer.
+
+Activations are sequence-first, (s, b, h) as in Megatron-LM, or (s/tp, b, h) with sequence parallelism.
+Linear layers are the tensor-parallel ones from core/tensor_parallel; q/k/v (and gate/up) stay separate
+parameters but share one call so they pay one input gather. RoPE uses HF's rotate_half convention, so HF
+checkpoints load without permuting q/k. Attention is torch's scaled_dot_product_attention (causal).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from llamapipe.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, parallel_linear,
+                                         set_tensor_model_parallel_attributes, tp_size_rank)
+from llamapipe.model.config import LlamaConfig
+
+try:  # NVIDIA apex, when installed, provides a fused CUDA RMSNorm
+    from apex.normalization.fused_layer_norm import fused_rms_norm_affine
+except ImportError:
+    fused_rms_norm_affine = None
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (s, b or 1, 1, head_dim)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 whatever the parameter dtype (apex's fused kernel on CUDA)."""
+
+    def __init__(self, hidden_size: int, eps: float, *, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype))
+        set_tensor_model_parallel_attributes(self.weight, -1, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., h) -> (..., h)
+        if fused_rms_norm_affine is not None and x.is_cuda:
+            return fused_rms_norm_affine(x, self.weight, self.weight.shape, self.eps)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return _RMSNormFunction.apply(x, self.weight, self.eps)
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """fp32 weight * x * rstd with a hand-written backward: a third of autograd's kernels, saves x and rstd only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        return (x * rstd).mul_(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x * rstd
+        grad_weight = (grad * normed).sum(dim=tuple(range(grad.dim() - 1)))
+        grad_normed = grad * weight
+        # d/dx (x * rstd) applied to grad_normed: rstd * (grad_normed - normed * mean(grad_normed * normed))
+        dot = (grad_normed * normed).mean(-1, keepdim=True)
+        return grad_normed.sub_(normed.mul_(dot)).mul_(rstd), grad_weight, None
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_position_embeddings, computed once in fp32."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)  # (p, d/2)
+        table = torch.cat([freqs, freqs], dim=-1)  # (p, d)
+        self.register_buffer("cos", table.cos(), persistent=False)
+        self.register_buffer("sin", table.sin(), persistent=False)
+
+    def forward(self, seq_len: int, position_ids: Optional[torch.Tensor], dtype: torch.dtype) -> Rope:
+        if position_ids is None:
+            if seq_len > self.cos.shape[0]:
+                raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings ({self.cos.shape[0]})")
+            cos, sin = self.cos[:seq_len, None, None, :], self.sin[:seq_len, None, None, :]  # (s, 1, 1, d)
+        else:
+            ids = position_ids.t()  # (s, b)
+            cos, sin = self.cos[ids].unsqueeze(2), self.sin[ids].unsqueeze(2)  # (s, b, 1, d)
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """HF LLaMA's rotate_half RoPE on (s, b, heads, d): x * cos + rotate_half(x) * sin."""
+    return _RotaryFunction.apply(x, *rope)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """x * cos + sign * rotate_half(x) * sin on halves, without rotate_half's neg and cat copies.
+
+    The tables repeat their first half (cat([freqs, freqs])), so each half of x meets the same cos/sin half.
+    sign -1 is the transposed rotation, which is the backward of sign +1."""
+    half = x.shape[-1] // 2
+    x1, x2, c, s = x[..., :half], x[..., half:], cos[..., :half], sin[..., :half]
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out1, out2 = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=out1).addcmul_(x2, s, value=-sign)
+    torch.mul(x2, c, out=out2).addcmul_(x1, s, value=sign)
+    return out
+
+
+class _RotaryFunction(torch.autograd.Function):
+    """RoPE as a rotation: the backward rotates the gradient back, so only cos/sin are saved, not x."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, 1.0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, -1.0), None, None
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention; heads and query groups split over TP ranks."""
+
+    def __init__(self, config: LlamaConfig, tp_group: Optional[Any], *, sequence_parallel: bool,
+                 params_dtype: torch.dtype, recompute_core: bool) -> None:
+        super().__init__()
+        tp_size, _ = tp_size_rank(tp_group)
+        h, d = config.hidden_size, config.head_dim
+        self.heads = config.num_attention_heads // tp_size
+        self.groups = config.num_query_groups // tp_size
+        self.head_dim, self.tp_group, self.recompute_core = d, tp_group, recompute_core
+        kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+        self.q_proj = ColumnParallelLinear(h, config.num_attention_heads * d, tp_group, **kw)
+        self.k_proj = ColumnParallelLinear(h, config.num_query_groups * d, tp_group, **kw)
+        self.v_proj = ColumnParallelLinear(h, config.num_query_groups * d, tp_group, **kw)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, h, tp_group, **kw)
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        # x: (s, b, h) or (s/tp, b, h) -> same
+        weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        q, k, v = parallel_linear(x, weights, self.tp_group, self.q_proj.input_mode)  # (s, b, heads*d) ...
+        s, b = q.shape[:2]
+        q = q.view(s, b, self.heads, self.head_dim)
+        k = k.view(s, b, self.groups, self.head_dim)
+        v = v.view(s, b, self.groups, self.head_dim)
+        if self.recompute_core:  # selective recompute (arXiv 2205.05198): keep only q, k, v
+            context = checkpoint(self._core, q, k, v, rope[0], rope[1], use_reentrant=False)
+        else:
+            context = self._core(q, k, v, *rope)
+        return self.o_proj(context)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+        # q: (s, b, heads, d), k/v: (s, b, groups, d) -> (s, b, heads*d)
+        s, b = q.shape[:2]
+        q = apply_rotary(q, (cos, sin)).permute(1, 2, 0, 3)  # (b, heads, s, d)
+        k = apply_rotary(k, (cos, sin)).permute(1, 2, 0, 3)  # (b, groups, s, d)
+        v = v.permute(1, 2, 0, 3)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups != self.heads)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), ffn features split over TP."""
+
+    def __init__(self, config: LlamaConfig, tp_group: Optional[Any], *, sequence_parallel: bool,
+                 params_dtype: torch.dtype) -> None:
+        super().__init__()
+        h, f = config.hidden_size, config.ffn_hidden_size
+        kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+        self.tp_group = tp_group
+        self.gate_proj = ColumnParallelLinear(h, f, tp_group, **kw)
+        self.up_proj = ColumnParallelLinear(h, f, tp_group, **kw)
+        self.down_proj = RowParallelLinear(f, h, tp_group, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (s, b, h) or (s/tp, b, h) -> same
+        gate, up = parallel_linear(x, [self.gate_proj.weight, self.up_proj.weight], self.tp_group,
+                                   self.gate_proj.input_mode)  # (s, b, f/tp) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: LlamaConfig, tp_group: Optional[Any], *, sequence_parallel: bool,
+                 params_dtype: torch.dtype) -> None:
+        super().__init__()
+        kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+        self.input_norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw)
+        self.attention = Attention(config, tp_group, recompute_core=config.recompute_granularity == "selective",
+                                   **kw)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw)
+        self.mlp = MLP(config, tp_group, **kw)
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        # x: (s, b, h) or (s/tp, b, h) -> same
+        x = x + self.attention(self.input_norm(x), rope)
+        return x + self.mlp(self.post_attention_norm(x))

@@ -1,0 +1,158 @@
+"""LLaMA model chunk with tensor, sequence and pipeline parallelism (Megatron-LM chunk protocol).
+
+`LlamaModel(config)` is the whole model on one process. Given a `ParallelState` it holds this TP rank's
+shards; `layer_range` / `pre_process` / `post_process` make it one pipeline chunk. Parameter names are
+logical (`embedding.weight`, `layers.<global index>...`, `final_norm.weight`, `output.weight`), and every
+parameter is initialised from (seed, name) on the full logical tensor before slicing, so every layout
+starts from identical weights (DESIGN.md section 4). Activations travel sequence-first, (s, b, h).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from llamapipe.core.parallel_state import ParallelState
+from llamapipe.core.tensor_parallel import mappings
+from llamapipe.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from llamapipe.core.tensor_parallel.layers import (INPUT_COPY, INPUT_GATHER, ColumnParallelLinear, VocabParallelEmbedding,
+                                         parallel_linear, set_tensor_model_parallel_attributes,
+                                         shard_logical_tensor)
+from llamapipe.model.config import LlamaConfig
+from llamapipe.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+
+_SCALED_INIT = ("attention.o_proj.weight", "mlp.down_proj.weight")
+
+
+def _check_config(config: LlamaConfig, tp_size: int, layer_range: tuple[int, int]) -> None:
+    c = config
+    if c.hidden_size % c.num_attention_heads:
+        raise ValueError(f"hidden_size {c.hidden_size} is not divisible by num_attention_heads {c.num_attention_heads}")
+    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        if getattr(c, name) % tp_size:
+            raise ValueError(f"{name} {getattr(c, name)} is not divisible by the tensor-parallel size {tp_size}")
+    if c.num_attention_heads % c.num_query_groups:
+        raise ValueError(f"num_query_groups {c.num_query_groups} does not divide num_attention_heads "
+                         f"{c.num_attention_heads}")
+    start, end = layer_range
+    if not 0 <= start <= end <= c.num_layers:
+        raise ValueError(f"layer_range {layer_range} is not inside the model's {c.num_layers} layers")
+    if c.recompute_granularity not in (None, "full", "selective"):
+        raise ValueError(f"recompute_granularity {c.recompute_granularity!r} must be None, 'full' or 'selective'")
+
+
+def init_logical_tensor(name: str, shape: Sequence[int], config: LlamaConfig, seed: int) -> torch.Tensor:
+    """The full (unsharded) initial value of parameter `name`: ones for norms, else seeded normal."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = config.init_method_std
+    if name.endswith(_SCALED_INIT):  # Megatron's scaled init for the projections into the residual stream
+        std /= math.sqrt(2.0 * config.num_layers)
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2 ** 63)
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+class LlamaModel(nn.Module):
+    """A LLaMA chunk: [embedding] -> layers[start:end] -> [final norm, output head, loss]."""
+
+    def __init__(self, config: LlamaConfig, parallel_state: Optional[ParallelState] = None, *,
+                 layer_range: Optional[tuple[int, int]] = None, pre_process: bool = True,
+                 post_process: bool = True, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, seed: int = 1234) -> None:
+        super().__init__()
+        tp_size = parallel_state.tp_size if parallel_state is not None else 1
+        self.tp_rank = parallel_state.tp_rank if parallel_state is not None else 0
+        self.tp_group = parallel_state.tp_group if tp_size > 1 else None
+        self.tp_size = tp_size
+        layer_range = tuple(layer_range) if layer_range is not None else (0, config.num_layers)
+        _check_config(config, tp_size, layer_range)
+        if config.tie_word_embeddings and not (pre_process and post_process):
+            raise ValueError("tie_word_embeddings needs the embedding and the output head in the same chunk")
+        self.config, self.layer_range = config, layer_range
+        self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        kw = dict(sequence_parallel=self.sequence_parallel, params_dtype=params_dtype)
+        padded_vocab = config.padded_vocab_size(tp_size)
+        if pre_process:
+            self.embedding = VocabParallelEmbedding(padded_vocab, config.hidden_size, self.tp_group, **kw)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, self.tp_group, **kw) for i in range(*layer_range)})
+        if post_process:
+            self.final_norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw)
+            if not config.tie_word_embeddings:
+                self.output = ColumnParallelLinear(config.hidden_size, padded_vocab, self.tp_group, **kw)
+                set_tensor_model_parallel_attributes(self.output.weight, 0, vocab_padded=True)
+        self.input_tensor: Optional[torch.Tensor] = None
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Initialise every parameter from (seed, name) on its full logical tensor, then keep this shard."""
+        for name, param in self.named_parameters():
+            shape = list(param.shape)
+            if param.tensor_model_parallel:
+                shape[param.partition_dim] *= self.tp_size
+            if getattr(param, "vocab_padded", False):
+                shape[0] = self.config.vocab_size  # padding rows start at zero in every layout
+            full = init_logical_tensor(name, shape, self.config, seed)
+            param.copy_(shard_logical_tensor(full, param, self.tp_rank, self.tp_size))
+
+    @torch.no_grad()
+    def load_logical_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load full logical tensors (e.g. from `from_hf`), keeping this rank's shard of each."""
+        own = dict(self.named_parameters())
+        missing = sorted(set(own) - set(state_dict))
+        if strict and missing:
+            raise ValueError(f"state dict lacks {len(missing)} parameters of this chunk, e.g. {missing[0]}")
+        for name, param in own.items():
+            if name in state_dict:
+                param.copy_(shard_logical_tensor(state_dict[name], param, self.tp_rank, self.tp_size))
+
+    def set_input_tensor(self, input_tensor: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> None:
+        """Megatron protocol: the previous stage's output, (s, b, h) or (s/tp, b, h) with sequence parallel."""
+        if isinstance(input_tensor, (list, tuple)):
+            assert len(input_tensor) == 1, "a LLaMA chunk takes one input tensor"
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def _recompute_layer(self, index_in_chunk: int) -> bool:
+        c = self.config
+        return c.recompute_granularity == "full" and (c.recompute_num_layers is None
+                                                      or index_in_chunk < c.recompute_num_layers)
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, labels: Optional[torch.LongTensor] = None,
+                position_ids: Optional[torch.LongTensor] = None) -> torch.Tensor:
+        """Hidden states (s, b, h) for the next stage, or logits (b, s, vocab), or per-token losses (b, s)."""
+        if self.pre_process:
+            if input_ids is None:
+                raise ValueError("the first pipeline chunk needs input_ids")
+            hidden = self.embedding(input_ids)  # (s, b, h) or (s/tp, b, h)
+        else:
+            assert self.input_tensor is not None, "set_input_tensor must be called before forward"
+            hidden = self.input_tensor
+        seq_len = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)
+        rope = self.rotary(seq_len, position_ids, hidden.dtype)
+        for i, layer in enumerate(self.layers.values()):
+            if self._recompute_layer(i) and torch.is_grad_enabled():
+                hidden = checkpoint(layer, hidden, rope, use_reentrant=False)
+            else:
+                hidden = layer(hidden, rope)
+        if not self.post_process:
+            return hidden
+        return self._head(self.final_norm(hidden), labels)
+
+    def _head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
+        weight = self.embedding.weight if self.config.tie_word_embeddings else self.output.weight
+        mode = INPUT_GATHER if self.sequence_parallel else INPUT_COPY
+        logits = parallel_linear(hidden, [weight], self.tp_group, mode)[0]  # (s, b, vocab/tp)
+        if labels is None:
+            logits = mappings.gather_from_tensor_model_parallel_region(logits, self.tp_group)
+            return logits[..., :self.config.vocab_size].transpose(0, 1).contiguous()  # (b, s, vocab)
+        # the logits are a temporary here: the loss may overwrite them
+        losses = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size,
+                                              inplace=True)  # (s, b)
+        return losses.t().contiguous()  # (b, s)

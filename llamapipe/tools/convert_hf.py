@@ -1,0 +1,162 @@
+"""Convert between HF transformers LLaMA directories and llamapipe checkpoints, in any parallel layout.
+
+  python scripts/convert_hf.py import --hf-dir D --save DIR [--tensor-llamapipe.model-parallel-size T
+      --pipeline-model-parallel-size P --num-layers-per-virtual-pipeline-stage V]
+  python scripts/convert_hf.py export --load DIR --hf-dir D
+
+Import writes iteration 0, model weights only (train from it with --finetune, or --no-load-optim).
+Export takes any checkpoint (any layout; DIR may be a save dir or one iter_XXXXXXX dir) and writes
+model.safetensors + config.json that transformers' LlamaForCausalLM.from_pretrained loads.
+Bad input ends with one plain error line and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from llamapipe.training.checkpointing import io as cio
+from llamapipe.core.config import ParallelConfig
+from llamapipe.training.config import Config
+from llamapipe.core.parallel_state import ParallelState
+from llamapipe.training.checkpointing.resharding import TensorSpec, spec_of
+from llamapipe.model.config import LlamaConfig
+from llamapipe.model.hf_checkpoint import from_hf, to_hf
+
+
+def read_hf_dir(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """HF config.json and weights (safetensors, weights-only pytorch_model.bin, or a sharded index)."""
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"--hf-dir {hf_dir} has no config.json")
+    with open(config_path) as fh:
+        hf_config = json.load(fh)
+    files = _weight_files(hf_dir)
+    state_dict: dict[str, torch.Tensor] = {}
+    for path in files:
+        if path.endswith(".safetensors"):
+            handle = cio.open_safetensors(path)
+            state_dict.update({key: handle.get_tensor(key) for key in handle.keys()})
+        else:
+            state_dict.update(cio.safe_torch_load(path))
+    return state_dict, hf_config
+
+
+def _weight_files(hf_dir: str) -> list[str]:
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        path = os.path.join(hf_dir, index)
+        if os.path.isfile(path):
+            with open(path) as fh:
+                weight_map = json.load(fh)["weight_map"]
+            return [os.path.join(hf_dir, f) for f in sorted(set(weight_map.values()))]
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            return [os.path.join(hf_dir, name)]
+    raise ValueError(f"--hf-dir {hf_dir} has no model.safetensors, pytorch_model.bin or *.index.json")
+
+
+def model_specs(config: LlamaConfig, tp: int) -> dict[str, TensorSpec]:
+    """Partition specs of every logical name, from a weightless (meta) model; checks tp against shapes."""
+    with torch.device("meta"):
+        from llamapipe.model.llama import LlamaModel
+        model = LlamaModel(config, ParallelState(tp_size=tp, world_size=tp))
+    return {name: spec_of(param) for name, param in model.named_parameters()}
+
+
+def import_hf(hf_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_stage: int | None,
+              make_vocab_size_divisible_by: int = 128, virtual_stages: int | None = None) -> str:
+    from tqdm import tqdm
+    hf_state_dict, hf_config = read_hf_dir(hf_dir)
+    config, full = from_hf(hf_state_dict, hf_config, make_vocab_size_divisible_by)
+    vpp = 1
+    if layers_per_virtual_stage is not None:
+        if config.num_layers % (pp * layers_per_virtual_stage):
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} x "
+                             f"--pipeline-model-parallel-size {pp} does not divide the model's "
+                             f"{config.num_layers} layers")
+        vpp = config.num_layers // (pp * layers_per_virtual_stage)
+    if virtual_stages is not None:
+        if layers_per_virtual_stage is not None:
+            raise ValueError("give only one of --num-layers-per-virtual-pipeline-stage and "
+                             "--num-virtual-stages-per-pipeline-rank")
+        if virtual_stages < 1 or config.num_layers % (pp * virtual_stages):
+            raise ValueError(f"--num-virtual-stages-per-pipeline-rank {virtual_stages} x "
+                             f"--pipeline-model-parallel-size {pp} does not divide the model's "
+                             f"{config.num_layers} layers")
+        vpp = virtual_stages
+    try:
+        specs = model_specs(config, tp)
+    except ValueError as exc:
+        raise ValueError(f"--tensor-model-parallel-size {tp} does not fit this model: {exc}") from None
+    parallel = ParallelConfig(world_size=tp * pp, tp_size=tp, pp_size=pp, vpp_size=vpp)
+    return cio.write_layout(save_dir, 0, full, specs, dataclasses.asdict(config), tp=tp, pp=pp, vpp=vpp,
+                            config=dataclasses.asdict(Config(model=config, parallel=parallel)),
+                            progress=lambda grid: tqdm(grid, desc="writing shards", unit="shard"))
+
+
+def export_hf(load: str, hf_dir: str) -> str:
+    if os.path.isfile(os.path.join(load, cio.METADATA)):
+        path = load
+    else:
+        found = cio.latest_checkpoint(load)
+        if found is None:
+            raise ValueError(f"--load {load} holds no complete checkpoint")
+        path = found[1]
+    reader = cio.CheckpointReader(path)
+    config = LlamaConfig(**reader.meta["model_config"])
+    full = {key: reader.logical(key) for key in reader.keys("model")}
+    hf_state_dict, hf_config = to_hf(config, full)
+    if config.tie_word_embeddings:  # HF re-ties lm_head on load; safetensors refuses shared storage
+        hf_state_dict.pop("lm_head.weight")
+    os.makedirs(hf_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in hf_state_dict.items()}, os.path.join(hf_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(hf_dir, "config.json"), "w") as fh:
+        json.dump(hf_config, fh, indent=2)
+    return path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="HF directory -> llamapipe checkpoint")
+    imp.add_argument("--hf-dir", required=True)
+    imp.add_argument("--save", required=True)
+    imp.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    imp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    imp.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    imp.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    exp = sub.add_parser("export", help="llamapipe checkpoint -> HF directory")
+    exp.add_argument("--load", required=True)
+    exp.add_argument("--hf-dir", required=True)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        if args.command == "import":
+            for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+                if getattr(args, flag) < 1:
+                    raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+            out = import_hf(args.hf_dir, args.save, args.tensor_model_parallel_size,
+                            args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage,
+                            args.make_vocab_size_divisible_by, args.num_virtual_stages_per_pipeline_rank)
+            print(f"wrote {out}")
+        else:
+            out = export_hf(args.load, args.hf_dir)
+            print(f"exported {out} to {args.hf_dir}")
+    except (ValueError, OSError, KeyError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"convert_hf.py: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""Pretrain LLaMA: parse -> validate -> init distributed -> build -> train.
+
+    torchrun --nproc_per_node 4 pretrain_llama.py --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2 --mock-data --train-iters 10
+    torchrun --nproc_per_node 4 -m llamapipe.train ...        (the same, from an installed package)
+"""
+from __future__ import annotations
+
+import sys
+
+from llamapipe.training.arguments import parse_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)  # exits 2 with one plain line on any inconsistent flag combination
+    from llamapipe.training.loop import pretrain
+    return pretrain(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

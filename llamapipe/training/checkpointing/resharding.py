@@ -1,0 +1,96 @@
+"""Tensor-parallel resharding of logical tensors, and which pipeline rank holds which logical name.
+
+A checkpoint stores every tensor under its layout-independent logical name (`embedding.weight`,
+`layers.<global index>.<...>`, `final_norm.weight`, `output.weight`). A TP shard is the contiguous slice
+of the logical tensor along `partition_dim` in tp_rank order (-1: replicated). Vocabulary-padded
+tensors (embedding, output) are padded with zero rows to a tp-dependent size inside the model, so the
+merge trims them to the true vocabulary and the split re-pads for the target tp size.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
+from llamapipe.core.pipeline_parallel.schedule_ir import rank_chunk_of
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """How one logical tensor is split over TP ranks."""
+    partition_dim: int = -1            # -1: replicated over TP
+    vocab_padded: bool = False         # rows padded to the tp-dependent padded vocabulary size
+
+
+def spec_of(tensor: torch.Tensor) -> TensorSpec:
+    """Partition attributes the model sets on its parameters (absent on buffers: replicated)."""
+    if not getattr(tensor, "tensor_model_parallel", False):
+        return TensorSpec(-1, bool(getattr(tensor, "vocab_padded", False)))
+    return TensorSpec(int(getattr(tensor, "partition_dim")), bool(getattr(tensor, "vocab_padded", False)))
+
+
+def named_tensors(model_chunks: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
+    """Logical name -> parameter or persistent buffer, over all chunks of this rank (keep_vars)."""
+    out: dict[str, torch.Tensor] = {}
+    for chunk in model_chunks:
+        for name, tensor in chunk.state_dict(keep_vars=True).items():
+            assert name not in out or out[name] is tensor, f"logical name {name} held by two chunks"
+            out[name] = tensor
+    return out
+
+
+def merge_shards(shards: list[torch.Tensor], spec: TensorSpec, vocab_size: int) -> torch.Tensor:
+    """TP shards in tp_rank order -> the logical tensor (vocabulary rows trimmed to `vocab_size`)."""
+    full = shards[0] if spec.partition_dim < 0 or len(shards) == 1 else torch.cat(shards, spec.partition_dim)
+    if spec.vocab_padded:
+        assert full.shape[0] >= vocab_size, f"padded rows {full.shape[0]} < vocab size {vocab_size}"
+        full = full[:vocab_size]
+    return full
+
+
+def split_shard(full: torch.Tensor, spec: TensorSpec, tp_size: int, tp_rank: int,
+                padded_rows: int | None = None) -> torch.Tensor:
+    """Logical tensor -> this tp_rank's shard; vocabulary rows zero-padded to `padded_rows` first."""
+    if spec.vocab_padded:
+        assert padded_rows is not None and padded_rows >= full.shape[0]
+        if padded_rows > full.shape[0]:
+            pad = full.new_zeros((padded_rows - full.shape[0],) + tuple(full.shape[1:]))
+            full = torch.cat([full, pad], 0)
+    if spec.partition_dim < 0 or tp_size == 1:
+        return full
+    size = full.shape[spec.partition_dim]
+    if size % tp_size:
+        raise ValueError(f"dimension {spec.partition_dim} of size {size} cannot be split over "
+                         f"--tensor-model-parallel-size {tp_size}")
+    return full.chunk(tp_size, spec.partition_dim)[tp_rank]
+
+
+def padded_rows_for(local: torch.Tensor, spec: TensorSpec, tp_size: int) -> int:
+    """Full padded row count implied by a local shard of a vocabulary-padded tensor."""
+    return local.shape[0] * tp_size if spec.partition_dim == 0 else local.shape[0]
+
+
+def layer_index(name: str) -> int | None:
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def pp_rank_of(name: str, num_layers: int, pp_size: int, vpp_size: int = 1,
+               placement: str = "interleaved", first: int | None = None, last: int | None = None, *,
+               embedding: bool = False, loss: bool = False) -> int:
+    """Pipeline rank that holds logical `name` under `stage_layer_ranges`."""
+    ranges = stage_layer_ranges(num_layers, pp_size, vpp_size, first, last, embedding=embedding, loss=loss)
+    index = layer_index(name)
+    if index is not None:
+        stage = next((s for s, (start, end) in enumerate(ranges) if start <= index < end), None)
+        if stage is None:
+            raise ValueError(f"{name} is layer {index}, but the model has {num_layers} layers")
+    else:
+        stage = 0 if name.startswith("embedding.") else len(ranges) - 1
+    return rank_chunk_of(stage, pp_size, placement)[0]

@@ -1,0 +1,40 @@
+"""The application's configuration: the library's per-concern configs plus checkpointing and logging.
+
+`Config` is what llamapipe.training.arguments builds; each component receives only its own part.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from llamapipe.core.config import DataConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from llamapipe.model.config import LlamaConfig
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: Optional[str] = None
+    save_interval: Optional[int] = None
+    load: Optional[str] = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    keep_last_n: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int = 1
+    tensorboard_dir: Optional[str] = None
+    metrics_jsonl: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Config:
+    model: LlamaConfig = field(default_factory=LlamaConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,270 @@
+"""The training loop: build this rank's model chunks, data, optimizer and schedule, then train.
+
+Loss accounting follows the per-token convention (DESIGN.md section 4): every microbatch returns the sum
+of its token losses and its token count; gradients are divided by the global token count after the
+step's last backward, so every layout computes exactly the single-rank token-averaged loss.
+Exit handling (Megatron): --exit-interval, --exit-duration-in-mins and --exit-signal-handler (SIGTERM)
+are agreed on by all ranks through one all-reduce, then a checkpoint is saved and the run exits 0.
+"""
+from __future__ import annotations
+
+import math
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from llamapipe.training.config import Config
+from llamapipe.training.initialize import init_distributed
+from llamapipe.core.host_memory import keep_freed_host_memory
+from llamapipe.core.logger import get_logger
+from llamapipe.core.parallel_state import ParallelState, initialize_model_parallel
+from llamapipe.training.log import MetricsWriter, device_peak_tflops, flops_per_token, max_memory_gib
+from llamapipe.training.setup import build_model_chunks, build_iterators, forward_step, model_config_for_run
+
+log = get_logger()
+
+
+def set_seeds(seed: int, tp_rank: int) -> None:
+    """Python, numpy and torch from `seed`; the TP RNG tracker's stream differs per TP rank (Megatron)."""
+    from llamapipe.core.tensor_parallel.random import model_parallel_seed
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    model_parallel_seed(seed, tp_rank)
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+    start_time: float = field(default_factory=time.time)
+
+
+class ExitSignal:
+    """Remembers a SIGTERM (SLURM preemption) so all ranks can agree to save and exit."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.received = False
+        if enabled:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+
+def pretrain(config: Config) -> int:
+    """Train as `config` says; returns the process exit status."""
+    device = init_distributed(config.parallel)
+    if device.type == "cpu" and config.training.keep_host_memory and keep_freed_host_memory():
+        log.info("host memory: malloc keeps freed memory for the next step (--release-host-memory to not)")
+    par = config.parallel
+    ps = initialize_model_parallel(par.tp_size, par.pp_size, par.vpp_size, par.order)
+    set_seeds(config.training.seed, ps.tp_rank)
+    try:
+        trainer = Trainer(config, model_config_for_run(config), ps, device)
+    except ValueError as err:  # user-caused (checkpoint/model mismatch, empty split): every rank meets it
+        if dist.get_rank() == 0:
+            sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
+        return 2
+    from llamapipe.core.pipeline_parallel.auto_schedule import MemoryLimitError
+    try:
+        status = trainer.train()
+    except MemoryLimitError as err:  # raised on every rank alike, from measured numbers all ranks share
+        if dist.get_rank() == 0:
+            sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
+        status = 2
+    finally:
+        trainer.metrics.close()  # no collective here: a rank-local failure must exit, not wait in a barrier
+    dist.barrier()
+    dist.destroy_process_group()
+    return status
+
+
+class Trainer:
+    """Holds everything one rank needs for the loop; the loop itself is `train`."""
+
+    def __init__(self, config: Config, model_cfg: LlamaConfig, ps: ParallelState, device: torch.device) -> None:
+        from llamapipe.core.optimizer import OptimizerParamScheduler, build_optimizer
+        from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
+        self.config, self.model_cfg, self.ps, self.device = config, model_cfg, ps, device
+        self.chunks, self.roles = build_model_chunks(config, model_cfg, ps, device)
+        self.optimizer = build_optimizer(self.chunks, config.optimizer, ps)
+        self.scheduler = OptimizerParamScheduler(self.optimizer, config.optimizer, config.training.train_iters)
+        self.state = TrainState()
+        self._load()
+        self.train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles,
+                                                             self.state.consumed_samples)
+        self.fb_func = get_forward_backward_func(ps, config.parallel.pipeline_schedule, config=config)
+        self.grad_sync, self._overlap_logged = None, False
+        if config.parallel.overlap_grad_reduce and ps.dp_size > 1:   # Megatron's overlap, during the backward
+            from llamapipe.core.distributed.grad_sync import GradSync
+            self.grad_sync = GradSync(self.chunks, ps, config.parallel.ddp_bucket_size)
+        self.metrics = MetricsWriter(config.logging.tensorboard_dir, config.logging.metrics_jsonl,
+                                     enabled=dist.get_rank() == 0)
+        self.exit_signal = ExitSignal(config.training.exit_signal_handler)
+        self.global_batch_tokens = config.training.global_batch_size * config.training.seq_length
+
+    def _load(self) -> None:
+        ckpt = self.config.checkpoint
+        if not ckpt.load:
+            return
+        from llamapipe.training.checkpointing.save_load import load_checkpoint
+        result = load_checkpoint(ckpt.load, model_chunks=self.chunks, optimizer=self.optimizer,
+                                 scheduler=self.scheduler, parallel_state=self.ps, config=self.config,
+                                 no_load_optim=ckpt.no_load_optim, no_load_rng=ckpt.no_load_rng,
+                                 finetune=ckpt.finetune)
+        if result is None:
+            return
+        self.state.iteration, self.state.consumed_samples = result.iteration, result.consumed_samples
+        log.info(f"resumed from {ckpt.load} at iteration {result.iteration} "
+                 f"({result.consumed_samples} consumed samples)")
+
+    def save(self) -> None:
+        ckpt = self.config.checkpoint
+        if not ckpt.save:
+            return
+        from llamapipe.training.checkpointing.save_load import save_checkpoint
+        save_checkpoint(ckpt.save, self.state.iteration, model_chunks=self.chunks, optimizer=self.optimizer,
+                        scheduler=self.scheduler, parallel_state=self.ps, config=self.config,
+                        consumed_samples=self.state.consumed_samples, keep_last_n=ckpt.keep_last_n)
+
+    def train(self) -> int:
+        cfg, st = self.config.training, self.state
+        saved_at = st.iteration if self.config.checkpoint.load else None
+        log.info(f"training {cfg.train_iters} iterations from iteration {st.iteration}: "
+                 f"{self.ps.world_size} ranks (tp {self.ps.tp_size}, pp {self.ps.pp_size}, vpp {self.ps.vpp_size}, "
+                 f"dp {self.ps.dp_size}), schedule {self.config.parallel.pipeline_schedule}, "
+                 f"{cfg.num_microbatches} microbatches per step")
+        while st.iteration < cfg.train_iters:
+            status = self.train_step()
+            if status is not None:
+                return status
+            if self._every(self.config.checkpoint.save_interval):
+                self.save()
+                saved_at = st.iteration
+            if self._every(cfg.eval_interval):
+                self.evaluate()
+            if self._should_exit():
+                if saved_at != st.iteration:
+                    self.save()
+                log.info(f"exiting at iteration {st.iteration}")
+                return 0
+        if saved_at != st.iteration:
+            self.save()
+        if cfg.eval_iters and cfg.eval_interval is None:
+            self.evaluate()
+        return 0
+
+    def _every(self, interval: Optional[int]) -> bool:
+        return bool(interval) and self.state.iteration % interval == 0
+
+    def _should_exit(self) -> bool:
+        cfg, st = self.config.training, self.state
+        flags = torch.tensor([float(self.exit_signal.received), time.time() - st.start_time])
+        if cfg.exit_signal_handler or cfg.exit_duration_in_mins is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] > 0:
+            log.info(f"SIGTERM received; saving at iteration {st.iteration} and exiting")
+            return True
+        if cfg.exit_duration_in_mins is not None and flags[1] / 60 > cfg.exit_duration_in_mins:
+            log.info(f"--exit-duration-in-mins {cfg.exit_duration_in_mins} reached")
+            return True
+        return self._every(cfg.exit_interval)
+
+    def _run_schedule(self, iterators: list, forward_only: bool) -> tuple[float, float]:
+        """One global batch through the pipeline; returns (loss sum, token count) reduced over PP and DP."""
+        scale = 1.0 if forward_only else self.optimizer.get_loss_scale()
+        losses = self.fb_func(forward_step_func=forward_step, data_iterator=iterators, model=self.chunks,
+                              num_microbatches=self.config.training.num_microbatches,
+                              forward_only=forward_only, loss_scale=scale,
+                              grad_sync=None if forward_only else self.grad_sync)
+        totals = torch.zeros(2, dtype=torch.float64)
+        for out in losses:
+            totals[0] += float(out["loss_sum"])
+            totals[1] += float(out["num_tokens"])
+        for group, size in ((self.ps.dp_group, self.ps.dp_size), (self.ps.pp_group, self.ps.pp_size)):
+            if size > 1:
+                dist.all_reduce(totals, group=group)
+        return totals[0].item(), totals[1].item()
+
+    def train_step(self) -> Optional[int]:
+        """One optimizer step; returns an exit status when the run must stop."""
+        from llamapipe.core.distributed.grad_reduce import finalize_model_grads
+        st, cfg = self.state, self.config.training
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        loss_sum, tokens = self._run_schedule(self.train_iters, forward_only=False)
+        loss = loss_sum / max(tokens, 1.0)
+        st.iteration += 1
+        st.consumed_samples += cfg.global_batch_size
+        fp16 = self.config.optimizer.fp16
+        if not math.isfinite(loss) and not fp16:
+            if not cfg.skip_nonfinite_steps:
+                if self.grad_sync is not None:
+                    self.grad_sync.discard()
+                log.error(f"iteration {st.iteration}: lm loss is {loss}; stopping before applying the update "
+                          "(pass --skip-nonfinite-steps to skip such steps instead)")
+                return 1
+            return self._skip(f"lm loss is {loss}")
+        finalize_model_grads(self.chunks, self.ps, None, global_tokens=tokens,    # overlap: grad_sync
+                             bucket_size=self.config.parallel.ddp_bucket_size, grad_sync=self.grad_sync)
+        if self.grad_sync is not None and not self._overlap_logged:
+            self._overlap_logged = True
+            log.info(self.grad_sync.summary())
+        result = self.optimizer.step()
+        if not result.update_successful:
+            if not fp16 and not cfg.skip_nonfinite_steps:
+                log.error(f"iteration {st.iteration}: gradient norm is not finite; the update was not applied "
+                          "(pass --skip-nonfinite-steps to skip such steps instead)")
+                return 1
+            return self._skip(f"inf/nan in gradients (loss scale now {self.optimizer.get_loss_scale():g})")
+        self.scheduler.step()
+        self._log(loss, result.grad_norm, time.perf_counter() - start)
+        return None
+
+    def _skip(self, why: str) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.discard()    # buckets started during the backward: wait, then drop them
+        self.state.skipped_iterations += 1
+        self.optimizer.zero_grad()
+        log.warning(f"skipped iteration {self.state.iteration}: {why}")
+        return None
+
+    def _log(self, loss: float, grad_norm: float, seconds: float) -> None:
+        st, cfg = self.state, self.config.training
+        tokens_per_sec = self.global_batch_tokens / seconds
+        tflops = flops_per_token(self.model_cfg, cfg.seq_length) * tokens_per_sec / self.ps.world_size / 1e12
+        peak = device_peak_tflops()
+        record = {"iteration": st.iteration, "consumed_samples": st.consumed_samples,
+                  "elapsed_ms": seconds * 1000.0, "lr": self.scheduler.get_lr(), "lm_loss": loss,
+                  "loss_scale": self.optimizer.get_loss_scale(), "grad_norm": float(grad_norm),
+                  "skipped_iterations": st.skipped_iterations, "tokens_per_sec": tokens_per_sec,
+                  "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
+                  "max_memory_gib": max_memory_gib()}
+        if self._every(self.config.logging.log_interval):
+            self.metrics.iteration(record, cfg.train_iters)
+        else:
+            self.metrics.write(record)
+
+    def evaluate(self) -> Optional[float]:
+        """Validation loss and perplexity over --eval-iters global batches."""
+        cfg = self.config.training
+        if not cfg.eval_iters or self.valid_iters is None:
+            return None
+        loss_sum = tokens = 0.0
+        with torch.no_grad():
+            for _ in range(cfg.eval_iters):
+                batch_loss, batch_tokens = self._run_schedule(self.valid_iters, forward_only=True)
+                loss_sum, tokens = loss_sum + batch_loss, tokens + batch_tokens
+        loss = loss_sum / max(tokens, 1.0)
+        ppl = math.exp(min(loss, 20.0))
+        log.info(f"validation loss at iteration {self.state.iteration}: lm loss {loss:.6E} | lm loss PPL {ppl:.6E}")
+        self.metrics.write({"iteration": self.state.iteration, "valid_lm_loss": loss, "valid_ppl": ppl})
+        return loss

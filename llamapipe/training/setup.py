@@ -1,0 +1,134 @@
+"""Builds what the training loop runs on: the model config, this rank's model chunks, data iterators,
+and the Megatron-style `forward_step(data_iterator, model)` with its token-sum loss function.
+
+Chunk placement follows DESIGN.md section 3: virtual stage v holds layers [v*L/S, (v+1)*L/S) for
+S = pp*vpp stages (unless --decoder-first/last-pipeline-num-layers give an uneven split, see
+`core.resharding.stage_layer_ranges`); interleaved schedules place stage v on rank v % pp, ZB-V uses the
+V placement.
+"""
+from __future__ import annotations
+
+import itertools
+from functools import partial
+from typing import Optional
+
+import torch
+
+from llamapipe.training.config import Config
+from llamapipe.core.logger import get_logger
+from llamapipe.core.parallel_state import ParallelState
+from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
+from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
+from llamapipe.model.config import LlamaConfig
+
+log = get_logger()
+
+
+def placement_for(schedule: str, vpp: int) -> str:
+    """ZB-V, and `auto` with two chunks per rank, use the V placement; everything else is interleaved."""
+    return "v" if schedule == "zbv" or (schedule == "auto" and vpp == 2) else "interleaved"
+
+
+def model_config_for_run(config: Config) -> LlamaConfig:
+    """The model config with the tokenizer's vocabulary size when a tokenizer is given."""
+    model_cfg = config.model
+    if config.data.tokenizer_model:
+        from llamapipe.data.tokenizer import build_tokenizer, check_vocab
+        tokenizer = build_tokenizer(config.data.tokenizer_model)
+        check_vocab(tokenizer.vocab_size, model_cfg.replace(vocab_size=tokenizer.vocab_size)
+                    .padded_vocab_size(config.parallel.tp_size))
+        if tokenizer.vocab_size != model_cfg.vocab_size:
+            log.info(f"vocabulary size {tokenizer.vocab_size} from --tokenizer-model {config.data.tokenizer_model}")
+        model_cfg = model_cfg.replace(vocab_size=tokenizer.vocab_size)
+    return model_cfg
+
+
+def params_dtype(config: Config) -> torch.dtype:
+    if config.optimizer.bf16:
+        return torch.bfloat16
+    if config.optimizer.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def chunk_stages(config: Config, ps: ParallelState) -> list[int]:
+    """Virtual stage of each local chunk."""
+    placement = placement_for(config.parallel.pipeline_schedule, ps.vpp_size)
+    return [stage_of(ps.pp_rank, chunk, ps.pp_size, placement) for chunk in range(ps.vpp_size)]
+
+
+def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState,
+                       device: torch.device) -> tuple[list[torch.nn.Module], list[tuple[bool, bool]]]:
+    """This rank's model chunks and their (pre_process, post_process) roles."""
+    from llamapipe.model.llama import LlamaModel
+    num_stages = ps.pp_size * ps.vpp_size
+    par = config.parallel
+    ranges = stage_layer_ranges(model_cfg.num_layers, ps.pp_size, ps.vpp_size, par.first_stage_layers,
+                                par.last_stage_layers, embedding=par.account_for_embedding, loss=par.account_for_loss)
+    if num_stages > 1:
+        log.info("layers per pipeline stage: " + ", ".join(str(end - start) for start, end in ranges))
+    chunks, roles = [], []
+    for stage in chunk_stages(config, ps):
+        role = (stage == 0, stage == num_stages - 1)
+        chunk = LlamaModel(model_cfg, ps, layer_range=ranges[stage],
+                           pre_process=role[0], post_process=role[1],
+                           sequence_parallel=config.parallel.sequence_parallel,
+                           params_dtype=params_dtype(config), seed=config.training.seed)
+        chunks.append(chunk.to(device))
+        roles.append(role)
+    from llamapipe.core.distributed.grad_reduce import accumulate_grads_in_fp32
+    if not accumulate_grads_in_fp32(chunks):
+        log.warning("this torch has no per-tensor grad_dtype, so bf16/fp16 gradients accumulate in half "
+                    "precision across microbatches; torch >= 2.10 accumulates them in fp32")
+    return chunks, roles
+
+
+def build_iterators(config: Config, model_cfg: LlamaConfig, ps: ParallelState, roles: list[tuple[bool, bool]],
+                    consumed_samples: int) -> tuple[list, Optional[list]]:
+    """Per-chunk train and validation iterators; chunks that neither embed nor compute the loss get None,
+    and the validation list is None on every rank when --eval-iters is 0.
+
+    The datasets and samplers are built once per rank, even when two local chunks read data (the first and
+    the last stage under the V placement); those chunks get copies of one iterator that yield the same
+    microbatches in the same order.
+    """
+    from llamapipe.data.sampler import build_data_iterators
+    needs = [pre or post for pre, post in roles]
+    train, valid, _ = build_data_iterators(config.data, config.training, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
+                                           vocab_size=model_cfg.vocab_size, consumed_samples=consumed_samples,
+                                           needs_data=any(needs))
+    train, valid = _per_chunk(train, needs), _per_chunk(valid, needs)
+    # Every rank joins the evaluation schedule, also a rank whose chunks read no data (middle stages), so
+    # whether there is one depends on the config alone; arguments.py rejects --eval-iters with no validation split.
+    return train, (valid if config.training.eval_iters > 0 else None)
+
+
+def _per_chunk(iterator, needs: list[bool]) -> list:
+    """One copy of `iterator` per chunk that reads data, None for the others. The first stage's forwards run
+    ahead of the last stage's on the same rank, so tee buffers the microbatches read by one and not yet by
+    the other (a few microbatches of token ids)."""
+    if iterator is None:
+        return [None] * len(needs)
+    copies = iter(itertools.tee(iterator, sum(needs)) if sum(needs) > 1 else [iterator])
+    return [next(copies) if need else None for need in needs]
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Token-sum loss of one microbatch: (sum of masked token losses, token count, log values)."""
+    mask = loss_mask.to(output_tensor.device, torch.float32)
+    loss_sum = (output_tensor.float() * mask).sum()
+    num_tokens = mask.sum()
+    return loss_sum, num_tokens, {"lm loss": (loss_sum.detach(), num_tokens)}
+
+
+def forward_step(data_iterator, model: torch.nn.Module):
+    """Megatron's forward_step_func: read a microbatch when this chunk embeds or computes the loss."""
+    pre, post = model.pre_process, model.post_process
+    batch = next(data_iterator) if data_iterator is not None and (pre or post) else None
+    device = next(model.parameters()).device
+    tokens = batch["tokens"].to(device) if pre else None
+    labels = batch["labels"].to(device) if post else None
+    output = model(input_ids=tokens, labels=labels)
+    if not post:
+        return output, None
+    return output, partial(loss_func, batch["loss_mask"])
