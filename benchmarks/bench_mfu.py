@@ -2,7 +2,7 @@
 
     python benchmarks/bench_mfu.py [--seq-length 2048] [--micro-batch-size 4] [--iters 10]
 
-Prints tokens/s, TFLOP/s and MFU (FLOPs counted as in core/training_log.py, peak from the device name)
+Prints tokens/s, TFLOP/s and MFU (FLOPs counted as in training/log.py, peak from the device name)
 and writes JSON. Needs CUDA; on a CPU-only machine it says so and exits 0 without numbers.
 """
 from __future__ import annotations

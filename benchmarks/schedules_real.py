@@ -14,7 +14,7 @@ torch a cheaper stand-in, the sum of the logits.) Besides step times it records 
   sim       the simulator's makespan for the plan that ran, at the F/B/W/comm costs `auto` profiled,
             over m * (F + B + W): the pipeline fill a perfect runtime on perfectly balanced stages pays;
   faults    main-thread minor page faults per step and rank: memory malloc gave back to the OS and the
-            step touched anew (`core.host_memory`; the trainer and this benchmark keep freed memory
+            step touched anew (`llamapipe.core.host_memory`; the trainer and this benchmark keep freed memory
             unless --release-host-memory).
 """
 from __future__ import annotations

@@ -10,3 +10,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_SLOW_TIERS = ("multiproc", "e2e")   # spawned ranks or torchrun: not in the fast tier (`-m "not slow"`)
+
+
+def pytest_itemcollected(item):
+    if any(f"tests/{tier}/" in item.nodeid for tier in _SLOW_TIERS):
+        item.add_marker(pytest.mark.slow)

@@ -57,7 +57,7 @@ class TrainingConfig:
     skip_nonfinite_steps: bool = False
     num_microbatches: int = 1           # derived: global / (micro x dp)
     profile_iters: int = 3              # `auto` and `zb-h2`: 1F1B iterations measured before switching
-    keep_host_memory: bool = True       # CPU runs: glibc keeps freed memory (core.host_memory)
+    keep_host_memory: bool = True       # CPU runs: glibc keeps freed memory (llamapipe.core.host_memory)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The rank math is pure (`RankGrid`), so it is testable without processes. `initialize_model_parallel`
 creates every group once and returns a frozen `ParallelState` that model, schedules and optimizer receive
-explicitly (DESIGN.md section 2). Megatron-style accessors wrap the same state for scripts.
+explicitly (docs/design.md section 2). Megatron-style accessors wrap the same state for scripts.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 shards; `layer_range` / `pre_process` / `post_process` make it one pipeline chunk. Parameter names are
 logical (`embedding.weight`, `layers.<global index>...`, `final_norm.weight`, `output.weight`), and every
 parameter is initialised from (seed, name) on the full logical tensor before slicing, so every layout
-starts from identical weights (DESIGN.md section 4). Activations travel sequence-first, (s, b, h).
+starts from identical weights (docs/design.md section 4). Activations travel sequence-first, (s, b, h).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The training loop: build this rank's model chunks, data, optimizer and schedule, then train.
 
-Loss accounting follows the per-token convention (DESIGN.md section 4): every microbatch returns the sum
+Loss accounting follows the per-token convention (docs/design.md section 4): every microbatch returns the sum
 of its token losses and its token count; gradients are divided by the global token count after the
 step's last backward, so every layout computes exactly the single-rank token-averaged loss.
 Exit handling (Megatron): --exit-interval, --exit-duration-in-mins and --exit-signal-handler (SIGTERM)

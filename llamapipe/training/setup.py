@@ -1,7 +1,7 @@
 """Builds what the training loop runs on: the model config, this rank's model chunks, data iterators,
 and the Megatron-style `forward_step(data_iterator, model)` with its token-sum loss function.
 
-Chunk placement follows DESIGN.md section 3: virtual stage v holds layers [v*L/S, (v+1)*L/S) for
+Chunk placement follows docs/design.md section 3: virtual stage v holds layers [v*L/S, (v+1)*L/S) for
 S = pp*vpp stages (unless --decoder-first/last-pipeline-num-layers give an uneven split, see
 `core.resharding.stage_layer_ranges`); interleaved schedules place stage v on rank v % pp, ZB-V uses the
 V placement.

@@ -1,4 +1,4 @@
-"""The one interpreter that runs any pipeline plan on real model chunks (DESIGN.md section 3).
+"""The one interpreter that runs any pipeline plan on real model chunks (docs/design.md section 3).
 
 `run(plan, ...)` executes this rank's `plan.actions[pp_rank]` in order: F (forward, send the output),
 B (input-gradient backward with weight gradients deferred into `weight_grad_store`, send the input

@@ -1,6 +1,6 @@
 """Point-to-point transfer of activations and gradients between virtual pipeline stages.
 
-Every message is derived from the plan (DESIGN.md section 3): an F on virtual stage v sends its output
+Every message is derived from the plan (docs/design.md section 3): an F on virtual stage v sends its output
 to stage v+1, a B (or BW) on stage v sends the input gradient to stage v-1. Because the plan is global,
 each rank knows the exact order in which every peer sends to it and posts its receives in that order;
 this is what NCCL needs (it matches per peer by order), and every message also carries a unique tag,

@@ -1,6 +1,6 @@
 """Verify a pipeline plan and simulate it: makespan, bubble rate, peak activation memory, timeline.
 
-Why: schedules are data (DESIGN.md section 3), so every builder is checked here before any process runs
+Why: schedules are data (docs/design.md section 3), so every builder is checked here before any process runs
 it. The cost and memory model is the zero-bubble paper's (Qi et al., arXiv 2401.10241, section 2 and
 Table 1): an F of one microbatch on one chunk takes `f` and adds M_B activation units; its B takes `b`
 and frees M_B - M_W, keeping the M_W that the weight gradient needs; its W takes `w` and frees M_W.

@@ -1,8 +1,8 @@
 """Command-line arguments with Megatron-LM flag names -> validated, frozen `Config`.
 
 The flags are defined here; every inconsistent combination is rejected by the checks in
-`core/arguments_validation.py` (the pipeline layout's in `core/arguments_pipeline.py`), before any process
-group exists, as one plain sentence that names the flags and the numbers (DESIGN.md section 2).
+`training/arguments/validation.py` (the pipeline layout's in `training/arguments/pipeline.py`), before any process
+group exists, as one plain sentence that names the flags and the numbers (docs/design.md section 2).
 """
 from __future__ import annotations
 

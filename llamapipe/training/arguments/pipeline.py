@@ -1,6 +1,6 @@
 """Checks of the pipeline layout flags: model chunks per rank, the layer split over stages, and the schedule.
 
-Split from `core/arguments_validation.py` (same contract: `ArgumentError`, one plain sentence naming the
+Split from `training/arguments/validation.py` (same contract: `ArgumentError`, one plain sentence naming the
 flags and the numbers). Megatron gives the chunks per rank two ways (--num-layers-per-virtual-pipeline-stage,
 newer --num-virtual-stages-per-pipeline-rank); errors name the flag the user gave.
 """

@@ -1,8 +1,8 @@
 """Validation of parsed command-line arguments and the per-concern configs built from them.
 
-Every inconsistent combination is rejected here (the pipeline layout's in `core/arguments_pipeline.py`),
+Every inconsistent combination is rejected here (the pipeline layout's in `training/arguments/pipeline.py`),
 before any process group exists, with `ArgumentError`: one plain sentence that names the flags and the
-numbers (DESIGN.md section 2). `core.arguments` defines the flags and calls these in order; the first
+numbers (docs/design.md section 2). `llamapipe.training.arguments.parser` defines the flags and calls these in order; the first
 failing check is the one reported.
 """
 from __future__ import annotations

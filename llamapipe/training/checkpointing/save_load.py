@@ -2,7 +2,7 @@
 
 `save_checkpoint` and `load_checkpoint` are collective (every rank calls them). dp_rank 0 of each
 (tp_rank, pp_rank) writes the model and optimizer shards, every rank writes its RNG state, and rank 0
-commits atomically (core/checkpoint_io.py). Loading reads logical tensors by name, so a checkpoint from
+commits atomically (training/checkpointing/io.py). Loading reads logical tensors by name, so a checkpoint from
 any layout loads into any other; optimizer state reshards like the parameters. RNG state is restored
 only when the layout is unchanged (it is per rank).
 """

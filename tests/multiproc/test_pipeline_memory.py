@@ -18,7 +18,7 @@ from torch import nn
 from llamapipe.core.pipeline_parallel import weight_grad_store
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
 from tests.harness import run_distributed
-from tests.test_pipeline_executor import BATCH, LAYERS, SEQ, ToyChunk, _Linear, make_batches
+from tests.multiproc.test_pipeline_executor import BATCH, LAYERS, SEQ, ToyChunk, _Linear, make_batches
 
 HIDDEN = 128     # large next to the vocabulary, so every chunk saves about the same bytes
 
@@ -143,7 +143,7 @@ def test_probe_on_llama_chunks_matches_saved_tensor_hooks(role):
     """The probe `auto` uses (a graph walk and weak references, no hooks, so saved weights stay the same
     objects) against saved-tensor hooks: a LLaMA chunk's unit, and the share still alive after B."""
     from llamapipe.model.llama import LlamaModel
-    from tests.test_pipeline_llama import CONFIG
+    from tests.multiproc.test_pipeline_llama import CONFIG
     chunk = LlamaModel(CONFIG, None, layer_range=(2, 4), pre_process=False, post_process=role == "last")
     exclude = {p.untyped_storage().data_ptr() for p in list(chunk.parameters()) + list(chunk.buffers())}
     g = torch.Generator().manual_seed(0)
@@ -177,7 +177,7 @@ def test_probe_with_recompute_reads_no_recomputed_tensor(granularity):
     """Under activation recompute the probe must not unpack checkpointed tensors (that re-runs the layer's
     forward and holds the result until B): no extra forward runs, and the unit shrinks."""
     from llamapipe.model.llama import LlamaModel
-    from tests.test_pipeline_llama import CONFIG
+    from tests.multiproc.test_pipeline_llama import CONFIG
     units = {}
     for label, config in (("plain", CONFIG), ("recompute", dataclasses.replace(CONFIG, recompute_granularity=granularity))):
         torch.manual_seed(0)
@@ -229,7 +229,7 @@ def test_held_share_of_llama_chunks_counts_more_than_saved(role):
     """On a LLaMA chunk the W closures' output gradients are about as large again as the saved inputs
     they keep: the held share lies above the saved share and is what `auto` simulates."""
     from llamapipe.model.llama import LlamaModel
-    from tests.test_pipeline_llama import CONFIG
+    from tests.multiproc.test_pipeline_llama import CONFIG
     chunk = LlamaModel(CONFIG, None, layer_range=(2, 4), pre_process=False, post_process=role == "last")
     chunk.set_input_tensor(torch.randn(16, 2, CONFIG.hidden_size, requires_grad=True))
     loss = (chunk(labels=torch.randint(0, 256, (2, 16))) if role == "last" else chunk()).float().sum()
@@ -249,7 +249,7 @@ def test_planning_memory_under_recompute_covers_what_w_holds():
     """With full recompute a forward saves only its checkpoints' inputs, but W still holds the recomputed
     layer inputs and the output gradients: many units. The planning unit must grow to that, not cap it."""
     from llamapipe.model.llama import LlamaModel
-    from tests.test_pipeline_llama import CONFIG
+    from tests.multiproc.test_pipeline_llama import CONFIG
     config = dataclasses.replace(CONFIG, recompute_granularity="full")
     chunk = LlamaModel(config, None, layer_range=(2, 4), pre_process=False, post_process=False)
     chunk.set_input_tensor(torch.randn(16, 2, CONFIG.hidden_size, requires_grad=True))

@@ -1,4 +1,4 @@
-"""core.host_memory: with glibc, freed activation memory is kept, so repeated steps stop page-faulting."""
+"""llamapipe.core.host_memory: with glibc, freed activation memory is kept, so repeated steps stop page-faulting."""
 import os
 import platform
 import subprocess

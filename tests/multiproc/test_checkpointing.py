@@ -241,7 +241,7 @@ import os, sys
 sys.path.insert(0, {root!r})
 import llamapipe.training.checkpointing.save_load as ck
 from llamapipe.core.parallel_state import ParallelState
-from tests.test_checkpointing import _save_single, make_chunks
+from tests.multiproc.test_checkpointing import _save_single, make_chunks
 ck.cio.torch_save = lambda obj, path: os._exit(3)   # die after the model shard, before rng/metadata
 _save_single({save_dir!r}, 2, make_chunks(ParallelState(), fill=2.0))
 """

@@ -1,6 +1,6 @@
 """GPU tier (needs CUDA; skipped on CPU-only machines): bf16 numerics, NCCL training through the CLI.
 
-Run on a GPU machine with `python -m pytest -q -m gpu tests/test_gpu.py`.
+Run on a GPU machine with `python -m pytest -q -m gpu tests/gpu/test_gpu.py`.
 """
 import math
 

@@ -4,7 +4,7 @@ import os
 
 from llamapipe.training.arguments.parser import build_parser
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.harness import ROOT
 
 FLAGS = """
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split

@@ -6,7 +6,7 @@ import torch
 from llamapipe.core.config import DataConfig, TrainingConfig
 from llamapipe.data.sampler import EvalSampler, PretrainingSampler, build_data_iterators
 from tests.harness import run_distributed
-from tests.test_data_gpt_dataset import write_docs
+from tests.unit.test_data_gpt_dataset import write_docs
 
 MBS, GBS, SEQ, ITERS = 2, 8, 16, 6
 

@@ -74,6 +74,7 @@ def test_torch_comparison_requires_the_same_losses():
     assert check_same_losses([], [], "torch-1f1b") == 0.0              # a rank without the loss
 
 
+@pytest.mark.slow
 def test_synthetic_mode_times_every_schedule_round_robin():
     """The synthetic mode's sleeping stages run every schedule end to end on 4 gloo ranks; a step can
     never beat the simulated makespan of its sleeps by more than the sleep calibration allows."""

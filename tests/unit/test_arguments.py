@@ -1,4 +1,4 @@
-"""Every inconsistent flag combination is rejected by core/arguments.py with one plain sentence."""
+"""Every inconsistent flag combination is rejected by training/arguments/parser.py with one plain sentence."""
 import os
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import pytest
 
 from llamapipe.training.arguments.parser import ArgumentError, build_parser, config_from_args, parse_args
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.harness import ROOT
 
 
 def cfg(argv, world=1):
@@ -229,6 +229,7 @@ def test_cli_rejects_before_any_process_group():
     assert other.returncode == 2 and other.stderr.strip() == ""   # only rank 0 speaks
 
 
+@pytest.mark.slow
 def test_under_torchrun_the_error_is_printed_once_by_rank_0_without_our_traceback():
     """torchrun adds its own failure report after the workers exit 2; our part is exactly one line."""
     from tests.cli import torchrun

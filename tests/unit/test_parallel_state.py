@@ -57,6 +57,7 @@ def _group_sums(rank, world, tp, pp, order):
     return sums, (state.tp_rank, state.dp_rank, state.pp_rank)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,order", [(2, 2, "tp-dp-pp"), (2, 4, "tp-pp-dp"), (4, 1, "dp-tp-pp")])
 def test_allreduce_in_every_group_sums_predicted_ranks(tp, pp, order):
     world = 8
@@ -80,6 +81,7 @@ def _fail_on_rank_one(rank, world):
     return rank
 
 
+@pytest.mark.slow
 def test_harness_fails_fast_with_the_failing_ranks_traceback():
     with pytest.raises(RankFailure) as info:
         run_distributed(_fail_on_rank_one, 4, timeout=60)

@@ -1,4 +1,4 @@
-"""--overlap-grad-reduce during the backward (core/grad_sync.py).
+"""--overlap-grad-reduce during the backward (core/distributed/grad_sync.py).
 
 One process: which buckets start when (fused BW, B then W, W out of order, a non-final microbatch) and
 that `finish` writes back exactly what the end-of-step reduction writes. Two gloo ranks: the sums over

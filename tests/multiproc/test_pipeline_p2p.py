@@ -10,7 +10,7 @@ from llamapipe.core.pipeline_parallel import builders
 from llamapipe.core.pipeline_parallel.p2p_communication import Message, needs_and_sends, receive_order
 from llamapipe.core.pipeline_parallel.schedule_ir import Action
 from tests.harness import run_distributed
-from tests.test_pipeline_executor import LAYERS, ToyChunk, forward_step, make_batches, make_chunks
+from tests.multiproc.test_pipeline_executor import LAYERS, ToyChunk, forward_step, make_batches, make_chunks
 
 
 def test_zbv_turn_is_a_local_hand_off():
