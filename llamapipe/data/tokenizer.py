@@ -1,67 +1,57 @@
-"""SentencePiece tokenizer (`--tokenizer-model`) with LLaMA's special ids, plus the vocabulary-coverage check.
+"""Tokenizers by Megatron's `--tokenizer-type` name, and the vocabulary-coverage check.
 
-LLaMA's models define bos/eos/unk but no pad (sentencepiece reports pad_id -1): `pad_id` is then None.
-The model pads its vocabulary (Megatron: multiple of make_vocab_size_divisible_by x TP); `check_vocab`
-verifies that padding still covers every token id the tokenizer can produce.
+- SentencePieceTokenizer / Llama2Tokenizer / GPTSentencePieceTokenizer: a sentencepiece `.model` (LLaMA 1/2).
+- HuggingFaceTokenizer: a local HF `tokenizer.json`, or a directory holding it (LLaMA 3).
+- NullTokenizer: text that is already token ids; needs `vocab_size`.
+
+All share `tokenizers.base.Tokenizer`. The model pads its vocabulary (Megatron: a multiple of
+make_vocab_size_divisible_by x TP); `check_vocab` verifies that padding still covers every token id.
 """
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence, Union
+from typing import Optional
 
-import sentencepiece as spm
+from llamapipe.data.tokenizers.base import Tokenizer
+from llamapipe.data.tokenizers.huggingface_tokenizer import HuggingFaceTokenizer
+from llamapipe.data.tokenizers.null_tokenizer import NullTokenizer
+from llamapipe.data.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
 
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer")
+TOKENIZER_TYPES = SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer", "NullTokenizer")
 
-class SentencePieceTokenizer:
-    """Thin wrapper over `sentencepiece.SentencePieceProcessor`; ids are plain Python ints."""
-
-    def __init__(self, model_path: str) -> None:
-        if not os.path.isfile(model_path):
-            raise ValueError(f"tokenizer model {model_path} does not exist")
-        self.model_path = model_path
-        self._sp = spm.SentencePieceProcessor(model_file=model_path)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
-
-    @property
-    def bos_id(self) -> Optional[int]:
-        return _optional(self._sp.bos_id())
-
-    @property
-    def eos_id(self) -> Optional[int]:
-        return _optional(self._sp.eos_id())
-
-    @property
-    def pad_id(self) -> Optional[int]:
-        return _optional(self._sp.pad_id())
-
-    @property
-    def eod(self) -> int:
-        """End-of-document token appended by `preprocess_data.py --append-eod` (LLaMA: eos)."""
-        assert self.eos_id is not None, "tokenizer has no eos piece to mark document ends"
-        return self.eos_id
-
-    def encode(self, text: Union[str, Sequence[str]], bos: bool = False, eos: bool = False,
-               num_threads: int = 1) -> Union[list[int], list[list[int]]]:
-        """One text -> ids; a list of texts -> list of ids (sentencepiece's fast batch path)."""
-        if isinstance(text, str):
-            return self._sp.encode(text, add_bos=bos, add_eos=eos)
-        return self._sp.encode(list(text), add_bos=bos, add_eos=eos, num_threads=num_threads)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
-
-    def id_to_piece(self, i: int) -> str:
-        return self._sp.id_to_piece(int(i))
+__all__ = ["Tokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer", "TOKENIZER_TYPES",
+           "SENTENCEPIECE_TYPES", "build_tokenizer", "infer_tokenizer_type", "check_vocab"]
 
 
-def _optional(i: int) -> Optional[int]:
-    return None if i < 0 else i
+def infer_tokenizer_type(model_path: str) -> str:
+    """The kind a --tokenizer-model path names: a directory or a `.json` file is an HF tokenizer; any other
+    file is read as sentencepiece, as before --tokenizer-type existed."""
+    if os.path.isdir(model_path) or model_path.endswith(".json"):
+        return "HuggingFaceTokenizer"
+    return "SentencePieceTokenizer"
 
 
-def build_tokenizer(model_path: str) -> SentencePieceTokenizer:
+def build_tokenizer(model_path: Optional[str], tokenizer_type: Optional[str] = None, *,
+                    vocab_size: Optional[int] = None) -> Tokenizer:
+    """The tokenizer for --tokenizer-model / --tokenizer-type (inferred from the path when None) / --vocab-size
+    (NullTokenizer only)."""
+    if tokenizer_type is None:
+        if model_path is None:
+            raise ValueError("give --tokenizer-model (a sentencepiece .model, or an HF tokenizer.json or its "
+                             "directory) or --tokenizer-type NullTokenizer with --vocab-size")
+        tokenizer_type = infer_tokenizer_type(model_path)
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} is not one of {', '.join(TOKENIZER_TYPES)}")
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size (token ids are 0..vocab-size-1 "
+                             "and eod is vocab-size)")
+        return NullTokenizer(vocab_size)
+    if model_path is None:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(model_path)
     return SentencePieceTokenizer(model_path)
 
 

@@ -2,9 +2,12 @@
 
 The main process reads and validates records (streaming); a process pool (tokenizer built once per
 worker) batch-encodes them. At most a few batches are in flight, so memory does not depend on corpus size.
+The progress bar counts bytes of the input files, so it shows a total and an ETA.
 
-    python scripts/preprocess_data.py --input corpus --output-prefix data/corpus \
+    llamapipe preprocess --input corpus --output-prefix data/corpus \
         --tokenizer-model tokenizer.model --workers 2 --append-eod
+    llamapipe preprocess --input corpus --output-prefix data/corpus-llama3 \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model Meta-Llama-3-8B/ --append-eod
 """
 from __future__ import annotations
 
@@ -17,23 +20,28 @@ import time
 from collections import deque
 from typing import Iterator, Optional, Sequence
 
-
 import numpy as np
 from tqdm import tqdm
 
+from llamapipe.core.logger import get_logger
 from llamapipe.data.indexed_dataset import IndexedDatasetWriter, best_dtype
-from llamapipe.data.redpajama import ReadStats, iter_documents
-from llamapipe.data.tokenizer import build_tokenizer
+from llamapipe.data.redpajama import Document, ReadStats, iter_documents, resolve_inputs
+from llamapipe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 _worker: dict = {}
+_PLAIN_JSON = (".json", ".jsonl")
 
 
 def output_prefix(prefix: str, key: str) -> str:
     return f"{prefix}_{key}_document"
 
 
-def _init_worker(model_path: str, json_keys: Sequence[str], append_eod: bool) -> None:
-    tokenizer = build_tokenizer(model_path)
+def _init_worker(tokenizer_args: tuple, json_keys: Sequence[str], append_eod: bool, workers: int) -> None:
+    if workers > 1:
+        # The pool is the parallelism; HF's encode_batch would otherwise start a thread per core in every worker.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    model_path, tokenizer_type, vocab_size = tokenizer_args
+    tokenizer = build_tokenizer(model_path, tokenizer_type, vocab_size=vocab_size)
     _worker.update(tokenizer=tokenizer, keys=tuple(json_keys), append_eod=append_eod,
                    dtype=best_dtype(tokenizer.vocab_size))
 
@@ -52,40 +60,89 @@ def encode_batch(batch: list[dict[str, str]]) -> dict[str, tuple[np.ndarray, np.
     return out
 
 
-def _batches(docs: Iterator, size: int) -> Iterator[list[dict[str, str]]]:
+class InputProgress:
+    """How far the reader is through the inputs, in bytes of the input files (the progress bar's unit).
+
+    Exact at each file's start. Inside a plain .json/.jsonl file a document counts its text's UTF-8 size
+    (its line also holds quoting and meta, so this lags a little), capped at the file's size; a compressed
+    file (.gz, .parquet) holds several times its size in text, so it counts only when the reader moves on.
+    A hub dataset has no size: then `total` is None and positions count documents.
+    """
+
+    def __init__(self, files: Sequence[str]) -> None:
+        sized = all(os.path.isfile(f) for f in files)
+        self._size = {f: os.path.getsize(f) for f in files} if sized else {}
+        offsets = list(itertools.accumulate([0] + [self._size.get(f, 0) for f in files]))
+        self._start = dict(zip(files, offsets))
+        self.total: Optional[int] = offsets[-1] if sized else None
+        self.documents, self._file, self._in_file = 0, "", 0
+
+    def after(self, doc: Document) -> int:
+        """The position just after `doc`."""
+        self.documents += 1
+        if self.total is None:
+            return self.documents
+        path = doc.where.rsplit(":", 1)[0]
+        if path != self._file:
+            self._file, self._in_file = path, 0
+        if path.endswith(_PLAIN_JSON):
+            self._in_file += sum(len(text.encode("utf-8")) for text in doc.texts.values())
+        return self._start[path] + min(self._in_file, self._size[path])
+
+
+def _batches(docs: Iterator[Document], size: int, where: InputProgress) -> Iterator[tuple[list[dict], int]]:
+    """Batches of documents' texts, each with the input position after its last document."""
     while True:
-        batch = [d.texts for d in itertools.islice(docs, size)]
+        batch = list(itertools.islice(docs, size))
         if not batch:
             return
-        yield batch
+        position = 0
+        for doc in batch:
+            position = where.after(doc)
+        yield [d.texts for d in batch], position
 
 
-def preprocess(inputs: Sequence[str], prefix: str, model_path: str, workers: int = 1,
+def _progress_bar(total: Optional[int], enabled: bool) -> tqdm:
+    if total is None:
+        return tqdm(unit="docs", disable=not enabled, mininterval=1.0, desc="tokenizing")
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled,
+                mininterval=1.0, desc="tokenizing")
+
+
+def preprocess(inputs: Sequence[str], prefix: str, model_path: Optional[str], workers: int = 1,
                json_keys: Sequence[str] = ("text",), append_eod: bool = False, strict: bool = False,
-               batch_docs: int = 64, progress: bool = True) -> dict:
+               batch_docs: int = 64, progress: bool = True, tokenizer_type: Optional[str] = None,
+               vocab_size: Optional[int] = None) -> dict:
     """Tokenize inputs into one indexed dataset per json key; returns the summary numbers."""
-    tokenizer = build_tokenizer(model_path)
+    tokenizer = build_tokenizer(model_path, tokenizer_type, vocab_size=vocab_size)
+    if append_eod and tokenizer.eos_id is None:
+        raise ValueError(f"--append-eod needs an end-of-text token, and --tokenizer-model {model_path} has none")
+    files = resolve_inputs(inputs)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     writers = {k: IndexedDatasetWriter(output_prefix(prefix, k), best_dtype(tokenizer.vocab_size))
                for k in json_keys}
     stats, tokens, start = ReadStats(), 0, time.perf_counter()
-    docs = iter_documents(inputs, json_keys, strict=strict, stats=stats)
-    bar = tqdm(unit="docs", disable=not progress, mininterval=1.0, desc="tokenizing")
+    where = InputProgress(files)
+    docs = iter_documents(files, json_keys, strict=strict, stats=stats)
     pending: deque = deque()
-    with mp.Pool(workers, initializer=_init_worker, initargs=(model_path, tuple(json_keys), append_eod)) as pool:
+    initargs = ((model_path, tokenizer_type, vocab_size), tuple(json_keys), append_eod, workers)
+    with _progress_bar(where.total, progress) as bar, \
+            mp.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
         def drain(keep: int) -> None:
             nonlocal tokens
             while len(pending) > keep:
-                result = pending.popleft().get()
+                task, position = pending.popleft()
+                result = task.get()
                 for key, (lengths, flat) in result.items():
                     writers[key].add_sequences(flat, lengths)
                 tokens += len(result[json_keys[0]][1])
-                bar.update(len(result[json_keys[0]][0]))
-        for batch in _batches(docs, batch_docs):
-            pending.append(pool.apply_async(encode_batch, (batch,)))
+                bar.update(position - bar.n)
+        for batch, position in _batches(docs, batch_docs, where):
+            pending.append((pool.apply_async(encode_batch, (batch,)), position))
             drain(keep=4 * workers)   # bounded: a few batches in flight per worker
         drain(keep=0)
-    bar.close()
+        if where.total is not None:   # the last file's tail (compressed, or quoting and meta) is read by now
+            bar.update(where.total - bar.n)
     for w in writers.values():
         w.finalize()
     elapsed = time.perf_counter() - start
@@ -98,11 +155,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True, help="files (.jsonl, .jsonl.gz, .json, .parquet), "
                    "directories, globs, or a hub dataset name (downloads)")
-    p.add_argument("--output-prefix", required=True)
-    p.add_argument("--tokenizer-model", required=True)
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX_<json key>_document.bin/.idx")
+    p.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="default: from --tokenizer-model (a directory or .json file: HuggingFaceTokenizer, "
+                   "otherwise SentencePieceTokenizer)")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="a sentencepiece .model, or a local HF tokenizer.json or the directory holding it")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer only: ids are 0..N-1 and eod is N (default: none)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--json-keys", nargs="+", default=["text"])
-    p.add_argument("--append-eod", action="store_true", help="append the eos token to every document")
+    p.add_argument("--append-eod", action="store_true", help="append the eod (end-of-text) token to every document")
     p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping it")
     p.add_argument("--batch-docs", type=int, default=64, help="documents per worker task")
     p.add_argument("--no-progress", action="store_true")
@@ -111,13 +174,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"--workers {args.workers} and --batch-docs {args.batch_docs} must be at least 1")
     try:
         s = preprocess(args.input, args.output_prefix, args.tokenizer_model, args.workers, args.json_keys,
-                       args.append_eod, args.strict, args.batch_docs, not args.no_progress)
+                       args.append_eod, args.strict, args.batch_docs, not args.no_progress,
+                       args.tokenizer_type, args.vocab_size)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    print(s["read_summary"])
-    print(f"documents {s['documents']} | tokens {s['tokens']} | skipped records {s['skipped']} | "
-          f"{s['seconds']:.2f}s | {s['docs_per_s']:.0f} docs/s | {s['tokens_per_s']:.0f} tokens/s")
-    print("wrote " + ", ".join(f"{o}.bin/.idx" for o in s["outputs"]))
+    log = get_logger()
+    log.info(s["read_summary"])
+    log.info(f"documents {s['documents']} | tokens {s['tokens']} | skipped records {s['skipped']} | "
+             f"{s['seconds']:.2f}s | {s['docs_per_s']:.0f} docs/s | {s['tokens_per_s']:.0f} tokens/s")
+    log.info("wrote " + ", ".join(f"{o}.bin/.idx" for o in s["outputs"]))
     return 0
 
 
