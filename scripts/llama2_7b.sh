@@ -4,7 +4,7 @@
 #   DATA=/data/redpajama_text_document TOKENIZER=/models/llama2/tokenizer.model bash scripts/llama2_7b.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-: "${DATA:?set DATA to a preprocessed prefix (scripts/preprocess_data.py)}"
+: "${DATA:?set DATA to a preprocessed prefix (llamapipe preprocess)}"
 : "${TOKENIZER:?set TOKENIZER to the sentencepiece model}"
 CKPT=${CKPT:-checkpoints/llama2-7b}
 export MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# README command two: install from scratch, then run the whole test suite (CPU; GPU tests skip).
+# README command two (what .ci/run runs): install, then run the whole test suite (CPU; GPU tests skip).
+# Arguments go to pytest: `bash scripts/test.sh -m "not slow"` is the fast tier (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh

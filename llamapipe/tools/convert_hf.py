@@ -1,8 +1,8 @@
 """Convert between HF transformers LLaMA directories and llamapipe checkpoints, in any parallel layout.
 
-  python scripts/convert_hf.py import --hf-dir D --save DIR [--tensor-llamapipe.model-parallel-size T
+  llamapipe convert-hf import --hf-dir D --save DIR [--tensor-model-parallel-size T
       --pipeline-model-parallel-size P --num-layers-per-virtual-pipeline-stage V]
-  python scripts/convert_hf.py export --load DIR --hf-dir D
+  llamapipe convert-hf export --load DIR --hf-dir D
 
 Import writes iteration 0, model weights only (train from it with --finetune, or --no-load-optim).
 Export takes any checkpoint (any layout; DIR may be a save dir or one iter_XXXXXXX dir) and writes

@@ -6,7 +6,7 @@ Sources, in sorted order: docstrings of the Python standard library's modules, c
 deterministic (same bytes on every run on the same machine): shards shard_00..NN.jsonl, the last one
 gzip-compressed with a fixed header.
 
-    python scripts/make_sample_corpus.py --out corpus --max-mb 4
+    llamapipe make-sample-corpus --out runs/sample_corpus --max-mb 4
 """
 from __future__ import annotations
 
@@ -115,7 +115,8 @@ def _interleave(a: Iterator[dict], b: Iterator[dict], ratio: int = 4) -> Iterato
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", default=os.path.join("runs", "sample_corpus"),
+                   help="output directory (default runs/sample_corpus)")
     p.add_argument("--max-mb", type=float, default=4.0, help="stop after this many MB of text")
     p.add_argument("--num-shards", type=int, default=4, help="shards; the last one is .jsonl.gz")
     args = p.parse_args(argv)

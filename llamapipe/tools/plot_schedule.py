@@ -1,20 +1,21 @@
 """Build a pipeline schedule, simulate it, print its timeline and numbers, and draw it.
 
-    python scripts/plot_schedule.py --schedule zb-h1 --pp 4 --microbatches 8 --out zb-h1.png
-    python scripts/plot_schedule.py --schedule auto --pp 4 --microbatches 16 --costs 1,1.5,0.8,0.1 --json
+    llamapipe plot-schedule --schedule zb-h1 --pp 4 --microbatches 8            (writes runs/schedule_zb-h1.png)
+    llamapipe plot-schedule --schedule auto --pp 4 --microbatches 16 --costs 1,1.5,0.8,0.1 --json
 """
-import sys
-
+from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 from llamapipe.core.config import SCHEDULES
 from llamapipe.core.pipeline_parallel.builders import build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
-from llamapipe.core.pipeline_parallel.visualize import ascii_timeline, plot_timeline
+from llamapipe.core.pipeline_parallel.visualize import ascii_timeline, bubble_text, plot_timeline, rank_table
 
-PROG = "plot_schedule.py"
+PROG = "llamapipe plot-schedule"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,7 +38,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--costs", default="1,1,1,0", help="F,B,W[,COMM] times of one chunk (default 1,1,1,0)")
     p.add_argument("--mem-limit", type=float, default=None,
                    help="auto: activation memory cap per rank in microbatch-chunk units (default 2*pp)")
-    p.add_argument("--out", default="timeline.png", help="picture to write, .png or .svg (default timeline.png)")
+    p.add_argument("--out", default=None, help="picture to write, .png or .svg (default runs/schedule_SCHEDULE.png)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     return p.parse_args(argv)
 
@@ -53,19 +54,14 @@ def _costs(text: str) -> Costs:
 
 
 def _report(plan, result) -> str:
-    lines = [ascii_timeline(plan, result), "",
-             f"{'rank':>4} {'busy':>8} {'span':>8} {'idle':>8} {'peak mem':>9}"]
-    for r in range(plan.pp):
-        lines.append(f"{r:>4} {result.busy[r]:>8.2f} {result.span[r]:>8.2f} "
-                     f"{result.makespan - result.busy[r]:>8.2f} {result.peak_memory[r]:>9.2f}")
-    lines += [f"makespan {result.makespan:.2f}", f"bubble rate {100 * result.bubble_rate:.2f}% "
-              f"(makespan bubble rate {100 * result.makespan_bubble_rate:.2f}%)"]
-    return "\n".join(lines)
+    return "\n".join([ascii_timeline(plan, result), "", rank_table(plan, result), "",
+                      f"makespan {result.makespan:.2f}", bubble_text(result)])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     vpp = args.vpp if args.vpp is not None else (2 if args.schedule in ("interleaved", "zbv") else 1)
+    args.out = args.out or os.path.join("runs", f"schedule_{args.schedule}.png")
     if not args.out.endswith((".png", ".svg")):
         return _fail(f"--out {args.out} must end in .png or .svg")
     try:
@@ -74,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         return _fail(str(e))
     result = simulate(plan, costs)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     plot_timeline(plan, result, args.out)
     if args.json:
         print(json.dumps({"schedule": args.schedule, "pp": args.pp, "vpp": vpp, "microbatches": args.microbatches,

@@ -1,8 +1,14 @@
-"""Draw a simulated pipeline timeline: ASCII for terminals and logs, PNG/SVG with matplotlib.
+"""Draw a simulated pipeline timeline: ASCII for terminals and logs, PNG/SVG with matplotlib, and a
+per-rank table of where the time goes.
 
 Why: a schedule is easiest to judge by eye, in the style of the figures of the Megatron interleaving
 paper (arXiv 2104.04473) and the zero-bubble paper (arXiv 2401.10241): one row per pipeline rank,
 F/B/W in distinct colours, darker for later model chunks, microbatch number in each box.
+
+Two bubble figures are shown, each named, because they answer different questions: the share of the
+picture that is idle (idle rank-time / (ranks x makespan), ramps at both ends included) is what a user
+sees and pays; the zero-bubble paper's bubble rate ((span - busy) / span of the longest stage) is what
+its tables report and leaves the ramps out.
 """
 from __future__ import annotations
 
@@ -43,6 +49,28 @@ def ascii_timeline(plan: Plan, result: Result) -> str:
     return "\n".join(lines)
 
 
+def bubble_text(result: Result) -> str:
+    """Both bubble figures, named, for titles and reports."""
+    return (f"idle in picture {100 * result.makespan_bubble_rate:.1f}% (idle rank-time / (ranks x makespan)); "
+            f"paper's bubble rate {100 * result.bubble_rate:.1f}% (per stage: (span - busy) / span)")
+
+
+def rank_table(plan: Plan, result: Result) -> str:
+    """Per rank: busy + idle in span = span, span + idle at the ends = makespan; the last row sums the
+    ranks, so its idle columns over ranks x makespan give the picture's idle share."""
+    header = (f"{'rank':>5} {'busy':>8} {'+ idle in span':>15} {'= span':>8} {'+ idle at ends':>15} "
+              f"{'= makespan':>11} {'peak mem':>9}")
+    lines = [header]
+    inside = [s - b for s, b in zip(result.span, result.busy)]
+    ends = [result.makespan - s for s in result.span]
+    for r in range(plan.pp):
+        lines.append(f"{r:>5} {result.busy[r]:>8.2f} {inside[r]:>15.2f} {result.span[r]:>8.2f} {ends[r]:>15.2f} "
+                     f"{result.makespan:>11.2f} {result.peak_memory[r]:>9.2f}")
+    lines.append(f"{'all':>5} {sum(result.busy):>8.2f} {sum(inside):>15.2f} {sum(result.span):>8.2f} "
+                 f"{sum(ends):>15.2f} {plan.pp * result.makespan:>11.2f}")
+    return "\n".join(lines)
+
+
 def plot_timeline(plan: Plan, result: Result, path: str, title: str | None = None) -> None:
     """Write the timeline to `path` (format from the suffix, e.g. .png or .svg)."""
     import matplotlib
@@ -72,8 +100,8 @@ def plot_timeline(plan: Plan, result: Result, path: str, title: str | None = Non
     handles = [Patch(facecolor=_COLOURS[k][c], edgecolor="black", label=f"{k} chunk {c}" if plan.vpp > 1 else k)
                for k in kinds for c in range(min(plan.vpp, 4))]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
-    ax.set_title(title or f"{plan.name}: pp={plan.pp} vpp={plan.vpp} microbatches={plan.num_microbatches}, "
-                 f"bubble {100 * result.bubble_rate:.1f}%", fontsize=9)
+    ax.set_title(title or f"{plan.name}: pp={plan.pp} vpp={plan.vpp} microbatches={plan.num_microbatches}\n"
+                 f"{bubble_text(result)}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -164,7 +164,7 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
 
 def data_config(args: argparse.Namespace) -> DataConfig:
     if not args.mock_data and not args.data_path:
-        raise ArgumentError("give --data-path PREFIX (from scripts/preprocess_data.py) or --mock-data")
+        raise ArgumentError("give --data-path PREFIX (from llamapipe preprocess) or --mock-data")
     if args.tokenizer_model is not None and not os.path.isfile(args.tokenizer_model):
         raise ArgumentError(f"--tokenizer-model {args.tokenizer_model} does not exist")
     if args.data_path and not args.mock_data:

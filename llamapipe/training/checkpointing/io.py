@@ -1,6 +1,6 @@
 """On-disk checkpoint format: shard files, metadata, atomic commit, completeness checks, safe reading.
 
-Layout of `<save>/iter_0000010/` (README.md, "Checkpoints"):
+Layout of `<save>/iter_0000010/` (docs/checkpoints.md):
   model_tp00_pp000.safetensors   one per (tp_rank, pp_rank); tensors keyed by logical name
   optim_tp00_pp000.safetensors   same, keys "<logical name>/<field>" (exp_avg, exp_avg_sq, master_param)
   optim_common.pt                optimizer step and loss-scaler state (torch.save, weights-only types)
