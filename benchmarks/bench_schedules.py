@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from llamapipe.core.pipeline_parallel import weight_grad_store
-from llamapipe.core.pipeline_parallel.builders import build
 from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 from benchmarks.schedules_real import SCHEDULES, loss_step, placement, real_worker, summary, timed_rounds  # noqa: E501
 
@@ -48,7 +48,6 @@ def simulated(pp: int = 4, ms: tuple = (8, 16)) -> list[dict]:
 
 _OVERSHOOT = [0.0]          # median time.sleep overshoot of this process, set by _calibrate_sleep
 _MAX_OVERSHOOT = 0.3e-3     # typical is 0.07-0.12 ms
-_PROFILED = ("auto", "zb-h2")   # schedules that profile in their first step, then switch to a fitted plan
 
 
 def _calibrate_sleep() -> None:
@@ -78,6 +77,7 @@ class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, times):
         ctx.weight, ctx.times = weight, times
+        ctx.store = weight_grad_store.current()
         _sleep(times[0])
         return x.clone()
 
@@ -90,7 +90,7 @@ class _Sleep(torch.autograd.Function):
             _sleep(times[2])
             weight.grad = torch.ones_like(weight) if weight.grad is None else weight.grad + 1
 
-        weight_grad_store.schedule(weight_grad, (weight,))
+        weight_grad_store.defer(ctx.store, weight_grad, (weight,))
         return grad.clone(), None, None
 
 
@@ -113,6 +113,7 @@ def synthetic_worker(rank: int, world: int, m: int, sleep_s: float, steps: int) 
     """Every schedule on sleeping chunks, timed round-robin: round k runs each schedule once, so a slow
     spell of the machine lands on all schedules alike instead of on one schedule's steps."""
     from llamapipe.core.parallel_state import initialize_model_parallel
+    from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
     from llamapipe.core.pipeline_parallel.p2p_communication import measure_latency
     ps0, rows, fbs, runs = initialize_model_parallel(1, world), [], {}, {}
@@ -125,14 +126,14 @@ def synthetic_worker(rank: int, world: int, m: int, sleep_s: float, steps: int) 
         stages = [stage_of(ps.pp_rank, c, world, placement(name, vpp)) for c in range(vpp)]
         chunks = [SleepChunk((sleep_s / vpp,) * 3, s == world * vpp - 1) for s in stages]
         data = [itertools.repeat({"input_ids": x}) if s == 0 else None for s in stages]
-        fbs[name] = get_forward_backward_func(ps, name, profile_iters=1)
+        fbs[name] = get_forward_backward_func(ps, name, options=AutoOptions(profile_iters=1))
         runs[name] = functools.partial(fbs[name], forward_step_func=loss_step, data_iterator=data, model=chunks,
                                        num_microbatches=m)
-        for _ in range(2 if name in _PROFILED else 1):
-            runs[name]()               # warm-up (the profiling step first, for _PROFILED)
+        for _ in range(2 if SPECS[name].profiled else 1):
+            runs[name]()               # warm-up (the profiling step first, for auto and zb-h2)
     wall, _, _ = timed_rounds(ps0, runs, steps)
     for name, vpp in SCHEDULES:
-        plan = fbs[name].plan if name in _PROFILED else build(name, world, vpp, m)
+        plan = fbs[name].plan if SPECS[name].profiled else build(name, world, vpp, m)
         costs = chunk_costs(vpp, sleep_s, sleep_s, sleep_s)
         predicted = simulate(plan, costs).makespan
         with_comm = simulate(plan, dataclasses.replace(costs, comm=comm)).makespan

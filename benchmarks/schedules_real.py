@@ -23,22 +23,27 @@ import dataclasses
 import os
 import statistics
 import time
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from llamapipe.core.host_memory import keep_freed_host_memory, minor_page_faults
-from llamapipe.core.pipeline_parallel import weight_grad_store
 from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
+from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zbv", 2), ("auto", 1)]
-REAL_SCHEDULES = SCHEDULES[:2] + [("1f1b-fused", 1)] + SCHEDULES[2:]
+SCHEDULES = [(name, spec.default_chunks) for name, spec in SPECS.items()]
+REAL_SCHEDULES = SCHEDULES + [("1f1b-fused", 1)]      # Megatron's 1F1B: a BW sends after its weight grads
 TORCH_EQUIVALENT = {"1f1b": "torch-1f1b", "zbv": "torch-zbv"}
 
 
 def placement(schedule: str, vpp: int) -> str:
-    return "v" if schedule in ("zbv", "auto", "torch-zbv") and vpp == 2 else "interleaved"
+    """From the spec of our schedule, or of ours that Megatron's fused 1F1B or a torch schedule stands for."""
+    ours = {theirs: name for name, theirs in TORCH_EQUIVALENT.items()}
+    return SPECS[ours.get(schedule, schedule.removesuffix("-fused"))].placement(vpp)
 
 
 def loss_step(data_iterator, model):
@@ -78,6 +83,7 @@ def llama_config(args):
 
 
 def llama_chunks(config, ps, schedule: str, vpp: int) -> list[nn.Module]:
+    """This rank's `vpp` chunks of the model, placed as `schedule` places them."""
     from llamapipe.model.llama import LlamaModel
     stages = ps.pp_size * vpp
     per = config.num_layers // stages
@@ -102,32 +108,40 @@ class _TorchStage(nn.Module):
 
 class _CapturedWeightGrads:
     """torch's `dw_builder` for our model: torch calls it right after each input backward (I) and runs
-    what it returns at the matching W. Our linears queue their weight gradients in `weight_grad_store`,
-    so the store captures continuously and each call cuts off the closures of the I that just ran."""
+    what it returns at the matching W. Our linears queue their weight gradients in the store their forward
+    ran under, so the step runs with `store` current, the store captures continuously and each call cuts
+    off the closures of the I that just ran."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self.count, self.store = 0, WeightGradStore()
 
-    def start(self) -> None:
-        weight_grad_store.begin(("torch-dw", self.count))
+    def _begin(self) -> None:
+        self.store.begin(("torch-dw", self.count))
 
     def __call__(self):
-        key = weight_grad_store.end()
+        key = self.store.end()
         self.count += 1
-        self.start()
-        return lambda: weight_grad_store.run(key)
+        self._begin()
+        return lambda: self.store.run(key)
 
-    def stop(self) -> None:
-        assert weight_grad_store.run(weight_grad_store.end()) == 0, "weight gradients left after the step"
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Around one schedule step: our forwards remember the store, which captures throughout."""
+        self._begin()
+        try:
+            with self.store.active():
+                yield
+        finally:
+            assert self.store.run(self.store.end()) == 0, "weight gradients left after the step"
 
 
 def _torch_step(config, ps, name: str, m: int, tokens: torch.Tensor, labels: torch.Tensor):
     """torch.distributed.pipelining's Schedule1F1B, or ScheduleZBVZeroBubble with the real I/W split."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
     vpp = 2 if name == "torch-zbv" else 1
-    chunks = llama_chunks(config, ps, "zbv" if vpp == 2 else "1f1b", vpp)
+    chunks = llama_chunks(config, ps, name, vpp)
     dw = _CapturedWeightGrads() if vpp == 2 else None
-    stages = [PipelineStage(_TorchStage(c), stage_of(ps.pp_rank, i, ps.pp_size, "v" if vpp == 2 else "interleaved"),
+    stages = [PipelineStage(_TorchStage(c), stage_of(ps.pp_rank, i, ps.pp_size, placement(name, vpp)),
                             ps.pp_size * vpp, torch.device("cpu"), group=ps.pp_group, dw_builder=dw)
               for i, c in enumerate(chunks)]
 
@@ -143,13 +157,8 @@ def _torch_step(config, ps, name: str, m: int, tokens: torch.Tensor, labels: tor
 
     def step() -> list[torch.Tensor]:
         args, losses = ((tokens,) if holds_first else ()), []
-        if dw is not None:
-            dw.start()
-        try:
+        with dw.capturing() if dw is not None else nullcontext():
             schedule.step(*args, target=labels if holds_last else None, losses=losses if holds_last else None)
-        finally:
-            if dw is not None:
-                dw.stop()
         return [loss.detach() for loss in losses]
     return step
 
@@ -185,6 +194,7 @@ def _our_step(config, ps0, name: str, vpp: int, m: int, batches: list):
     """(step callable, callable giving the plan that runs, the AutoSchedule or None): `auto` and `zb-h2`
     know their plan and costs once they have profiled."""
     from llamapipe.core.pipeline_parallel import executor
+    from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions
     from llamapipe.core.pipeline_parallel.schedules import cached_plan, get_forward_backward_func
     ps = dataclasses.replace(ps0, vpp_size=vpp)
     chunks = llama_chunks(config, ps, name, vpp)
@@ -193,8 +203,8 @@ def _our_step(config, ps0, name: str, vpp: int, m: int, batches: list):
         return (lambda: executor.run(plan, model_chunks=chunks, forward_step_func=loss_step,
                                      data_iterator=[iter(batches)], parallel_state=ps, num_microbatches=m,
                                      fused_bw=True)), (lambda: plan), None
-    fb = get_forward_backward_func(ps, name, profile_iters=1)
-    profiled = name in ("auto", "zb-h2")
+    fb = get_forward_backward_func(ps, name, options=AutoOptions(profile_iters=1))
+    profiled = SPECS[name].profiled
     plan = (lambda: fb.plan) if profiled else (lambda: cached_plan(name, ps.pp_size, vpp, m))
     return (lambda: fb(forward_step_func=loss_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
                        num_microbatches=m)), plan, fb if profiled else None

@@ -7,12 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
+
 
 class ArgumentError(ValueError):
     """A user-caused configuration error; the message is one plain sentence."""
 
 
-SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "zbv", "auto")
+SCHEDULES = tuple(SPECS)            # the --pipeline-schedule names, from the one table of schedule specs
 
 
 @dataclass(frozen=True)

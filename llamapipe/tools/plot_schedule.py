@@ -11,7 +11,7 @@ import os
 import sys
 
 from llamapipe.core.config import SCHEDULES
-from llamapipe.core.pipeline_parallel.builders import build
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 from llamapipe.core.pipeline_parallel.visualize import ascii_timeline, bubble_text, plot_timeline, rank_table
 
@@ -60,7 +60,7 @@ def _report(plan, result) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    vpp = args.vpp if args.vpp is not None else (2 if args.schedule in ("interleaved", "zbv") else 1)
+    vpp = args.vpp if args.vpp is not None else SPECS[args.schedule].default_chunks
     args.out = args.out or os.path.join("runs", f"schedule_{args.schedule}.png")
     if not args.out.endswith((".png", ".svg")):
         return _fail(f"--out {args.out} must end in .png or .svg")

@@ -92,7 +92,7 @@ class Trainer:
 
     def __init__(self, config: Config, model_cfg: LlamaConfig, ps: ParallelState, device: torch.device) -> None:
         from llamapipe.core.optimizer import OptimizerParamScheduler, build_optimizer
-        from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
+        from llamapipe.training.setup import build_forward_backward_func
         self.config, self.model_cfg, self.ps, self.device = config, model_cfg, ps, device
         self.chunks, self.roles = build_model_chunks(config, model_cfg, ps, device)
         self.optimizer = build_optimizer(self.chunks, config.optimizer, ps)
@@ -101,7 +101,7 @@ class Trainer:
         self._load()
         self.train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles,
                                                              self.state.consumed_samples)
-        self.fb_func = get_forward_backward_func(ps, config.parallel.pipeline_schedule, config=config)
+        self.fb_func = build_forward_backward_func(config, ps)
         self.grad_sync, self._overlap_logged = None, False
         if config.parallel.overlap_grad_reduce and ps.dp_size > 1:   # Megatron's overlap, during the backward
             from llamapipe.core.distributed.grad_sync import GradSync

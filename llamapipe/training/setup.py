@@ -1,10 +1,11 @@
 """Builds what the training loop runs on: the model config, this rank's model chunks, data iterators,
-and the Megatron-style `forward_step(data_iterator, model)` with its token-sum loss function.
+the pipeline schedule, and the Megatron-style `forward_step(data_iterator, model)` with its token-sum
+loss function.
 
 Chunk placement follows docs/design.md section 3: virtual stage v holds layers [v*L/S, (v+1)*L/S) for
 S = pp*vpp stages (unless --decoder-first/last-pipeline-num-layers give an uneven split, see
-`core.resharding.stage_layer_ranges`); interleaved schedules place stage v on rank v % pp, ZB-V uses the
-V placement.
+`core.pipeline_parallel.layout.stage_layer_ranges`); the schedule's spec says where stage v goes
+(interleaved: rank v % pp; ZB-V and two-chunk auto: the V placement).
 """
 from __future__ import annotations
 
@@ -17,16 +18,14 @@ import torch
 from llamapipe.training.config import Config
 from llamapipe.core.logger import get_logger
 from llamapipe.core.parallel_state import ParallelState
+from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
+from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
 from llamapipe.model.config import LlamaConfig
 
 log = get_logger()
-
-
-def placement_for(schedule: str, vpp: int) -> str:
-    """ZB-V, and `auto` with two chunks per rank, use the V placement; everything else is interleaved."""
-    return "v" if schedule == "zbv" or (schedule == "auto" and vpp == 2) else "interleaved"
 
 
 def model_config_for_run(config: Config) -> LlamaConfig:
@@ -53,7 +52,7 @@ def params_dtype(config: Config) -> torch.dtype:
 
 def chunk_stages(config: Config, ps: ParallelState) -> list[int]:
     """Virtual stage of each local chunk."""
-    placement = placement_for(config.parallel.pipeline_schedule, ps.vpp_size)
+    placement = SPECS[config.parallel.pipeline_schedule].placement(ps.vpp_size)
     return [stage_of(ps.pp_rank, chunk, ps.pp_size, placement) for chunk in range(ps.vpp_size)]
 
 
@@ -81,6 +80,14 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
         log.warning("this torch has no per-tensor grad_dtype, so bf16/fp16 gradients accumulate in half "
                     "precision across microbatches; torch >= 2.10 accumulates them in fp32")
     return chunks, roles
+
+
+def build_forward_backward_func(config: Config, ps: ParallelState):
+    """The schedule's forward-backward callable, with the options the profiled schedules read."""
+    options = AutoOptions(profile_iters=config.training.profile_iters,
+                          memory_limit=config.parallel.pipeline_memory_limit,
+                          memory_limit_bytes=config.parallel.pipeline_memory_limit_bytes)
+    return get_forward_backward_func(ps, config.parallel.pipeline_schedule, options=options)
 
 
 def build_iterators(config: Config, model_cfg: LlamaConfig, ps: ParallelState, roles: list[tuple[bool, bool]],
@@ -114,7 +121,13 @@ def _per_chunk(iterator, needs: list[bool]) -> list:
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Token-sum loss of one microbatch: (sum of masked token losses, token count, log values)."""
+    """Token-sum loss of one microbatch: (sum of masked token losses, token count, log values).
+
+    The loop divides the global sum by the global token count: Megatron's --calculate-per-token-loss.
+    Megatron's default instead averages each microbatch's own token mean; the two differ only when
+    microbatches hold different numbers of loss tokens, and every sample here has a loss mask of ones
+    (seq_length tokens), so both settings of the flag train the same model.
+    """
     mask = loss_mask.to(output_tensor.device, torch.float32)
     loss_sum = (output_tensor.float() * mask).sum()
     num_tokens = mask.sum()

@@ -12,8 +12,8 @@ from torch import nn
 from llamapipe.core.distributed.grad_reduce import finalize_model_grads
 from llamapipe.core.distributed.grad_sync import GradSync
 from llamapipe.core.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
-from llamapipe.core.pipeline_parallel import weight_grad_store
-from llamapipe.core.pipeline_parallel.builders import build
+from llamapipe.core.pipeline_parallel.schedule_specs import build
+from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
 from llamapipe.core.pipeline_parallel.executor import _last_backward_actions
 from llamapipe.core.tensor_parallel.layers import ColumnParallelLinear
 from tests.harness import run_distributed
@@ -64,7 +64,7 @@ def _microbatch(chunk: Chunk, seed: int, events: list) -> torch.Tensor:
 
 def test_fused_backward_starts_buckets_before_the_backward_reaches_the_input():
     chunk, sync, events = _setup()
-    sync.begin_step()
+    sync.begin_step(WeightGradStore())
     _microbatch(chunk, 0, events).backward()          # microbatch 0: not the last, nothing starts
     assert events == [("input grad",)]
     sync.arm(0)
@@ -84,34 +84,36 @@ def test_fused_backward_starts_buckets_before_the_backward_reaches_the_input():
 
 def test_split_backward_starts_linear_buckets_only_when_their_w_runs():
     chunk, sync, events = _setup()
-    sync.begin_step()
+    store = WeightGradStore()
+    sync.begin_step(store)
     sync.arm(0)
-    with weight_grad_store.capture((0, 0)):
+    with store.capture((0, 0)):
         _microbatch(chunk, 0, events).backward()
     sync.disarm()
     started = {name for e in events if e[0] == "launch" for name in e[1]}
     assert started == {f"scales.{i}" for i in range(LAYERS)}, "only the autograd (norm-like) grads are final after B"
-    weight_grad_store.run((0, 0))
+    store.run((0, 0))
     order = [e[1][0] for e in events if e[0] == "launch" and e[1][0].startswith("linears")]
     assert order == [f"linears.{i}.weight" for i in reversed(range(LAYERS))]
     sync.chunk_done(0, last_action=True)
     sync.finish(None)
-    weight_grad_store.assert_empty()
+    store.assert_empty()
 
 
 def test_weight_grads_queued_by_an_earlier_microbatch_hold_the_bucket():
     """W of the last B runs before W of an earlier B: a linear is final only after both."""
     chunk, sync, events = _setup(bucket_size=10 ** 9)     # one bucket for the whole chunk
-    sync.begin_step()
-    with weight_grad_store.capture((0, 0)):
+    store = WeightGradStore()
+    sync.begin_step(store)
+    with store.capture((0, 0)):
         _microbatch(chunk, 0, events).backward()
     sync.arm(0)
-    with weight_grad_store.capture((0, 1)):
+    with store.capture((0, 1)):
         _microbatch(chunk, 1, events).backward()
     sync.disarm()
-    weight_grad_store.run((0, 1))
+    store.run((0, 1))
     assert not any(e[0] == "launch" for e in events), "microbatch 0's weight gradients are still queued"
-    weight_grad_store.run((0, 0))
+    store.run((0, 0))
     assert sum(e[0] == "launch" for e in events) == 1
     sync.finish(None)
 
@@ -122,7 +124,7 @@ def test_unarmed_chunk_starts_everything_when_done_and_finish_matches_the_plain_
     for model in (chunk, reference):
         for seed in range(2):
             _microbatch(model, seed, []).backward()
-    sync.begin_step()
+    sync.begin_step(WeightGradStore())
     sync.chunk_done(0, last_action=False)             # e.g. ZB-V's first chunk, done before the other
     assert sum(e[0] == "launch" for e in events) == len(sync.buckets) > 1
     sync.end_step()
@@ -134,7 +136,8 @@ def test_unarmed_chunk_starts_everything_when_done_and_finish_matches_the_plain_
 
 def test_launch_phases_and_shared_parameters():
     chunk, sync, events = _setup()
-    sync.begin_step()
+    store = WeightGradStore()
+    sync.begin_step(store)
     sync.arm(0)
     sync.last_action()
     _microbatch(chunk, 0, events).backward()          # fused BW as the rank's last action
@@ -143,7 +146,7 @@ def test_launch_phases_and_shared_parameters():
     assert sync.finish(None) == (0, 2 * LAYERS, 0)
     assert "0 started their data-parallel all-reduce before its last backward action, 6 during it" in sync.summary()
     sync.remove()
-    assert weight_grad_store._listener is None
+    assert store._listener is None
     other = nn.Module()
     other.shared = chunk.linears[0].weight
     try:
@@ -155,18 +158,19 @@ def test_launch_phases_and_shared_parameters():
 
 def test_begin_step_refuses_an_unfinished_step_and_abort_forgets_it():
     chunk, sync, _ = _setup()
-    sync.begin_step()
+    store = WeightGradStore()
+    sync.begin_step(store)
     _microbatch(chunk, 0, []).backward()
     sync.chunk_done(0, last_action=True)
     try:
-        sync.begin_step()
+        sync.begin_step(store)
         raise AssertionError("begin_step accepted a step whose gradients were never finished")
     except RuntimeError as err:
         assert "never finished" in str(err)
     sync.abort()
-    sync.begin_step()
+    sync.begin_step(store)
     sync.remove()
-    assert weight_grad_store._listener is None
+    assert store._listener is None
 
 
 def test_last_backward_actions_of_a_zbv_plan():
@@ -185,15 +189,16 @@ def _dp_rank(rank: int, world_size: int) -> dict:
     plain, overlapped = Chunk(seed=0), Chunk(seed=0)
     sync = GradSync([overlapped], ps, bucket_size=30)
     for model in (plain, overlapped):
+        store = WeightGradStore()
         if model is overlapped:
-            sync.begin_step()
+            sync.begin_step(store)
         for mb in range(3):
             if model is overlapped and mb == 2:
                 sync.arm(0)
-            with weight_grad_store.capture((0, mb)):
+            with store.capture((0, mb)):
                 _microbatch(model, 10 * rank + mb, []).backward()
             sync.disarm()
-            weight_grad_store.run((0, mb))
+            store.run((0, mb))
     early_before_done = sum(b.flat is not None for b in sync.buckets)
     sync.chunk_done(0, last_action=True)
     finalize_model_grads([plain], ps, None, global_tokens=24.0, bucket_size=30)

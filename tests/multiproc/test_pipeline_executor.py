@@ -1,8 +1,8 @@
 """Executor on a toy model (gloo, CPU): every schedule equals the single-rank run, ZB equals 1F1B.
 
-The toy chunk mimics the real model's contract: its linear layers route their weight gradient through
-weight_grad_store.schedule (so B/W split is exercised) and a norm-like scale gets its gradient through
-ordinary autograd. Also imported by the other pipeline tests.
+The toy chunk mimics the real model's contract: its linear layers hand their weight gradient to the
+weight-gradient store their forward ran under (so B/W split is exercised) and a norm-like scale gets its
+gradient through ordinary autograd. Also imported by the other pipeline tests.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        ctx.store = weight_grad_store.current()
         return x @ weight.t()
 
     @staticmethod
@@ -34,7 +35,7 @@ class _Linear(torch.autograd.Function):
             g = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
             weight.grad = g if weight.grad is None else weight.grad + g
 
-        weight_grad_store.schedule(weight_grad, (weight,))
+        weight_grad_store.defer(ctx.store, weight_grad, (weight,))
         return grad @ weight, None
 
 
@@ -119,15 +120,16 @@ def train(ps, schedule: str, vpp: int, m: int, steps: int, lr: float = 0.5) -> t
     """`steps` SGD steps with `schedule`; returns per-step mean loss and first-step grads (by name)."""
     import dataclasses
     import torch.distributed as dist
+    from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions
+    from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
     ps = dataclasses.replace(ps, vpp_size=vpp)
-    chunks = make_chunks(ps.pp_rank, ps.pp_size, vpp, "v" if schedule in ("zbv", "auto") and vpp == 2
-                         else "interleaved")
+    chunks = make_chunks(ps.pp_rank, ps.pp_size, vpp, SPECS[schedule.removeprefix("unit-")].placement(vpp))
     if schedule.startswith("unit-"):      # the fixed unit-cost plan, not fitted to measured costs
         from llamapipe.core.pipeline_parallel.schedules import forward_backward_zero_bubble
         fb = functools.partial(forward_backward_zero_bubble, variant=schedule[5:], parallel_state=ps)
     else:
-        fb = get_forward_backward_func(ps, schedule, profile_iters=1)
+        fb = get_forward_backward_func(ps, schedule, options=AutoOptions(profile_iters=1))
     tokens = m * ps.dp_size * BATCH * SEQ
     losses, first_grads = [], None
     for step in range(steps):
@@ -210,6 +212,7 @@ class _SlowW(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, w_s, log):
         ctx.weight, ctx.w_s, ctx.log = weight, w_s, log
+        ctx.store = weight_grad_store.current()
         return x.clone()
 
     @staticmethod
@@ -220,7 +223,7 @@ class _SlowW(torch.autograd.Function):
             time.sleep(ctx.w_s)
             ctx.weight.grad = torch.ones_like(ctx.weight)
             ctx.log["w_end"] = time.monotonic()
-        weight_grad_store.schedule(weight_grad, (ctx.weight,))
+        weight_grad_store.defer(ctx.store, weight_grad, (ctx.weight,))
         return grad.clone(), None, None, None
 
 
@@ -267,11 +270,12 @@ def test_bw_sends_the_input_gradient_before_its_weight_gradients(fused_bw):
 
 def _fitted_zb_h2_worker(rank: int, world: int) -> dict:
     from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
     ps = initialize_model_parallel(1, world)
     try:
         chunks = make_chunks(ps.pp_rank, world, 1, "interleaved")
-        fb = get_forward_backward_func(ps, "zb-h2", profile_iters=2)
+        fb = get_forward_backward_func(ps, "zb-h2", options=AutoOptions(profile_iters=2))
         plans = []
         for step in range(3):
             fb(forward_step_func=forward_step, data_iterator=[iter(make_batches(6, seed=step))], model=chunks,

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from llamapipe.core.pipeline_parallel import weight_grad_store
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
+from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
 from tests.harness import run_distributed
 from tests.multiproc.test_pipeline_executor import BATCH, LAYERS, SEQ, ToyChunk, _Linear, make_batches
 
@@ -72,15 +72,15 @@ def _mem_chunks(pp_rank: int, pp: int, vpp: int, placement: str) -> list[MemChun
 
 def _unit(chunk: MemChunk) -> tuple[int, float]:
     """(saved bytes of one forward, share still saved after B) on a standalone F, B, W."""
-    tracker, batch = SavedBytes(), make_batches(1)[0]
+    tracker, batch, store = SavedBytes(), make_batches(1)[0], WeightGradStore()
     chunk.set_input_tensor(torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True))
-    with tracker.hooks():
+    with tracker.hooks(), store.active():
         out = chunk(input_ids=batch["tokens"], labels=batch["labels"])
     unit = tracker.live
-    with weight_grad_store.capture("unit"):
+    with store.capture("unit"):
         out.backward(torch.ones_like(out))
     held = tracker.live
-    weight_grad_store.run("unit")
+    store.run("unit")
     chunk.zero_grad(set_to_none=True)
     return unit, held / unit
 
@@ -149,16 +149,19 @@ def test_probe_on_llama_chunks_matches_saved_tensor_hooks(role):
     g = torch.Generator().manual_seed(0)
     x, labels = torch.randn(16, 2, CONFIG.hidden_size, generator=g), torch.randint(0, 256, (2, 16), generator=g)
 
+    store = WeightGradStore()
+
     def step(forward_done, backward_done):
         chunk.set_input_tensor(x.clone().requires_grad_(True))
-        loss = (chunk(labels=labels) if role == "last" else chunk()).float().sum()
+        with store.active():
+            loss = (chunk(labels=labels) if role == "last" else chunk()).float().sum()
         forward_done(loss)
-        with weight_grad_store.capture("probe"):
+        with store.capture("probe"):
             loss.backward()
         del loss                          # as the executor drops the output and input after B
         chunk.set_input_tensor(None)
         backward_done()
-        weight_grad_store.run("probe")
+        store.run("probe")
         chunk.zero_grad(set_to_none=True)
 
     probe = ActivationProbe([chunk])
@@ -205,17 +208,18 @@ def test_held_share_adds_the_output_gradients_w_keeps():
     torch.manual_seed(0)
     w1, w2 = nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(32, 16))
     holder = nn.ParameterList([w1, w2])
-    probe = ActivationProbe([holder])
+    probe, store = ActivationProbe([holder]), WeightGradStore()
     x = torch.randn(24, 8, requires_grad=True)
-    (y1,) = LinearWithDeferredWeightGrad.apply(x, None, INPUT_PARALLEL, w1)
-    (y2,) = LinearWithDeferredWeightGrad.apply(y1, None, INPUT_PARALLEL, w2)
+    with store.active():
+        (y1,) = LinearWithDeferredWeightGrad.apply(x, None, INPUT_PARALLEL, w1)
+        (y2,) = LinearWithDeferredWeightGrad.apply(y1, None, INPUT_PARALLEL, w2)
     loss = (y2 * y2).sum()
     probe.forward_done("k", loss)
-    with weight_grad_store.capture("k"):
+    with store.capture("k"):
         loss.backward()
     del loss, y1, y2
-    probe.backward_done("k", split=True)
-    weight_grad_store.run("k")
+    probe.backward_done("k", split=True, held=store.held_tensors("k"))
+    store.run("k")
     assert probe.units == [24 * (8 + 16 + 32) * 4]
     assert probe.shares == [pytest.approx(24 / 56)]
     assert probe.held_shares == [pytest.approx(72 / 56)]
@@ -232,15 +236,17 @@ def test_held_share_of_llama_chunks_counts_more_than_saved(role):
     from tests.multiproc.test_pipeline_llama import CONFIG
     chunk = LlamaModel(CONFIG, None, layer_range=(2, 4), pre_process=False, post_process=role == "last")
     chunk.set_input_tensor(torch.randn(16, 2, CONFIG.hidden_size, requires_grad=True))
-    loss = (chunk(labels=torch.randint(0, 256, (2, 16))) if role == "last" else chunk()).float().sum()
+    store = WeightGradStore()
+    with store.active():
+        loss = (chunk(labels=torch.randint(0, 256, (2, 16))) if role == "last" else chunk()).float().sum()
     probe = ActivationProbe([chunk])
     probe.forward_done("k", loss)
-    with weight_grad_store.capture("k"):
+    with store.capture("k"):
         loss.backward()
     del loss
     chunk.set_input_tensor(None)
-    probe.backward_done("k", split=True)
-    weight_grad_store.run("k")
+    probe.backward_done("k", split=True, held=store.held_tensors("k"))
+    store.run("k")
     assert 0.1 < probe.w_share < probe.held_shares[0] < 1.0, (probe.shares, probe.held_shares)
     assert probe.held_shares[0] - probe.w_share > 0.2
 
@@ -253,15 +259,17 @@ def test_planning_memory_under_recompute_covers_what_w_holds():
     config = dataclasses.replace(CONFIG, recompute_granularity="full")
     chunk = LlamaModel(config, None, layer_range=(2, 4), pre_process=False, post_process=False)
     chunk.set_input_tensor(torch.randn(16, 2, CONFIG.hidden_size, requires_grad=True))
-    out = chunk()
+    store = WeightGradStore()
+    with store.active():
+        out = chunk()
     probe = ActivationProbe([chunk])
     probe.forward_done("k", out)
-    with weight_grad_store.capture("k"):
+    with store.capture("k"):
         out.backward(torch.randn_like(out))
     del out
     chunk.set_input_tensor(None)
-    probe.backward_done("k", split=True)
-    weight_grad_store.run("k")
+    probe.backward_done("k", split=True, held=store.held_tensors("k"))
+    store.run("k")
     assert probe.w_held_share > 1.5, probe.held_shares
     unit, w_mem = probe.planning_memory()
     assert w_mem == 1.0 and unit == round(probe.unit_bytes * probe.w_held_share)

@@ -55,12 +55,13 @@ def p2p_worker(rank: int, world: int) -> dict:
     """Per schedule: a variable-length training step, a variable-length forward-only step, then a
     fixed-length step whose shape differs from the earlier ones (the per-step handshake must see it)."""
     from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
     ps = initialize_model_parallel(1, world)
     out = {}
     try:
         for schedule, vpp in (("1f1b", 1), ("interleaved", 2), ("zbv", 2)):
-            chunks = make_chunks(ps.pp_rank, world, vpp, "v" if schedule == "zbv" else "interleaved")
+            chunks = make_chunks(ps.pp_rank, world, vpp, SPECS[schedule].placement(vpp))
             fb = get_forward_backward_func(dataclasses.replace(ps, vpp_size=vpp), schedule)
             for seed, variable, forward_only in STEPS:
                 batches = _varlen_batches(4, seed) if variable else make_batches(4, seed=seed)

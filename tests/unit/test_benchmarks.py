@@ -5,7 +5,7 @@ import torch
 
 from benchmarks.pool_runs import bootstrap_median, pooled, round_ratios
 from benchmarks.schedules_real import _simulated_fill, check_same_losses, summary
-from llamapipe.core.pipeline_parallel.builders import build
+from llamapipe.core.pipeline_parallel.schedule_specs import build
 from llamapipe.core.pipeline_parallel.simulator import Costs
 
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from llamapipe.core.pipeline_parallel import weight_grad_store
+from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
 from llamapipe.model.config import LlamaConfig
 from llamapipe.model.hf_checkpoint import from_hf, to_hf
 from llamapipe.model.llama import LlamaModel
@@ -133,15 +133,16 @@ def test_weight_grad_seam():
     plain, deferred = LlamaModel(config), LlamaModel(config)
     ids = torch.randint(0, 100, (2, 8))
     plain(ids, labels=ids).sum().backward()
-    with weight_grad_store.capture("mb0"):
+    store = WeightGradStore()
+    with store.capture("mb0"):
         deferred(ids, labels=ids).sum().backward()
     linear = [n for n, p in deferred.named_parameters() if p.ndim == 2 and "embedding" not in n]
     params = dict(deferred.named_parameters())
     assert len(linear) == 2 * 7 + 1
     assert all(params[n].grad is None for n in linear)
     assert params["embedding.weight"].grad is not None and params["final_norm.weight"].grad is not None
-    assert weight_grad_store.run("mb0") == 2 * 4 + 1  # per layer: qkv, o, gate/up, down; plus the head
-    weight_grad_store.assert_empty()
+    assert store.run("mb0") == 2 * 4 + 1  # per layer: qkv, o, gate/up, down; plus the head
+    store.assert_empty()
     for name, p in plain.named_parameters():
         assert torch.equal(params[name].grad, p.grad), name
 

@@ -8,7 +8,7 @@ what is left, waits, divides by the step's token count and writes the sums back.
 When is a gradient final? The executor arms a chunk during the chunk's last B or BW action of the step
 (`arm`/`disarm`). A parameter's gradient is final once its AccumulateGrad hook has fired while its chunk
 is armed (its last autograd contribution) and no deferred weight-gradient closure is still queued for it
-in `weight_grad_store` (zero-bubble W actions run those later; the store reports each one that ran).
+in the step's `WeightGradStore` (zero-bubble W actions run those later; the store reports each one that ran).
 After a chunk's last backward-related action every one of its parameters is final (`chunk_done`), which
 also covers parameters that received no gradient. Readiness only ever depends on this rank's plan, so
 every data-parallel replica launches the same buckets in the same order.
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llamapipe.core.distributed.grad_reduce import DEFAULT_BUCKET_SIZE, bucket_groups, group_size, unpack_bucket
-from llamapipe.core.pipeline_parallel import weight_grad_store
+from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
 from llamapipe.core.tensor_parallel.layers import all_reduce_coalesced, grad_dtype
 
 
@@ -48,6 +48,7 @@ class GradSync:
         self.chunk_buckets: list[list[_Bucket]] = []
         self._where: dict[int, tuple[int, _Bucket]] = {}      # id(param) -> (chunk, bucket)
         self._hooks = []
+        self._store: Optional[WeightGradStore] = None      # the running step's, from begin_step
         self.last_counts = (0, 0, 0)          # last step's buckets launched before/during/after the last action
         per_chunk = [[p for p in chunk.parameters() if p.requires_grad] for chunk in model_chunks]
         if len({id(p) for params in per_chunk for p in params}) < sum(map(len, per_chunk)):
@@ -74,11 +75,13 @@ class GradSync:
             bucket.waiting, bucket.flat, bucket.work, bucket.phase = len(bucket.params), None, None, 0
 
     # --- called by the executor -------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, store: WeightGradStore) -> None:
+        """A step starts; `store` holds its deferred weight gradients."""
         if any(b.flat is not None for b in self.buckets):
             raise RuntimeError("GradSync.begin_step: the previous step's gradients were never finished")
         self._reset()
-        weight_grad_store.set_listener(self._on_weight_grads)
+        self._store = store
+        store.set_listener(self._on_weight_grads)
 
     def arm(self, chunk: int) -> None:
         """The next action is `chunk`'s last B or BW of the step."""
@@ -100,7 +103,11 @@ class GradSync:
 
     def end_step(self) -> None:
         self._phase = 2
-        weight_grad_store.remove_listener(self._on_weight_grads)
+        self._stop_listening()
+
+    def _stop_listening(self) -> None:
+        if self._store is not None:
+            self._store.remove_listener(self._on_weight_grads)
 
     # --- readiness ---------------------------------------------------------------------------------
     def _on_accumulate(self, param: torch.Tensor) -> None:
@@ -108,12 +115,12 @@ class GradSync:
         if where is None or where[0] != self._armed:
             return
         self._accumulated.add(id(param))
-        if weight_grad_store.queued(param) == 0:
+        if self._store.queued(param) == 0:           # armed only inside a step, so a store is set
             self._mark_final(param)
 
     def _on_weight_grads(self, params: Sequence[torch.Tensor]) -> None:
         for p in params:
-            if id(p) in self._accumulated and weight_grad_store.queued(p) == 0:
+            if id(p) in self._accumulated and self._store.queued(p) == 0:
                 self._mark_final(p)
 
     def _mark_final(self, param: torch.Tensor) -> None:
@@ -172,7 +179,7 @@ class GradSync:
         self._reset()
 
     def remove(self) -> None:
-        weight_grad_store.remove_listener(self._on_weight_grads)
+        self._stop_listening()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

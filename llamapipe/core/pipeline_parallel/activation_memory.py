@@ -6,7 +6,8 @@ bytes are the forward's unit (M_B). `ActivationProbe` does this for every forwar
 those storages with weak references; what is still alive after the forward's B is the part of the saved
 activations the deferred weight gradients keep until W (`w_share`). The W closures also hold what autograd
 did not save: the output gradients, and the all-gathered input under sequence parallelism. `w_held_share`
-adds those (read from the closures in `weight_grad_store`): all that W holds from B until it runs (M_W).
+adds those (read from the closures queued in the step's `WeightGradStore`): all that W holds from B until it
+runs (M_W).
 `--pipeline-schedule auto` uses it on its first profiling iteration to simulate memory as it is and to
 turn a byte cap into units.
 
@@ -26,8 +27,6 @@ from typing import Hashable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
-
-from llamapipe.core.pipeline_parallel import weight_grad_store
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
 _SCALE = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
@@ -157,21 +156,21 @@ class ActivationProbe:
             self._live[key] -= nbytes
             self._alive[key].discard(ptr)
 
-    def backward_done(self, key: Hashable, split: bool) -> None:
+    def backward_done(self, key: Hashable, split: bool, held: Iterable[torch.Tensor] = ()) -> None:
         """After the B (`split`: W still to come) or the fused BW of `key`, once it dropped its graph and
-        before its W ran."""
+        before its W ran; `held`: the tensors key's W closures keep (`WeightGradStore.held_tensors`)."""
         start = time.perf_counter()
         live, unit, alive = self._live.pop(key, None), self._unit.pop(key, 0), self._alive.pop(key, set())
         if split and live is not None and unit > 0:
             self.shares.append(live / unit)
-            self.held_shares.append((live + self._closure_bytes(key, alive)) / unit)
+            self.held_shares.append((live + self._closure_bytes(held, alive)) / unit)
         self.seconds += time.perf_counter() - start
 
-    def _closure_bytes(self, key: Hashable, counted: set) -> int:
-        """Bytes of the distinct floating-point storages key's W closures hold, beyond `counted` pointers
-        and the model's own parameters and buffers."""
+    def _closure_bytes(self, held: Iterable[torch.Tensor], counted: set) -> int:
+        """Bytes of the distinct floating-point storages among `held`, beyond `counted` pointers and the
+        model's own parameters and buffers."""
         found: dict[int, torch.UntypedStorage] = {}
-        _activation_storages(weight_grad_store.held_tensors(key), self._exclude | counted, found)
+        _activation_storages(held, self._exclude | counted, found)
         return sum(storage.nbytes() for storage in found.values())
 
     @property

@@ -8,10 +8,10 @@ The first (warm-up, untimed) iteration also measures activation memory (`activat
 bytes one microbatch saves on one chunk (the unit) and what a deferred W holds from B until it runs (the
 saved inputs still alive plus the output gradients of its closures), as a share of the unit (M_W / M_B).
 Then the slowest stage's median times and the largest unit and share (all-reduced MAX over the world, so
-every replica sees the same numbers) go to the builder on global rank 0: `builders.auto` under the memory
-cap (in units, or bytes turned into units; default: what the profiling plan needs), or for `zb-h2`
-`builders.zb_h2_fitted` under ZB-H2's cap of 2p-1 microbatches.
-The plan is broadcast to all ranks as JSON bytes (no pickle) and used from then on.
+every replica sees the same numbers) go to the schedule's builder (`schedule_specs`) on global rank 0:
+`auto` under the memory cap (in units, or bytes turned into units; default: what the profiling plan
+needs), `zb-h2` under ZB-H2's own cap of 2p-1 microbatches. The options come in one small frozen
+`AutoOptions`. The plan is broadcast to all ranks as JSON bytes (no pickle) and used from then on.
 """
 from __future__ import annotations
 
@@ -29,7 +29,17 @@ from llamapipe.core.pipeline_parallel import builders, executor
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
 from llamapipe.core.pipeline_parallel.p2p_communication import measure_latency
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, schedule_spec
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoOptions:
+    """What the profiled schedules need besides the parallel state (--pipeline-profile-iters and
+    --pipeline-memory-limit, given as units or as bytes)."""
+    profile_iters: int = 3                      # iterations profiled before switching; the first is warm-up
+    memory_limit: Optional[float] = None        # auto: activation units per rank (None: the profiling plan's)
+    memory_limit_bytes: Optional[int] = None    # auto: a byte cap instead, turned into units once measured
 
 
 def split_bw(plan: Plan) -> Plan:
@@ -42,8 +52,6 @@ def split_bw(plan: Plan) -> Plan:
 
 def profiling_plan(pp: int, vpp: int, m: int) -> Plan:
     """1F1B with B/W split for one chunk; for two chunks ZB-V, which has auto's V placement."""
-    if vpp not in (1, 2):
-        raise ValueError(f"--pipeline-schedule auto supports 1 or 2 model chunks per rank, got {vpp}")
     return split_bw(builders.one_f_one_b(pp, m)) if vpp == 1 else builders.zbv(pp, m)
 
 
@@ -76,17 +84,17 @@ class MemoryLimitError(ValueError):
 
 
 class AutoSchedule:
-    """Forward-backward callable for `auto`; `plan` is None while profiling."""
+    """Forward-backward callable for a profiled schedule (`auto`, `zb-h2`); `plan` is None while profiling."""
 
-    def __init__(self, parallel_state, *, memory_limit: Optional[float] = None, profile_iters: int = 3,
-                 variant: str = "auto", memory_limit_bytes: Optional[int] = None) -> None:
-        if profile_iters < 1:
+    def __init__(self, parallel_state, variant: str = "auto", options: AutoOptions = AutoOptions()) -> None:
+        self.spec = schedule_spec(variant)
+        if not self.spec.profiled:
+            profiled = " or ".join(name for name, spec in SPECS.items() if spec.profiled)
+            raise ValueError(f"AutoSchedule fits {profiled} to measured costs, not {variant}")
+        if options.profile_iters < 1:
             raise ValueError(f"--pipeline-schedule {variant} needs at least 1 profiling iteration, "
-                             f"got {profile_iters}")
-        if variant not in ("auto", "zb-h2"):
-            raise ValueError(f"AutoSchedule fits auto or zb-h2 to measured costs, not {variant}")
-        self.ps, self.memory_limit, self.profile_iters = parallel_state, memory_limit, profile_iters
-        self.memory_limit_bytes, self.variant = memory_limit_bytes, variant
+                             f"got {options.profile_iters}")
+        self.ps, self.options = parallel_state, options
         self.unit_bytes, self.w_share = 0, 0.5    # measured on the first profiling iteration
         self.plan: Optional[Plan] = None
         self.costs: Optional[Costs] = None
@@ -100,8 +108,7 @@ class AutoSchedule:
                  variable_seq_lengths: bool = False, grad_sync: Any = None, **ignored: Any) -> list[dict]:
         model = list(model) if isinstance(model, (list, tuple)) else [model]
         pp, vpp, m = self.ps.pp_size, len(model), num_microbatches
-        if self.variant == "zb-h2" and vpp != 1:
-            raise ValueError(f"--pipeline-schedule zb-h2 uses one model chunk per rank, got {vpp}")
+        self.spec.check_chunks(vpp)
         profiling = self.plan is None or self.plan.num_microbatches != m
         plan = profiling_plan(pp, vpp, m) if profiling else self.plan
         times = [] if profiling and not forward_only else None
@@ -119,9 +126,9 @@ class AutoSchedule:
             self._message_bytes = max(self._message_bytes, numel * dtype.itemsize)
             self._device = next(model[0].parameters()).device
             self._iters += 1
-            if self._iters > 1 or self.profile_iters == 1:      # the first iteration is warm-up
+            if self._iters > 1 or self.options.profile_iters == 1:      # the first iteration is warm-up
                 self._times += times
-            if self._iters >= self.profile_iters:
+            if self._iters >= self.options.profile_iters:
                 self._switch(pp, vpp, m)
         return out
 
@@ -129,25 +136,26 @@ class AutoSchedule:
         unit, share = self._measured_memory()
         self.costs = dataclasses.replace(measured_costs(self._times), comm=self._comm_latency(), w_mem=share)
         reference = profiling_plan(pp, vpp, m)
-        if self.variant == "zb-h2":
-            limit = 2 * pp - 1
-            build = lambda: builders.zb_h2_fitted(pp, m, self.costs)  # noqa: E731
-        else:
-            limit = self.memory_limit or max(simulate(reference, self.costs).peak_memory)   # 1F1B's need
-            if self.memory_limit_bytes is not None:
-                limit = self._units_of(self.memory_limit_bytes, unit, vpp)
-            build = lambda: builders.auto(pp, vpp, m, self.costs, limit)  # noqa: E731
-        self.plan = broadcast_plan(build() if not dist.is_initialized() or dist.get_rank() == 0 else None)
+        limit = self._memory_limit(reference, unit, vpp) if self.spec.memory_capped else None
+        build = not dist.is_initialized() or dist.get_rank() == 0
+        self.plan = broadcast_plan(self.spec.build(pp, vpp, m, self.costs, limit) if build else None)
         chosen, base = simulate(self.plan, self.costs), simulate(reference, self.costs)
         ref, mib = ("1F1B" if vpp == 1 else "ZB-V"), unit / 2 ** 20
         peak = max(chosen.peak_memory)
+        cap = "its fixed memory cap" if limit is None else f"memory limit {limit:.3g} units ({limit * mib:.3g} MiB)"
         get_logger().info(
-            f"{self.variant} schedule: F={self.costs.f * 1e3:.2f} ms B={self.costs.b * 1e3:.2f} ms "
+            f"{self.spec.name} schedule: F={self.costs.f * 1e3:.2f} ms B={self.costs.b * 1e3:.2f} ms "
             f"W={self.costs.w * 1e3:.2f} ms comm={self.costs.comm * 1e3:.3f} ms, activations {mib:.3g} MiB per "
-            f"unit (W keeps {share:.0%}), memory limit {limit:.3g} units ({limit * mib:.3g} MiB) -> "
+            f"unit (W keeps {share:.0%}), {cap} -> "
             f"{self.plan.name}: simulated bubble {chosen.bubble_rate:.1%} ({ref} {base.bubble_rate:.1%}), peak memory "
             f"{peak:.3g} units ({peak * mib:.3g} MiB), makespan {chosen.makespan / base.makespan:.3f}x {ref}")
         self._times, self._iters = [], 0
+
+    def _memory_limit(self, reference: Plan, unit: int, vpp: int) -> float:
+        """The cap in units: a byte cap converted, the units given, or what the profiling plan needs."""
+        if self.options.memory_limit_bytes is not None:
+            return self._units_of(self.options.memory_limit_bytes, unit, vpp)
+        return self.options.memory_limit or max(simulate(reference, self.costs).peak_memory)
 
     def _measured_memory(self) -> tuple[int, float]:
         """(bytes per unit, W share): this rank's measurement, MAX over the world."""

@@ -6,7 +6,7 @@ Fixed-order schedules live here: GPipe (Huang et al., arXiv 1811.06965), 1F1B an
 figure 3) and ZB-V (Qi et al., arXiv 2405.15362; the handcrafted order of sail-sg/zero-bubble-pipeline-
 parallelism and torch.distributed.pipelining's ScheduleZBVZeroBubble). ZB-H2 comes from the zero-bubble
 greedy heuristic in builders_zb.py, at unit costs or (`zb_h2_fitted`) on measured costs, as `auto`
-runs it; `build` dispatches on the --pipeline-schedule name.
+runs it. `schedule_specs.build` turns a --pipeline-schedule name into one of these.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from llamapipe.core.pipeline_parallel.builders_zb import greedy_plan, zb_h2
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "zb_h2_fitted", "zbv", "auto", "build"]
+__all__ = ["gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "zb_h2_fitted", "zbv", "auto"]
 
 
 def _check_sizes(name: str, pp: int, vpp: int, m: int) -> None:
@@ -157,37 +157,14 @@ def zb_h2_fitted(pp: int, m: int, costs: Costs) -> Plan:
 
 
 def auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: float | None = None) -> Plan:
-    """Fastest plan under measured `costs` within `mem_limit` activation units per rank (default 2p:
-    ZB-2p for one chunk, 1F1B's memory for two chunks on V placement). Candidates: the zero-bubble
-    greedy heuristic, plus ZB-H1 and 1F1B for one chunk, ZB-V for two, when they fit (the greedy is a
-    heuristic, so this keeps auto never slower than those under the same costs)."""
-    if vpp not in (1, 2):
-        raise ValueError(f"--pipeline-schedule auto supports 1 or 2 model chunks per rank, got {vpp}")
+    """Fastest plan for one or two chunks per rank (`schedule_specs` checks vpp) under measured `costs`
+    within `mem_limit` activation units per rank (default 2p: ZB-2p for one chunk, 1F1B's memory for two
+    chunks on V placement). Candidates: the zero-bubble greedy heuristic, plus ZB-H1 and 1F1B for one
+    chunk, ZB-V for two, when they fit (the greedy is a heuristic, so this keeps auto never slower than
+    those under the same costs)."""
     costs = costs or Costs()
     limit = 2 * pp if mem_limit is None else mem_limit
     candidates = [greedy_plan("auto", pp, vpp, m, "interleaved" if vpp == 1 else "v", costs, limit)]
     candidates += [zb_h1(pp, m), one_f_one_b(pp, m)] if vpp == 1 else [zbv(pp, m)]
     return _fastest("auto", candidates, costs, limit)
 
-
-def build(schedule: str, pp: int, vpp: int, m: int, costs: Costs | None = None,
-          mem_limit: float | None = None) -> Plan:
-    """Plan for a --pipeline-schedule name; `costs` are used by auto and zb-h2 (fitted to them when
-    given, else the unit-cost plan), `mem_limit` by auto only."""
-    one_chunk = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb-h1": zb_h1, "zb-h2": zb_h2}
-    if schedule in one_chunk:
-        if vpp != 1:
-            raise ValueError(f"--pipeline-schedule {schedule} uses one model chunk per rank, got {vpp}")
-        if schedule == "zb-h2" and costs is not None:
-            return zb_h2_fitted(pp, m, costs)
-        return one_chunk[schedule](pp, m)
-    if schedule == "interleaved":
-        return interleaved(pp, vpp, m)
-    if schedule == "zbv":
-        if vpp != 2:
-            raise ValueError(f"--pipeline-schedule zbv needs exactly 2 model chunks per rank, got {vpp}")
-        return zbv(pp, m)
-    if schedule == "auto":
-        return auto(pp, vpp, m, costs, mem_limit)
-    raise ValueError(f"--pipeline-schedule {schedule} is unknown; choose one of 1f1b, interleaved, gpipe, "
-                     f"zb-h1, zb-h2, zbv, auto")

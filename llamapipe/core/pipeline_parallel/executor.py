@@ -1,8 +1,8 @@
 """The one interpreter that runs any pipeline plan on real model chunks (docs/design.md section 3).
 
 `run(plan, ...)` executes this rank's `plan.actions[pp_rank]` in order: F (forward, send the output),
-B (input-gradient backward with weight gradients deferred into `weight_grad_store`, send the input
-gradient), W (run the deferred weight gradients), BW (both; a BW that sends runs B, sends, then runs W,
+B (input-gradient backward with weight gradients deferred into the step's `WeightGradStore`, send the
+input gradient), W (run the deferred weight gradients), BW (both; a BW that sends runs B, sends, then runs W,
 so the upstream rank waits one W less: the simulator's `early_send`). Every transfer is derived from the
 plan by `p2p_communication`; a hop between two chunks of one rank (ZB-V, arXiv 2401.10241) is a local hand-off.
 After an output is sent its data is freed and only its graph kept (Megatron-LM's deallocate-output
@@ -21,9 +21,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from llamapipe.core.pipeline_parallel import weight_grad_store
 from llamapipe.core.pipeline_parallel.p2p_communication import Message, P2PCommunicator, needs_and_sends
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
 
 
 def forward_only_actions(plan: Plan, pp_rank: int) -> tuple[Action, ...]:
@@ -48,7 +48,8 @@ def _backward(out: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
 
 
 class _Step:
-    """State of one rank during one step: live inputs/outputs per (chunk, mb) and local hand-offs."""
+    """State of one rank during one step: live inputs/outputs per (chunk, mb), local hand-offs and the
+    step's deferred weight gradients."""
 
     def __init__(self, plan: Plan, pp_rank: int, comm: P2PCommunicator, model_chunks: list[nn.Module],
                  forward_step_func: Callable, data_iterator: Any, forward_only: bool, loss_scale: float,
@@ -63,6 +64,7 @@ class _Step:
         self.local: dict[Message, torch.Tensor] = {}
         self.losses: dict[int, dict] = {}
         self.wait_s = 0.0                    # time blocked on receives, excluded from action timings
+        self.store = WeightGradStore()
 
     def untimed_s(self) -> float:
         """Seconds so far blocked on receives or measuring activations: not part of any action's time."""
@@ -117,17 +119,17 @@ class _Step:
         # A BW that sends to another rank runs as B, send, W: the upstream rank gets its gradient one W
         # earlier, at no memory cost (the simulator's early_send); fused_bw keeps Megatron's order.
         split = action.kind == "B" or (not self.fused_bw and send is not None and send.src != send.dst)
-        with weight_grad_store.capture(key) if split else nullcontext():
+        with self.store.capture(key) if split else nullcontext():
             _backward(out, grad)
         if send is not None:
             assert x is not None and x.grad is not None, f"no input gradient for {action}"
             self._give(send, x.grad)
         if self.probe is not None:
             del out, x                       # so the probe sees only what the deferred W keeps alive
-            self.probe.backward_done(key, split=action.kind == "B")
+            self.probe.backward_done(key, split=action.kind == "B", held=self.store.held_tensors(key))
         if split and action.kind == "BW":
             self.comm.flush()
-            weight_grad_store.run(key)
+            self.store.run(key)
 
     def execute(self, action: Action) -> None:
         if action.kind == "F":
@@ -135,7 +137,7 @@ class _Step:
         elif action.kind in ("B", "BW"):
             self.backward(action)
         else:
-            weight_grad_store.run((action.chunk, action.microbatch))
+            self.store.run((action.chunk, action.microbatch))
 
 
 def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callable, data_iterator: Any,
@@ -172,18 +174,17 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
     grad_sync = None if forward_only else grad_sync
     try:
         if grad_sync is not None:
-            grad_sync.begin_step()
-        with torch.no_grad() if forward_only else nullcontext():
+            grad_sync.begin_step(step.store)
+        with torch.no_grad() if forward_only else nullcontext(), step.store.active():
             _loop(step, actions, comm, action_times, grad_sync)
         comm.finish()
     except BaseException:
-        weight_grad_store.clear()
         if grad_sync is not None:
             grad_sync.abort()
         raise
     if grad_sync is not None:
         grad_sync.end_step()
-    weight_grad_store.assert_empty()
+    step.store.assert_empty()
     assert not step.outputs and not step.local, "activations left alive at step end"
     if comm_stats is not None:
         comm_stats["largest_send"] = comm.largest_send

@@ -3,20 +3,21 @@
 Megatron-LM (arXiv 2104.04473) exposes `forward_backward_no_pipelining`,
 `forward_backward_pipelining_without_interleaving` (1F1B), `..._with_interleaving` and
 `get_forward_backward_func()`; here every one of them is `executor.run(<builder>(...), ...)`, and the
-zero-bubble schedules (arXiv 2401.10241) are one more entry point, not another runtime. All entry
-points are keyword-only and take `model` as the list of this rank's chunks (local chunk order).
+zero-bubble schedules (arXiv 2401.10241) are one more entry point, not another runtime. What a schedule
+name means (its builder, chunks, whether it profiles) is read from `schedule_specs`. All entry points are
+keyword-only and take `model` as the list of this rank's chunks (local chunk order).
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from torch import nn
 
-from llamapipe.core.pipeline_parallel import builders, executor
+from llamapipe.core.pipeline_parallel import executor
+from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions, AutoSchedule
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
-
-ZERO_BUBBLE = ("zb-h1", "zb-h2", "zbv", "auto")
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build, schedule_spec
 
 
 def no_pipelining_plan(m: int) -> Plan:
@@ -30,7 +31,7 @@ def cached_plan(schedule: str, pp: int, vpp: int, m: int) -> Plan:
     """Builders are pure, so one plan per (schedule, pp, vpp, m) is built once per process."""
     if pp == 1:
         return no_pipelining_plan(m)
-    return builders.build(schedule, pp, vpp, m)
+    return build(schedule, pp, vpp, m)
 
 
 def _run(plan_name: str, *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
@@ -85,53 +86,34 @@ def forward_backward_zero_bubble(*, forward_step_func: Callable, data_iterator: 
     """Zero-bubble schedules with B/W split: zb-h1, zb-h2, zbv (two chunks per rank, V placement), or
     auto, with unit costs (the profiling `auto` and `zb-h2`, fitted to measured costs, come from
     `get_forward_backward_func(..., "auto" | "zb-h2")`)."""
-    if variant not in ZERO_BUBBLE:
-        raise ValueError(f"zero-bubble variant {variant} is unknown; choose one of {', '.join(ZERO_BUBBLE)}")
+    if variant not in SPECS or not SPECS[variant].zero_bubble:
+        zero_bubble = [name for name, spec in SPECS.items() if spec.zero_bubble]
+        raise ValueError(f"zero-bubble variant {variant} is unknown; choose one of {', '.join(zero_bubble)}")
     kwargs = dict(locals())
     del kwargs["variant"]
     return _run(variant, **kwargs)
 
 
-_BY_NAME = {"1f1b": forward_backward_pipelining_without_interleaving,
-            "interleaved": forward_backward_pipelining_with_interleaving,
-            "gpipe": forward_backward_gpipe}
-
-
-def get_forward_backward_func(parallel_state, schedule_name: str = "1f1b", *, config=None,
-                              pipeline_memory_limit: Optional[float] = None,
-                              profile_iters: Optional[int] = None) -> Callable[..., list[dict]]:
+def get_forward_backward_func(parallel_state, schedule_name: str = "1f1b", *,
+                              options: AutoOptions = AutoOptions()) -> Callable[..., list[dict]]:
     """The forward-backward callable for `schedule_name`, bound to `parallel_state`.
 
     Returns `fn(*, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
     loss_scale=1.0, variable_seq_lengths=False, grad_sync=None, **ignored)` where `model` is the list of
-    local chunks and `grad_sync` a `core.grad_sync.GradSync` for --overlap-grad-reduce;
+    local chunks and `grad_sync` a `core.distributed.grad_sync.GradSync` for --overlap-grad-reduce;
     Megatron's extra keywords (seq_length, micro_batch_size, ...) are accepted and ignored because
-    shapes are exchanged at run time. `config` (the full Config) supplies the auto options.
+    shapes are exchanged at run time. A profiled schedule (auto, zb-h2) returns an `AutoSchedule`, which
+    reads `options`; with one pipeline stage every schedule runs the microbatches one after another.
     """
-    if parallel_state.pp_size == 1:
-        entry = forward_backward_no_pipelining
-    elif schedule_name in ("auto", "zb-h2"):      # profiled: fitted to measured F/B/W costs
-        from llamapipe.core.pipeline_parallel.auto_schedule import AutoSchedule
-        limit_bytes = None
-        if config is not None:
-            pipeline_memory_limit = pipeline_memory_limit or config.parallel.pipeline_memory_limit
-            limit_bytes = config.parallel.pipeline_memory_limit_bytes
-            profile_iters = profile_iters or config.training.profile_iters
-        return AutoSchedule(parallel_state, memory_limit=pipeline_memory_limit, profile_iters=profile_iters or 3,
-                            variant=schedule_name, memory_limit_bytes=limit_bytes)
-    elif schedule_name in _BY_NAME:
-        entry = _BY_NAME[schedule_name]
-    elif schedule_name in ZERO_BUBBLE:
-        entry = functools.partial(forward_backward_zero_bubble, variant=schedule_name)
-    else:
-        raise ValueError(f"--pipeline-schedule {schedule_name} is unknown; choose one of "
-                         f"{', '.join(list(_BY_NAME) + list(ZERO_BUBBLE))}")
+    spec = schedule_spec(schedule_name)
+    if parallel_state.pp_size > 1 and spec.profiled:
+        return AutoSchedule(parallel_state, schedule_name, options)
 
     def forward_backward(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
                          num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
                          variable_seq_lengths: bool = False, grad_sync: Any = None, **ignored: Any) -> list[dict]:
-        return entry(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                     num_microbatches=num_microbatches, parallel_state=parallel_state,
-                     forward_only=forward_only, loss_scale=loss_scale, variable_seq_lengths=variable_seq_lengths,
-                     grad_sync=grad_sync)
+        return _run(schedule_name, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                    num_microbatches=num_microbatches, parallel_state=parallel_state,
+                    forward_only=forward_only, loss_scale=loss_scale, variable_seq_lengths=variable_seq_lengths,
+                    grad_sync=grad_sync)
     return forward_backward

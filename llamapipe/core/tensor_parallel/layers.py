@@ -3,10 +3,11 @@
 `ColumnParallelLinear` splits the output features over TP ranks, `RowParallelLinear` the input
 features, `VocabParallelEmbedding` the vocabulary rows. LLaMA has no biases, so there are none.
 Every linear product goes through ONE autograd function, `LinearWithDeferredWeightGrad`, whose backward
-computes the input gradient and hands the weight-gradient GEMM to `weight_grad_store.schedule` so the
-zero-bubble schedules (arXiv 2401.10241) can run it later. Parameters carry Megatron's attributes
-(`tensor_model_parallel`, `partition_dim`, and `vocab_padded` / `sequence_parallel` where they apply);
-a shard is a contiguous slice of the logical tensor along `partition_dim` in tp_rank order.
+computes the input gradient and hands the weight-gradient GEMM to the store its forward ran under
+(`weight_grad_store.current`), so the zero-bubble schedules (arXiv 2401.10241) can run it later.
+Parameters carry Megatron's attributes (`tensor_model_parallel`, `partition_dim`, and `vocab_padded` /
+`sequence_parallel` where they apply); a shard is a contiguous slice of the logical tensor along
+`partition_dim` in tp_rank order.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class LinearWithDeferredWeightGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp_group: Any, input_mode: str, *weights: torch.Tensor):
         ctx.tp_group, ctx.input_mode, ctx.weights = tp_group, input_mode, weights
+        ctx.store = weight_grad_store.current()     # backward may run on another thread: remember it here
         ctx.save_for_backward(x)
         total = mappings.all_gather(x, tp_group, 0) if input_mode == INPUT_GATHER else x
         return tuple(torch.matmul(total, w.t()) for w in weights)
@@ -80,7 +82,7 @@ class LinearWithDeferredWeightGrad(torch.autograd.Function):
                 else:
                     w.grad.add_(torch.matmul(flat_grad, flat_input))
 
-        weight_grad_store.schedule(weight_grad, weights)
+        weight_grad_store.defer(ctx.store, weight_grad, weights)
         return (grad_input, None, None) + (None,) * len(weights)
 
 

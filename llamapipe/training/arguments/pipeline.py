@@ -2,7 +2,8 @@
 
 Split from `training/arguments/validation.py` (same contract: `ArgumentError`, one plain sentence naming the
 flags and the numbers). Megatron gives the chunks per rank two ways (--num-layers-per-virtual-pipeline-stage,
-newer --num-virtual-stages-per-pipeline-rank); errors name the flag the user gave.
+newer --num-virtual-stages-per-pipeline-rank); errors name the flag the user gave. What each schedule
+accepts comes from its spec (`core.pipeline_parallel.schedule_specs`).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Optional
 
 from llamapipe.core.config import ArgumentError, ParallelConfig
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, ScheduleSpec
 from llamapipe.model.config import PRESETS
 
 
@@ -76,9 +78,11 @@ def check_layer_split(args: argparse.Namespace, num_layers: int, par: ParallelCo
         if args.num_layers_per_virtual_pipeline_stage is not None or par.vpp_size > 1:
             raise ArgumentError(f"{flags} splits layers per pipeline rank (one model chunk each) and cannot be "
                                 f"combined with {virtual}")
-        if par.pipeline_schedule in ("zbv", "interleaved"):
+        spec = SPECS[par.pipeline_schedule]
+        if not spec.accepts(1):
+            one_chunk = [name for name, other in SPECS.items() if other.accepts(1)]
             raise ArgumentError(f"{flags} needs one model chunk per pipeline rank, but --pipeline-schedule "
-                                f"{par.pipeline_schedule} uses two or more; use 1f1b, gpipe, zb-h1, zb-h2 or auto")
+                                f"{spec.name} {spec.chunks_text()}; use {_either(one_chunk)}")
     elif num_layers % pp and not (par.account_for_embedding or par.account_for_loss):
         raise ArgumentError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size ({pp})")
     elif args.num_virtual_stages_per_pipeline_rank is not None and par.vpp_size > 1:
@@ -94,36 +98,45 @@ def check_layer_split(args: argparse.Namespace, num_layers: int, par: ParallelCo
         raise ArgumentError(str(err)) from None
 
 
+def _either(names: list[str]) -> str:
+    return " or ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _chunks_fix(args: argparse.Namespace, spec: ScheduleSpec, par: ParallelConfig, num_layers: int) -> str:
+    """The end of the sentence when the chunks per rank do not fit the schedule: which flag set them and
+    what to change."""
+    flag, pp, vpp = virtual_stage_flag(args), par.pp_size, par.vpp_size
+    given = f" (from {flag})" if flag else ""
+    if spec.max_chunks is not None and vpp > spec.max_chunks:
+        others = [name for name, other in SPECS.items() if other.accepts(vpp)]
+        return f"{given}; drop {flag} or use {_either(others)}"
+    units, total, _ = _layer_units(num_layers, par.account_for_embedding, par.account_for_loss)
+    want, stages = spec.min_chunks, spec.min_chunks * pp
+    if units % stages == 0:
+        return (f"{given}; set --num-virtual-stages-per-pipeline-rank {want} (or "
+                f"--num-layers-per-virtual-pipeline-stage {units // stages})")
+    return (f"{given}, and {total} is not divisible by the {want} x --pipeline-model-parallel-size {pp} = "
+            f"{stages} virtual stages that would need")
+
+
 def check_schedule(args: argparse.Namespace, par: ParallelConfig, m: int, num_layers: int) -> None:
-    s, pp, vpp = par.pipeline_schedule, par.pp_size, par.vpp_size
+    spec, pp, vpp = SPECS[par.pipeline_schedule], par.pp_size, par.vpp_size
+    s = spec.name
     if pp == 1:
-        if s == "zbv":
-            raise ArgumentError("--pipeline-schedule zbv needs --pipeline-model-parallel-size > 1")
+        if spec.min_chunks > 1:     # the chunk flags need pp > 1, so it could never get its chunks
+            raise ArgumentError(f"--pipeline-schedule {s} needs --pipeline-model-parallel-size > 1")
         return
-    if s == "zbv" and vpp != 2:
-        units, total, _ = _layer_units(num_layers, par.account_for_embedding, par.account_for_loss)
-        given = f" (from {virtual_stage_flag(args)})" if virtual_stage_flag(args) else ""
-        fix = (f"; set --num-virtual-stages-per-pipeline-rank 2 (or --num-layers-per-virtual-pipeline-stage "
-               f"{units // (2 * pp)})" if units % (2 * pp) == 0 else
-               f", and {total} is not divisible by the 2 x --pipeline-model-parallel-size {pp} = {2 * pp} "
-               "virtual stages that would need")
-        raise ArgumentError(f"--pipeline-schedule zbv needs exactly 2 model chunks per pipeline rank, got {vpp}"
-                            f"{given}{fix}")
-    if s == "interleaved" and vpp < 2:
-        raise ArgumentError("--pipeline-schedule interleaved needs 2 or more model chunks per pipeline rank: set "
-                            "--num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage")
-    if s == "auto" and vpp > 2:
-        raise ArgumentError(f"--pipeline-schedule auto supports 1 or 2 model chunks per pipeline rank, got {vpp} "
-                            f"(from {virtual_stage_flag(args)})")
-    if s != "auto" and (par.pipeline_memory_limit is not None or par.pipeline_memory_limit_bytes is not None):
-        raise ArgumentError(f"--pipeline-memory-limit caps the auto schedule's plan; --pipeline-schedule {s} "
-                            "has a fixed memory use, so drop the flag or use --pipeline-schedule auto")
-    if s == "auto" and par.pipeline_memory_limit is not None and par.pipeline_memory_limit < vpp:
+    error = spec.chunks_error(vpp)
+    if error is not None:
+        raise ArgumentError(error + _chunks_fix(args, spec, par, num_layers))
+    capped = _either([name for name, other in SPECS.items() if other.memory_capped])
+    limited = par.pipeline_memory_limit is not None or par.pipeline_memory_limit_bytes is not None
+    if limited and not spec.memory_capped:
+        raise ArgumentError(f"--pipeline-memory-limit caps the {capped} schedule's plan; --pipeline-schedule {s} "
+                            f"has a fixed memory use, so drop the flag or use --pipeline-schedule {capped}")
+    if spec.memory_capped and par.pipeline_memory_limit is not None and par.pipeline_memory_limit < vpp:
         raise ArgumentError(f"--pipeline-memory-limit {par.pipeline_memory_limit:g} is below the {vpp} activation "
                             "units one microbatch needs on all model chunks of a rank")
-    if s in ("1f1b", "gpipe", "zb-h1", "zb-h2") and vpp > 1:
-        raise ArgumentError(f"--pipeline-schedule {s} uses one model chunk per pipeline rank, got {vpp}; drop "
-                            f"{virtual_stage_flag(args)} or use interleaved or zbv")
     if m < pp:
         raise ArgumentError(f"number of microbatches ({m} = --global-batch-size {m * args.micro_batch_size * par.dp_size}"
                             f" / (--micro-batch-size {args.micro_batch_size} x data-parallel size {par.dp_size})) "

@@ -1,0 +1,104 @@
+"""The one table of --pipeline-schedule names: what each builds, how many model chunks per rank it takes,
+where it places the virtual stages, whether it splits B/W and whether it profiles first.
+
+Why one table: argument checks, the executor's entry points, model building (placement), `auto`'s
+profiler, plot-schedule and the benchmarks all ask these questions of a schedule name; each reads the
+answer here instead of spelling out its own list of names. `build` is the only dispatch on the name.
+Papers: 1F1B and interleaved (arXiv 2104.04473), GPipe (arXiv 1811.06965), ZB-H1/H2 and the cost-fitted
+`auto` (arXiv 2401.10241), ZB-V (arXiv 2405.15362).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from llamapipe.core.pipeline_parallel import builders
+from llamapipe.core.pipeline_parallel.schedule_ir import Plan
+from llamapipe.core.pipeline_parallel.simulator import Costs
+
+# (pp, vpp, m, costs or None, memory limit in activation units or None) -> Plan
+Builder = Callable[[int, int, int, Optional[Costs], Optional[float]], Plan]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One --pipeline-schedule name and the answers every reader of the name needs."""
+    name: str
+    builder: Builder
+    min_chunks: int                     # model chunks per pipeline rank it accepts: min_chunks..max_chunks
+    max_chunks: Optional[int]           # None: no upper bound
+    default_chunks: int                 # what plot-schedule and the benchmarks use when not told
+    v_placement: bool = False           # with two chunks per rank: V placement (stage v on rank 2p-1-v for v >= p)
+    zero_bubble: bool = False           # backward split into B (input gradient) and W (weight gradient)
+    profiled: bool = False              # profiles F/B/W for the first iterations, then fits its plan to them
+    memory_capped: bool = False         # --pipeline-memory-limit caps its plan
+
+    def accepts(self, vpp: int) -> bool:
+        return vpp >= self.min_chunks and (self.max_chunks is None or vpp <= self.max_chunks)
+
+    def chunks_text(self) -> str:
+        """How many chunks it takes, in words: "uses one model chunk per pipeline rank"."""
+        lo, hi = self.min_chunks, self.max_chunks
+        if lo == hi == 1:
+            return "uses one model chunk per pipeline rank"
+        if lo == hi:
+            return f"needs exactly {lo} model chunks per pipeline rank"
+        if hi is None:
+            return f"needs {lo} or more model chunks per pipeline rank"
+        return f"supports {' or '.join(map(str, range(lo, hi + 1)))} model chunks per pipeline rank"
+
+    def chunks_error(self, vpp: int) -> Optional[str]:
+        """One sentence when `vpp` chunks per rank do not fit this schedule, else None."""
+        if self.accepts(vpp):
+            return None
+        return f"--pipeline-schedule {self.name} {self.chunks_text()}, got {vpp}"
+
+    def check_chunks(self, vpp: int) -> None:
+        error = self.chunks_error(vpp)
+        if error is not None:
+            raise ValueError(error)
+
+    def placement(self, vpp: int) -> str:
+        """Where virtual stages go (`schedule_ir.stage_of`): "v" or "interleaved"."""
+        return "v" if self.v_placement and vpp == 2 else "interleaved"
+
+    def build(self, pp: int, vpp: int, m: int, costs: Optional[Costs] = None,
+              mem_limit: Optional[float] = None) -> Plan:
+        """This schedule's plan for pp ranks, vpp chunks per rank and m microbatches."""
+        self.check_chunks(vpp)
+        return self.builder(pp, vpp, m, costs, mem_limit)
+
+
+def _one_chunk(fn: Callable[[int, int], Plan]) -> Builder:
+    return lambda pp, vpp, m, costs, mem_limit: fn(pp, m)
+
+
+def _zb_h2(pp: int, vpp: int, m: int, costs: Optional[Costs], mem_limit: Optional[float]) -> Plan:
+    """The unit-cost ZB-H2, or with measured `costs` the plan fitted to them (ZB-H2's own cap: 2p-1)."""
+    return builders.zb_h2(pp, m) if costs is None else builders.zb_h2_fitted(pp, m, costs)
+
+
+SPECS: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
+    ScheduleSpec("1f1b", _one_chunk(builders.one_f_one_b), 1, 1, 1),
+    ScheduleSpec("interleaved", lambda pp, vpp, m, costs, mem_limit: builders.interleaved(pp, vpp, m), 2, None, 2),
+    ScheduleSpec("gpipe", _one_chunk(builders.gpipe), 1, 1, 1),
+    ScheduleSpec("zb-h1", _one_chunk(builders.zb_h1), 1, 1, 1, zero_bubble=True),
+    ScheduleSpec("zb-h2", _zb_h2, 1, 1, 1, zero_bubble=True, profiled=True),
+    ScheduleSpec("zbv", _one_chunk(builders.zbv), 2, 2, 2, v_placement=True, zero_bubble=True),
+    ScheduleSpec("auto", builders.auto, 1, 2, 1, v_placement=True, zero_bubble=True, profiled=True,
+                 memory_capped=True),
+)}
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The spec of a --pipeline-schedule name; ValueError naming the choices if there is none."""
+    if name not in SPECS:
+        raise ValueError(f"--pipeline-schedule {name} is unknown; choose one of {', '.join(SPECS)}")
+    return SPECS[name]
+
+
+def build(schedule: str, pp: int, vpp: int, m: int, costs: Optional[Costs] = None,
+          mem_limit: Optional[float] = None) -> Plan:
+    """Plan for a --pipeline-schedule name; `costs` are used by the profiled schedules (auto and zb-h2: fitted
+    to them when given, else the unit-cost plan), `mem_limit` by the memory-capped one (auto)."""
+    return schedule_spec(schedule).build(pp, vpp, m, costs, mem_limit)
