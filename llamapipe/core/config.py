@@ -89,6 +89,7 @@ class DataConfig:
     data_path: tuple = ()               # prefixes, or weight prefix weight prefix ...
     split: str = "969,30,1"
     tokenizer_model: Optional[str] = None
+    tokenizer_type: Optional[str] = None     # Megatron's --tokenizer-type; None: guessed from the model path
     mock_data: bool = False
     data_cache_path: Optional[str] = None
     num_workers: int = 0

@@ -33,7 +33,7 @@ def model_config_for_run(config: Config) -> LlamaConfig:
     model_cfg = config.model
     if config.data.tokenizer_model:
         from llamapipe.data.tokenizer import build_tokenizer, check_vocab
-        tokenizer = build_tokenizer(config.data.tokenizer_model)
+        tokenizer = build_tokenizer(config.data.tokenizer_model, config.data.tokenizer_type)
         check_vocab(tokenizer.vocab_size, model_cfg.replace(vocab_size=tokenizer.vocab_size)
                     .padded_vocab_size(config.parallel.tp_size))
         if tokenizer.vocab_size != model_cfg.vocab_size:

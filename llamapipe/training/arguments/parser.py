@@ -125,8 +125,11 @@ def _add_data_ckpt_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", nargs="+", default=None)
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
-                   choices=("SentencePieceTokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer"))
+    g.add_argument("--tokenizer-type", default=None,
+                   choices=("SentencePieceTokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer",
+                            "HuggingFaceTokenizer"),
+                   help="kind of --tokenizer-model; default: guessed from it (a .model file is sentencepiece, a "
+                        "tokenizer.json or a directory holding one is HuggingFaceTokenizer, e.g. LLaMA 3's)")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--num-workers", type=int, default=0)

@@ -165,11 +165,11 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
 def data_config(args: argparse.Namespace) -> DataConfig:
     if not args.mock_data and not args.data_path:
         raise ArgumentError("give --data-path PREFIX (from llamapipe preprocess) or --mock-data")
-    if args.tokenizer_model is not None and not os.path.isfile(args.tokenizer_model):
+    if args.tokenizer_model is not None and not os.path.exists(args.tokenizer_model):
         raise ArgumentError(f"--tokenizer-model {args.tokenizer_model} does not exist")
     if args.data_path and not args.mock_data:
         if args.tokenizer_model is None:
-            raise ArgumentError("--data-path needs --tokenizer-model (the sentencepiece model used to preprocess it)")
+            raise ArgumentError("--data-path needs --tokenizer-model (the tokenizer used to preprocess it)")
         for prefix in _data_prefixes(args.data_path):
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(prefix + ext):
@@ -182,6 +182,7 @@ def data_config(args: argparse.Namespace) -> DataConfig:
         raise ArgumentError(f"--eval-iters {args.eval_iters} needs validation data, but --split {args.split} "
                             "gives the validation set weight 0")
     return DataConfig(data_path=tuple(args.data_path or ()), split=args.split, tokenizer_model=args.tokenizer_model,
+                      tokenizer_type=args.tokenizer_type,
                       mock_data=args.mock_data, data_cache_path=args.data_cache_path, num_workers=args.num_workers,
                       seq_length=args.seq_length, seed=args.seed)
 
