@@ -1,4 +1,4 @@
-"""Data pipeline: sentencepiece tokenizer, RedPajama readers, Megatron .bin/.idx files, GPT samples, DP sampler.
+"""Data pipeline: tokenizers (sentencepiece, HF tokenizer.json, null), RedPajama readers, Megatron .bin/.idx files, GPT samples, DP sampler.
 
-The training loop needs only `data.sampler.build_data_iterators`.
+The training loop needs only `llamapipe.data.sampler.build_data_iterators`.
 """
