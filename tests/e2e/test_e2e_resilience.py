@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,7 +104,13 @@ def test_torchrun_max_restarts_resumes_a_killed_worker_to_the_same_final_loss(tm
     assert proc.returncode == 0, out[-4000:]
     rows = read_metrics(jsonl)
     assert rows[-1]["iteration"] == 10
-    assert len(rows) > 10, "the restarted workers should have repeated iterations after the last checkpoint"
+    # The restarted workers resume from the newest checkpoint K and log K+1..10 again (none repeated when the
+    # kill lands between the save at K and iteration K+1's log line, so count on the resume line, not repeats).
+    resumed = re.findall(rf"resumed from {re.escape(ckpt)} at iteration (\d+)", out)
+    assert resumed, "the restarted workers should have resumed from a checkpoint\n" + out[-3000:]
+    k = int(resumed[-1])
+    assert k % 2 == 0 and 2 <= k < 10
+    assert [r["iteration"] for r in rows[-(10 - k):]] == list(range(k + 1, 11))
     reference = train(2, FLAGS + ["--train-iters", "10"], str(tmp_path / "reference.jsonl"))
     assert rows[-1]["lm_loss"] == reference[-1]["lm_loss"]
 

@@ -59,8 +59,10 @@ def test_installed_wheel_imports_outside_the_repository_next_to_a_data_folder(wh
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", wheel],
-                             capture_output=True, text=True, timeout=300)
+    # without PYTHONPATH (other tests put the checkout there, whose egg-info would make pip skip the install)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel],
+                             capture_output=True, text=True, timeout=300, env=env)
     assert install.returncode == 0, install.stdout + install.stderr
     user_dir = tmp_path / "project"
     (user_dir / "data").mkdir(parents=True)
@@ -68,7 +70,6 @@ def test_installed_wheel_imports_outside_the_repository_next_to_a_data_folder(wh
     code = ("import sysconfig, data, llamapipe, llamapipe.cli, llamapipe.data as g\n"
             "site = sysconfig.get_paths()['purelib']\n"
             "print(llamapipe.__file__.startswith(site), g.__file__.startswith(site), data.OWNER)\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([str(python), "-c", code], cwd=user_dir, capture_output=True, text=True, timeout=300,
                          env=env)
     assert out.returncode == 0, out.stderr
