@@ -8,10 +8,13 @@ import sys
 
 from tests.harness import ROOT, free_port
 
+# Megatron's defaults log every 100 iterations, evaluate 100 iterations and load data in 2 worker processes;
+# the tiny runs log every iteration, evaluate only when a test asks for it, and read data in-process.
 TINY = ["--mock-data", "--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "128",
-        "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "256",
+        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--vocab-size", "256",
         "--seq-length", "32", "--max-position-embeddings", "64", "--seed", "1234",
-        "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--log-interval", "1"]
+        "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--log-interval", "1",
+        "--eval-iters", "0", "--num-workers", "0"]
 
 
 def torchrun(nproc: int, args: list[str], *, script: str = "pretrain_llama.py", extra: list[str] | None = None,

@@ -52,7 +52,7 @@ class TrainingConfig:
     train_iters: int = 10
     seed: int = 1234
     eval_interval: Optional[int] = None
-    eval_iters: int = 0
+    eval_iters: int = 100               # Megatron's default; 0 (or -1) runs no evaluation
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = False
@@ -60,18 +60,27 @@ class TrainingConfig:
     num_microbatches: int = 1           # derived: global / (micro x dp)
     profile_iters: int = 3              # `auto` and `zb-h2`: 1F1B iterations measured before switching
     keep_host_memory: bool = True       # CPU runs: glibc keeps freed memory (llamapipe.core.host_memory)
+    train_samples: Optional[int] = None         # --train-samples; train_iters is then derived from it
+    rampup_batch_size: Optional[tuple] = None   # (start, increment, ramp_samples) of --rampup-batch-size
+    calculate_per_token_loss: bool = False
+    manual_gc: bool = False                     # --manual-gc: Python's gc only at chosen points
+    manual_gc_interval: int = 0                 # iterations between manual collections (0: none in training)
+    manual_gc_eval: bool = True                 # collect around evaluation (--no-manual-gc-eval to not)
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
     lr: float = 3e-4
     min_lr: float = 0.0
-    lr_decay_style: str = "cosine"
+    lr_decay_style: str = "linear"
     lr_warmup_iters: int = 0
     lr_decay_iters: Optional[int] = None
-    weight_decay: float = 0.1
+    lr_warmup_samples: int = 0                  # sample-based schedule (with --train-samples)
+    lr_decay_samples: Optional[int] = None
+    lr_warmup_fraction: Optional[float] = None  # warmup as a fraction of the decay length
+    weight_decay: float = 0.01
     adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
+    adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     bf16: bool = False
@@ -87,7 +96,7 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class DataConfig:
     data_path: tuple = ()               # prefixes, or weight prefix weight prefix ...
-    split: str = "969,30,1"
+    split: str = "969,30,1"            # train,valid,test weights, always three (arguments pad "99,1")
     tokenizer_model: Optional[str] = None
     tokenizer_type: Optional[str] = None     # Megatron's --tokenizer-type; None: guessed from the model path
     mock_data: bool = False
@@ -95,3 +104,18 @@ class DataConfig:
     num_workers: int = 0
     seq_length: int = 128
     seed: int = 1234
+    vocab_size: Optional[int] = None    # --vocab-size, which NullTokenizer needs
+    train_data_path: tuple = ()         # per-split datasets (--train/valid/test-data-path) instead of --split
+    valid_data_path: tuple = ()
+    test_data_path: tuple = ()
+
+    @property
+    def per_split_paths(self) -> tuple:
+        """(train, valid, test) blends of --train/valid/test-data-path; all empty when --data-path is split."""
+        return self.train_data_path, self.valid_data_path, self.test_data_path
+
+    def has_split(self, index: int) -> bool:
+        """Whether split `index` (0 train, 1 valid, 2 test) has data: its own path, or a --split weight > 0."""
+        if any(self.per_split_paths):
+            return bool(self.per_split_paths[index])
+        return float(self.split.split(",")[index]) > 0

@@ -1,5 +1,9 @@
 """GPT pretraining samples: Megatron's document/sample/shuffle indices, train/valid/test split, blending, mock data.
 
+The splits come either from one blend of prefixes whose documents are split by weights (--data-path with
+--split, bounds rounded as Megatron's BlendedMegatronDatasetBuilder rounds them), or from one blend per
+split, each used whole (--train-data-path / --valid-data-path / --test-data-path).
+
 A split's documents are repeated for as many epochs as needed, shuffled (document index), cut into
 consecutive windows of seq_length + 1 tokens that cross document boundaries (sample index; neighbouring
 windows share one token, as in Megatron's GPTDataset), and the windows are shuffled (shuffle index).
@@ -28,14 +32,17 @@ _INDEX_VERSION = 1   # bump when the index construction changes so stale caches 
 
 
 def split_ranges(split: str, num_docs: int) -> list[tuple[int, int]]:
-    """Megatron's document split: "969,30,1" over num_docs -> [(0, a), (a, b), (b, num_docs)]."""
-    weights = [float(s) for s in split.split(",")]
-    assert len(weights) == 3 and sum(weights) > 0, f"bad split {split}"
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w / sum(weights) * num_docs)))
-    diff = bounds[-1] - num_docs
-    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
+    """Megatron's document split: "969,30,1" over num_docs -> [(0, a), (a, b), (b, num_docs)].
+
+    As Megatron: weights normalised in float64, cumulative fractions summed left to right, each bound
+    round(fraction * num_docs) with Python's round.
+    """
+    weights = np.asarray([float(s) for s in split.split(",")], dtype=np.float64)
+    assert len(weights) == 3 and weights.sum() > 0, f"bad split {split}"
+    cumulative = [0.0]
+    for w in (weights / weights.sum()).tolist():
+        cumulative.append(cumulative[-1] + w)
+    bounds = [int(round(c * float(num_docs))) for c in cumulative]
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
@@ -201,30 +208,45 @@ def parse_blend(data_path: Sequence[str]) -> tuple[list[str], Optional[list[floa
 
 
 def build_gpt_datasets(data_path: Sequence[str], split: str, num_samples: Sequence[int], seq_length: int,
-                       seed: int, cache_dir: Optional[str] = None) -> list[Optional[torch.utils.data.Dataset]]:
+                       seed: int, cache_dir: Optional[str] = None, *,
+                       per_split_paths: Sequence[Sequence[str]] = ((), (), ())
+                       ) -> list[Optional[torch.utils.data.Dataset]]:
     """[train, valid, test] datasets with num_samples[i] samples each (None where 0), blended over prefixes.
 
-    Unweighted prefixes are weighted by their token counts.
+    `data_path`'s documents are split by `split`; when any of `per_split_paths` (train, valid, test) is
+    given, split i is instead the whole of the files of per_split_paths[i]. Unweighted prefixes are
+    weighted by their token counts.
     """
-    prefixes, weights = parse_blend(data_path)
-    indexed = [IndexedDataset(p) for p in prefixes]
-    if weights is None:
-        weights = [float(ds.num_tokens) for ds in indexed]
+    opened: dict[str, IndexedDataset] = {}
     out: list[Optional[torch.utils.data.Dataset]] = []
     for s, (name, n) in enumerate(zip(SPLIT_NAMES, num_samples)):
         if n == 0:
             out.append(None)
             continue
-        ranges = [split_ranges(split, len(ds))[s] for ds in indexed]
-        if len(indexed) == 1:
-            out.append(GPTDataset(indexed[0], ranges[0], n, seq_length, seed, name, cache_dir))
-            continue
-        dataset_index, sample_index = blending_index(weights, n)
-        counts = np.bincount(dataset_index, minlength=len(indexed))
-        parts = [GPTDataset(ds, r, max(int(c), 1), seq_length, seed + d, name, cache_dir)
-                 for d, (ds, r, c) in enumerate(zip(indexed, ranges, counts))]
-        realised = ", ".join(f"{p}: {c} ({c / n:.3f} vs weight {w / sum(weights):.3f})"
-                             for p, c, w in zip(prefixes, counts, weights))
-        get_logger().info("blended %s split, %d samples: %s", name, n, realised)
-        out.append(BlendedDataset(parts, dataset_index, sample_index))
+        whole = any(per_split_paths)
+        prefixes, weights = parse_blend(per_split_paths[s] if whole else data_path)
+        for prefix in prefixes:
+            if prefix not in opened:
+                opened[prefix] = IndexedDataset(prefix)
+        indexed = [opened[prefix] for prefix in prefixes]
+        ranges = [(0, len(ds)) if whole else split_ranges(split, len(ds))[s] for ds in indexed]
+        out.append(_blend(name, prefixes, weights, indexed, ranges, n, seq_length, seed, cache_dir))
     return out
+
+
+def _blend(name: str, prefixes: list[str], weights: Optional[list[float]], indexed: list[IndexedDataset],
+           ranges: list[tuple[int, int]], n: int, seq_length: int, seed: int,
+           cache_dir: Optional[str]) -> torch.utils.data.Dataset:
+    """One split's dataset of n samples: the single dataset, or the weighted blend of several."""
+    if len(indexed) == 1:
+        return GPTDataset(indexed[0], ranges[0], n, seq_length, seed, name, cache_dir)
+    if weights is None:
+        weights = [float(ds.num_tokens) for ds in indexed]
+    dataset_index, sample_index = blending_index(weights, n)
+    counts = np.bincount(dataset_index, minlength=len(indexed))
+    parts = [GPTDataset(ds, r, max(int(c), 1), seq_length, seed + d, name, cache_dir)
+             for d, (ds, r, c) in enumerate(zip(indexed, ranges, counts))]
+    realised = ", ".join(f"{p}: {c} ({c / n:.3f} vs weight {w / sum(weights):.3f})"
+                         for p, c, w in zip(prefixes, counts, weights))
+    get_logger().info("blended %s split, %d samples: %s", name, n, realised)
+    return BlendedDataset(parts, dataset_index, sample_index)

@@ -1,12 +1,14 @@
 """Data-parallel, resumable batch sampling (Megatron's pretraining sampler) and `build_data_iterators`.
 
-Samples are read in dataset order (the dataset is already shuffled). Global batch b holds samples
-[b * gbs, (b + 1) * gbs); it is cut into chunks of mbs x dp samples, and microbatch j of DP rank r is
+Samples are read in dataset order (the dataset is already shuffled). The global batch that starts after
+c consumed samples holds samples [c, c + gbs); it is cut into chunks of mbs x dp samples, and microbatch j
+of DP rank r is
 
-    samples  b * gbs + j * (mbs * dp) + r * mbs  ...  + mbs - 1
+    samples  c + j * (mbs * dp) + r * mbs  ...  + mbs - 1
 
 so the union over DP ranks of a global batch is the same set for every dp, and resuming at
-consumed_samples = k continues exactly where an uninterrupted run would be (no replay, no skip).
+consumed_samples = k continues exactly where an uninterrupted run would be (no replay, no skip). The
+sampler only streams chunks, so a global batch that grows (--rampup-batch-size) is simply more chunks.
 Only the first and last pipeline stages read data; all TP ranks of a DP rank read the same samples.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from llamapipe.core.config import DataConfig, TrainingConfig
+from llamapipe.core.num_microbatches_calculator import samples_for_iters
 from llamapipe.data.gpt_dataset import MockGPTDataset, build_gpt_datasets
 
 
@@ -30,8 +33,8 @@ class PretrainingSampler:
             raise ValueError(f"consumed samples {consumed_samples} is not a multiple of micro-batch-size "
                              f"({micro_batch_size}) x data-parallel size ({dp_size})")
         if consumed_samples > total_samples:
-            raise ValueError(f"consumed samples {consumed_samples} exceed the {total_samples} training samples "
-                             "(--train-iters x --global-batch-size)")
+            raise ValueError(f"consumed samples {consumed_samples} exceed the {total_samples} samples the "
+                             "training iterations consume (--train-iters or --train-samples)")
         self.total, self.consumed, self.mbs, self.dp_rank, self.dp_size = (
             total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size)
 
@@ -58,16 +61,13 @@ def _loader(dataset, sampler, num_workers: int) -> Iterator[dict]:
                                             persistent_workers=num_workers > 0))
 
 
-def _split_is_used(split: str, index: int) -> bool:
-    return float(split.split(",")[index]) > 0
-
-
 def build_data_iterators(data_cfg: DataConfig, training_cfg: TrainingConfig, *, dp_rank: int, dp_size: int,
                          vocab_size: int, consumed_samples: int = 0,
                          needs_data: bool = True) -> tuple[Optional[Iterator], Optional[Iterator], Optional[Iterator]]:
     """(train, valid, test) iterators of this DP rank's microbatches {tokens, labels, loss_mask}, each (mbs, s).
 
-    train yields train_iters x num_microbatches microbatches starting after consumed_samples. valid and
+    train yields the microbatches of train_iters global batches (growing under --rampup-batch-size) that
+    follow consumed_samples. valid and
     test (None when --eval-iters is 0 or their --split share is 0) cycle over the first eval_iters global
     batches of their split, so each evaluation that draws eval_iters x num_microbatches microbatches sees
     the same samples. Collective when torch.distributed is initialised and --data-path is used: every
@@ -77,9 +77,9 @@ def build_data_iterators(data_cfg: DataConfig, training_cfg: TrainingConfig, *, 
     mbs, gbs = training_cfg.micro_batch_size, training_cfg.global_batch_size
     assert gbs % (mbs * dp_size) == 0, "arguments.py guarantees gbs divisible by mbs x dp"
     eval_samples = training_cfg.eval_iters * gbs
-    num_samples = [training_cfg.train_iters * gbs,
-                   eval_samples if _split_is_used(data_cfg.split, 1) else 0,
-                   eval_samples if _split_is_used(data_cfg.split, 2) else 0]
+    num_samples = [samples_for_iters(training_cfg.train_iters, gbs, training_cfg.rampup_batch_size),
+                   eval_samples if data_cfg.has_split(1) else 0,
+                   eval_samples if data_cfg.has_split(2) else 0]
     if data_cfg.mock_data:
         if not needs_data:
             return None, None, None
@@ -104,7 +104,8 @@ def _build_on_rank0_first(data_cfg: DataConfig, seq_length: int, num_samples: li
     datasets = None
     if needs_data or rank0:
         datasets = build_gpt_datasets(data_cfg.data_path, data_cfg.split, num_samples, seq_length,
-                                      data_cfg.seed, data_cfg.data_cache_path)
+                                      data_cfg.seed, data_cfg.data_cache_path,
+                                      per_split_paths=data_cfg.per_split_paths)
     if distributed and rank0:
         dist.barrier()
     return datasets if needs_data else None

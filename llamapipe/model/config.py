@@ -1,6 +1,7 @@
 """LLaMA model configuration and named presets (nanoGPT/gpt-fast style `from_name`).
 
-A preset fixes the architecture; explicit shape flags on the command line override single fields.
+A preset fixes the architecture; explicit shape flags on the command line override single fields
+(llamapipe.training.arguments.model_args builds the config from the flags).
 """
 from __future__ import annotations
 
@@ -25,10 +26,18 @@ class LlamaConfig:
     init_method_std: float = 0.02
     recompute_granularity: Optional[str] = None   # None, "full" or "selective"
     recompute_num_layers: Optional[int] = None    # full recompute: first N layers of each chunk (None: all)
+    kv_channels: Optional[int] = None  # Megatron's head dim; None: hidden_size // num_attention_heads
+    rotary_percent: float = 1.0        # RoPE rotates the first rotary_percent of each head's dims
+    use_flash_attn: bool = False       # CUDA: SDPA restricted to its FlashAttention kernel
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (Megatron: int(kv_channels * rotary_percent)); the rest pass."""
+        return int(self.head_dim * self.rotary_percent)
 
     def padded_vocab_size(self, tp_size: int = 1) -> int:
         """Megatron's vocabulary padding: round up to a multiple of divisible_by x tp."""
@@ -43,37 +52,6 @@ class LlamaConfig:
         if name not in PRESETS:
             raise ValueError(f"--model {name} is not a known preset; choose one of {', '.join(PRESETS)}")
         return cls(**PRESETS[name])
-
-    @classmethod
-    def from_args(cls, args) -> "LlamaConfig":
-        """Preset named by `args.model`, overridden by any explicit shape flag (None means unset)."""
-        base = PRESETS[args.model]
-        overrides = {
-            "num_layers": args.num_layers,
-            "hidden_size": args.hidden_size,
-            "ffn_hidden_size": args.ffn_hidden_size,
-            "num_attention_heads": args.num_attention_heads,
-            "num_query_groups": args.num_query_groups,
-            "vocab_size": args.vocab_size,
-            "max_position_embeddings": args.max_position_embeddings,
-            "rope_theta": args.rotary_base,
-            "norm_epsilon": args.norm_epsilon,
-            "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
-            "init_method_std": args.init_method_std,
-            "recompute_granularity": args.recompute_granularity,
-            "recompute_num_layers": args.recompute_num_layers,
-        }
-        if args.recompute_method == "uniform":
-            overrides["recompute_num_layers"] = None   # Megatron uniform, 1 layer per group: every layer
-        fields = dict(base)
-        fields.update({k: v for k, v in overrides.items() if v is not None})
-        if args.untie_embeddings_and_output_weights:
-            fields["tie_word_embeddings"] = False
-        if args.tie_embeddings_and_output_weights:
-            fields["tie_word_embeddings"] = True
-        if args.num_attention_heads is not None and args.num_query_groups is None and not args.group_query_attention:
-            fields["num_query_groups"] = args.num_attention_heads
-        return cls(**fields)
 
 
 PRESETS: dict[str, dict] = {

@@ -54,9 +54,8 @@ def config_from_hf(hf_config: Union[Any, dict], make_vocab_size_divisible_by: in
         raise ValueError(f"HF hidden_act {hf['hidden_act']!r} is not supported; LLaMA uses silu")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    if head_dim * heads != hf["hidden_size"]:
-        raise ValueError(f"HF head_dim {head_dim} x {heads} heads differs from hidden_size {hf['hidden_size']}")
-    return LlamaConfig(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+    return LlamaConfig(kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
+                       num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
                        ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
                        num_query_groups=hf.get("num_key_value_heads") or heads, vocab_size=hf["vocab_size"],
                        max_position_embeddings=hf["max_position_embeddings"], rope_theta=_rope_theta(hf),
@@ -68,6 +67,8 @@ def config_from_hf(hf_config: Union[Any, dict], make_vocab_size_divisible_by: in
 
 def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
     """config.json contents for transformers' LlamaForCausalLM."""
+    if config.rotary_dim != config.head_dim:
+        raise ValueError(f"rotary_percent {config.rotary_percent}: HF LlamaForCausalLM rotates every head dim")
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
             "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
             "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,

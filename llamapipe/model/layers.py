@@ -3,15 +3,20 @@
 Activations are sequence-first, (s, b, h) as in Megatron-LM, or (s/tp, b, h) with sequence parallelism.
 Linear layers are the tensor-parallel ones from core/tensor_parallel; q/k/v (and gate/up) stay separate
 parameters but share one call so they pay one input gather. RoPE uses HF's rotate_half convention, so HF
-checkpoints load without permuting q/k. Attention is torch's scaled_dot_product_attention (causal).
+checkpoints load without permuting q/k; with Megatron's --rotary-percent < 1 it rotates only the first
+rotary_dim dims of each head (as Megatron and HF's partial_rotary_factor do). The head dim is Megatron's
+kv_channels, which may differ from hidden/heads. Attention is torch's scaled_dot_product_attention
+(causal), restricted to its FlashAttention kernel on CUDA under --use-flash-attn.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from llamapipe.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, parallel_linear,
@@ -23,7 +28,7 @@ try:  # NVIDIA apex, when installed, provides a fused CUDA RMSNorm
 except ImportError:
     fused_rms_norm_affine = None
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (s, b or 1, 1, head_dim)
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (s, b or 1, 1, rotary_dim)
 
 
 class RMSNorm(nn.Module):
@@ -67,11 +72,12 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_position_embeddings, computed once in fp32."""
+    """cos/sin tables for every position up to max_position_embeddings, computed once in fp32, over the
+    rotary_dim rotated dims of a head (the frequencies depend on rotary_dim, not the head dim: Megatron)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)  # (p, d/2)
         table = torch.cat([freqs, freqs], dim=-1)  # (p, d)
         self.register_buffer("cos", table.cos(), persistent=False)
@@ -89,7 +95,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """HF LLaMA's rotate_half RoPE on (s, b, heads, d): x * cos + rotate_half(x) * sin."""
+    """HF LLaMA's rotate_half RoPE on (s, b, heads, d): x * cos + rotate_half(x) * sin on the first
+    rotary_dim dims (the tables' width); the other dims pass unchanged."""
     return _RotaryFunction.apply(x, *rope)
 
 
@@ -98,12 +105,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
 
     The tables repeat their first half (cat([freqs, freqs])), so each half of x meets the same cos/sin half.
     sign -1 is the transposed rotation, which is the backward of sign +1."""
-    half = x.shape[-1] // 2
-    x1, x2, c, s = x[..., :half], x[..., half:], cos[..., :half], sin[..., :half]
+    rot = cos.shape[-1]
+    half = rot // 2
+    x1, x2, c, s = x[..., :half], x[..., half:rot], cos[..., :half], sin[..., :half]
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    out1, out2 = out[..., :half], out[..., half:]
+    out1, out2 = out[..., :half], out[..., half:rot]
     torch.mul(x1, c, out=out1).addcmul_(x2, s, value=-sign)
     torch.mul(x2, c, out=out2).addcmul_(x1, s, value=sign)
+    if rot < x.shape[-1]:
+        out[..., rot:] = x[..., rot:]
     return out
 
 
@@ -132,6 +142,7 @@ class Attention(nn.Module):
         self.heads = config.num_attention_heads // tp_size
         self.groups = config.num_query_groups // tp_size
         self.head_dim, self.tp_group, self.recompute_core = d, tp_group, recompute_core
+        self.use_flash_attn = config.use_flash_attn
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         self.q_proj = ColumnParallelLinear(h, config.num_attention_heads * d, tp_group, **kw)
         self.k_proj = ColumnParallelLinear(h, config.num_query_groups * d, tp_group, **kw)
@@ -159,7 +170,10 @@ class Attention(nn.Module):
         q = apply_rotary(q, (cos, sin)).permute(1, 2, 0, 3)  # (b, heads, s, d)
         k = apply_rotary(k, (cos, sin)).permute(1, 2, 0, 3)  # (b, groups, s, d)
         v = v.permute(1, 2, 0, 3)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups != self.heads)
+        # --use-flash-attn: fail loudly rather than let SDPA fall back to a slower kernel
+        kernel = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if self.use_flash_attn and q.is_cuda else nullcontext()
+        with kernel:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups != self.heads)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
 

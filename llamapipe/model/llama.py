@@ -30,8 +30,11 @@ _SCALED_INIT = ("attention.o_proj.weight", "mlp.down_proj.weight")
 
 def _check_config(config: LlamaConfig, tp_size: int, layer_range: tuple[int, int]) -> None:
     c = config
-    if c.hidden_size % c.num_attention_heads:
+    if c.kv_channels is None and c.hidden_size % c.num_attention_heads:
         raise ValueError(f"hidden_size {c.hidden_size} is not divisible by num_attention_heads {c.num_attention_heads}")
+    if c.rotary_dim <= 0 or c.rotary_dim % 2:
+        raise ValueError(f"rotary_percent {c.rotary_percent} of head dim {c.head_dim} gives {c.rotary_dim} rotated "
+                         "dims; RoPE needs a positive even number")
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         if getattr(c, name) % tp_size:
             raise ValueError(f"{name} {getattr(c, name)} is not divisible by the tensor-parallel size {tp_size}")
@@ -79,7 +82,7 @@ class LlamaModel(nn.Module):
         padded_vocab = config.padded_vocab_size(tp_size)
         if pre_process:
             self.embedding = VocabParallelEmbedding(padded_vocab, config.hidden_size, self.tp_group, **kw)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, self.tp_group, **kw) for i in range(*layer_range)})
         if post_process:
             self.final_norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw)

@@ -24,9 +24,15 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    log_interval: int = 1
+    log_interval: int = 100
     tensorboard_dir: Optional[str] = None
     metrics_jsonl: Optional[str] = None
+    log_throughput: bool = False
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
 
 
 @dataclass(frozen=True)

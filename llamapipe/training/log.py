@@ -1,4 +1,5 @@
-"""Training metrics: the Megatron-style log line, TensorBoard scalars and one JSON object per iteration.
+"""Training metrics: the Megatron-style log line, TensorBoard scalars, Weights & Biases and one JSON object per
+iteration, plus the model-wide norms some of them report.
 
 Only global rank 0 writes; the loss it reports has already been reduced over data- and pipeline-parallel
 ranks by the training loop. FLOPs follow the Megatron/PaLM accounting (6 x params x tokens for the dense
@@ -6,15 +7,22 @@ matmuls plus 12 x layers x seq x hidden x tokens for attention scores), so MFU i
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
 import resource
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
+from llamapipe.core.config import ArgumentError
+from llamapipe.core.distributed.grad_reduce import all_reduce_over
 from llamapipe.core.logger import get_logger
+from llamapipe.core.optimizer.clip_grads import counts_for_norm, global_grad_norm
+from llamapipe.core.parallel_state import ParallelState
 from llamapipe.model.config import LlamaConfig
+from llamapipe.training.config import LoggingConfig
 
 log = get_logger()
 
@@ -43,52 +51,114 @@ def max_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # ru_maxrss is KiB on Linux
 
 
-class MetricsWriter:
-    """Writes stdout lines, TensorBoard scalars and JSONL records on global rank 0."""
+def _counted_params(model_chunks: list[torch.nn.Module], ps: ParallelState) -> list[torch.nn.Parameter]:
+    """Each element of the model once over the TP and PP ranks (Megatron: not shared, not a TP duplicate)."""
+    return [p for chunk in model_chunks for p in chunk.parameters()
+            if p.requires_grad and counts_for_norm(p, ps.tp_rank)]
 
-    def __init__(self, tensorboard_dir: Optional[str], metrics_jsonl: Optional[str], enabled: bool) -> None:
-        self.enabled = enabled
-        self._tb = None
-        self._jsonl = None
+
+def params_norm(model_chunks: list[torch.nn.Module], ps: ParallelState) -> float:
+    """L2 norm of all model weights (--log-params-norm); collective over the model-parallel group.
+
+    Every DP rank holds the full weights (ZeRO-1 gathers them after each step), so no DP reduction."""
+    params = [p.detach().float() for p in _counted_params(model_chunks, ps)]
+    device = params[0].device if params else torch.device("cpu")
+    return global_grad_norm(params, [ps.mp_group], device)
+
+
+def num_zeros_in_grad(model_chunks: list[torch.nn.Module], ps: ParallelState) -> int:
+    """Gradient elements that are exactly zero (--log-num-zeros-in-grad), after the DP reduction; a parameter
+    without a gradient counts as all zeros, as Megatron's zero-filled main grad does. Collective over the
+    model-parallel group."""
+    params = _counted_params(model_chunks, ps)
+    device = params[0].device if params else torch.device("cpu")
+    zeros = torch.zeros(1, dtype=torch.float64, device=device)
+    for p in params:
+        zeros += p.numel() if p.grad is None else (p.grad == 0).sum()
+    return int(all_reduce_over(zeros, [ps.mp_group]).item())
+
+
+def check_wandb(cfg: LoggingConfig) -> None:
+    """Refuse --wandb-project when the optional package is missing (every rank, before any group)."""
+    if cfg.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError(f"--wandb-project {cfg.wandb_project} needs the wandb package: "
+                            "pip install llamapipe[wandb]")
+
+
+def _open_wandb(cfg: LoggingConfig, run_config: Optional[Any], save_dir: Optional[str]) -> Any:
+    """A W&B run (offline with WANDB_MODE=offline) in --wandb-save-dir, or <--save>/wandb, or runs/wandb."""
+    import wandb
+    directory = cfg.wandb_save_dir or os.path.join(save_dir or "runs", "wandb")
+    os.makedirs(directory, exist_ok=True)
+    config = dataclasses.asdict(run_config) if dataclasses.is_dataclass(run_config) else run_config
+    return wandb.init(project=cfg.wandb_project, name=cfg.wandb_exp_name or None, dir=directory, config=config)
+
+
+def _line(record: dict, train_iters: int, throughput: bool) -> str:
+    parts = [f"iteration {record['iteration']:>6}/{train_iters:>6}",
+             f"consumed samples: {record['consumed_samples']:>10}",
+             f"elapsed time per iteration (ms): {record['elapsed_ms']:.1f}"]
+    if throughput:
+        if record.get("tflops_per_device") is None:
+            parts.append("throughput: not measured on the first iteration (warm-up)")
+        else:
+            parts += [f"throughput per GPU (TFLOP/s/GPU): {record['tflops_per_device']:.3f}",
+                      f"tokens/s: {record['tokens_per_sec']:.0f}"]
+            if record.get("mfu") is not None:
+                parts.append(f"MFU: {100 * record['mfu']:.1f}%")
+    parts += [f"learning rate: {record['lr']:.6E}", f"global batch size: {record['global_batch_size']:>5}",
+              f"lm loss: {record['lm_loss']:.6E}", f"loss scale: {record['loss_scale']:.1f}",
+              f"grad norm: {record['grad_norm']:.3f}"]
+    if "num_zeros_in_grad" in record:
+        parts.append(f"num zeros: {record['num_zeros_in_grad']}")
+    if "params_norm" in record:
+        parts.append(f"params norm: {record['params_norm']:.3f}")
+    parts += [f"skipped iterations: {record['skipped_iterations']:>3}",
+              f"max memory (GiB): {record['max_memory_gib']:.2f}"]
+    return " | ".join(parts)
+
+
+class MetricsWriter:
+    """Writes stdout lines, TensorBoard scalars, W&B and JSONL records on global rank 0."""
+
+    def __init__(self, cfg: LoggingConfig, enabled: bool, *, run_config: Optional[Any] = None,
+                 save_dir: Optional[str] = None) -> None:
+        self.enabled, self.cfg = enabled, cfg
+        self._tb = self._jsonl = self._wandb = None
         if not enabled:
             return
-        if tensorboard_dir:
+        if cfg.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(log_dir=tensorboard_dir)
-        if metrics_jsonl:
-            os.makedirs(os.path.dirname(os.path.abspath(metrics_jsonl)), exist_ok=True)
-            self._jsonl = open(metrics_jsonl, "a", buffering=1)
+            self._tb = SummaryWriter(log_dir=cfg.tensorboard_dir)
+        if cfg.metrics_jsonl:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics_jsonl)), exist_ok=True)
+            self._jsonl = open(cfg.metrics_jsonl, "a", buffering=1)
+        if cfg.wandb_project:
+            self._wandb = _open_wandb(cfg, run_config, save_dir)
 
     def iteration(self, record: dict, train_iters: int) -> None:
-        if not self.enabled:
-            return
-        parts = [f"iteration {record['iteration']:>6}/{train_iters:>6}",
-                 f"consumed samples: {record['consumed_samples']:>10}",
-                 f"elapsed time per iteration (ms): {record['elapsed_ms']:.1f}",
-                 f"learning rate: {record['lr']:.6E}", f"lm loss: {record['lm_loss']:.6E}",
-                 f"loss scale: {record['loss_scale']:.1f}", f"grad norm: {record['grad_norm']:.3f}",
-                 f"skipped iterations: {record['skipped_iterations']:>3}",
-                 f"tokens/s: {record['tokens_per_sec']:.0f}",
-                 f"TFLOP/s per device: {record['tflops_per_device']:.3f}"]
-        if record.get("mfu") is not None:
-            parts.append(f"MFU: {100 * record['mfu']:.1f}%")
-        parts.append(f"max memory (GiB): {record['max_memory_gib']:.2f}")
-        log.info(" | ".join(parts))
-        self.write(record)
+        """The console line of a (log-interval averaged) training record."""
+        if self.enabled:
+            log.info(_line(record, train_iters, self.cfg.log_throughput))
 
     def write(self, record: dict) -> None:
+        """One JSONL object; its numeric values as TensorBoard and W&B scalars at step record['iteration']."""
         if not self.enabled:
             return
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in record.items()
+                   if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
-            step = record["iteration"]
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)) and value is not None:
-                    self._tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, record["iteration"])
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=record["iteration"])
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -5,16 +5,20 @@ of its token losses and its token count; gradients are divided by the global tok
 step's last backward, so every layout computes exactly the single-rank token-averaged loss.
 Exit handling (Megatron): --exit-interval, --exit-duration-in-mins and --exit-signal-handler (SIGTERM)
 are agreed on by all ranks through one all-reduce, then a checkpoint is saved and the run exits 0.
+Under --rampup-batch-size the microbatch count of each step comes from the consumed samples
+(core.num_microbatches_calculator); the schedules cache one plan per count. A run that ends normally
+validates once more unless it just did (Megatron evaluates after training) and logs a summary.
 """
 from __future__ import annotations
 
+import gc
 import math
+import os
 import random
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -23,9 +27,14 @@ import torch.distributed as dist
 from llamapipe.training.config import Config
 from llamapipe.training.initialize import init_distributed
 from llamapipe.core.host_memory import keep_freed_host_memory
+from llamapipe.core.config import ArgumentError
 from llamapipe.core.logger import get_logger
+from llamapipe.core.num_microbatches_calculator import build_num_microbatches_calculator
 from llamapipe.core.parallel_state import ParallelState, initialize_model_parallel
-from llamapipe.training.log import MetricsWriter, device_peak_tflops, flops_per_token, max_memory_gib
+from llamapipe.training.log import MetricsWriter, check_wandb, num_zeros_in_grad, params_norm
+from llamapipe.training.process_control import ExitSignal, collect_for_eval, manual_gc
+from llamapipe.training.progress import TrainingProgress
+from llamapipe.model.config import LlamaConfig
 from llamapipe.training.setup import build_model_chunks, build_iterators, forward_step, model_config_for_run
 
 log = get_logger()
@@ -47,23 +56,19 @@ class TrainState:
     start_time: float = field(default_factory=time.time)
 
 
-class ExitSignal:
-    """Remembers a SIGTERM (SLURM preemption) so all ranks can agree to save and exit."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.received = False
-        if enabled:
-            signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = True
-
-
 def pretrain(config: Config) -> int:
     """Train as `config` says; returns the process exit status."""
+    try:
+        check_wandb(config.logging)     # every rank alike, before any process group
+    except ArgumentError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
+        return 2
     device = init_distributed(config.parallel)
     if device.type == "cpu" and config.training.keep_host_memory and keep_freed_host_memory():
-        log.info("host memory: malloc keeps freed memory for the next step (--release-host-memory to not)")
+        log.info("CPU memory: what a training step frees stays in this process for the next step, which makes "
+                 "steps faster but keeps the process's memory use at its peak (malloc keeps freed memory; "
+                 "--release-host-memory returns it to the system instead)")
     par = config.parallel
     ps = initialize_model_parallel(par.tp_size, par.pp_size, par.vpp_size, par.order)
     set_seeds(config.training.seed, ps.tp_rank)
@@ -96,7 +101,11 @@ class Trainer:
         self.config, self.model_cfg, self.ps, self.device = config, model_cfg, ps, device
         self.chunks, self.roles = build_model_chunks(config, model_cfg, ps, device)
         self.optimizer = build_optimizer(self.chunks, config.optimizer, ps)
-        self.scheduler = OptimizerParamScheduler(self.optimizer, config.optimizer, config.training.train_iters)
+        cfg = config.training
+        self.scheduler = OptimizerParamScheduler(self.optimizer, config.optimizer, cfg.train_iters,
+                                                 train_samples=cfg.train_samples)
+        self.batches = build_num_microbatches_calculator(cfg.global_batch_size, cfg.micro_batch_size, ps.dp_size,
+                                                         cfg.rampup_batch_size)
         self.state = TrainState()
         self._load()
         self.train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles,
@@ -106,10 +115,12 @@ class Trainer:
         if config.parallel.overlap_grad_reduce and ps.dp_size > 1:   # Megatron's overlap, during the backward
             from llamapipe.core.distributed.grad_sync import GradSync
             self.grad_sync = GradSync(self.chunks, ps, config.parallel.ddp_bucket_size)
-        self.metrics = MetricsWriter(config.logging.tensorboard_dir, config.logging.metrics_jsonl,
-                                     enabled=dist.get_rank() == 0)
-        self.exit_signal = ExitSignal(config.training.exit_signal_handler)
-        self.global_batch_tokens = config.training.global_batch_size * config.training.seq_length
+        self.metrics = MetricsWriter(config.logging, enabled=dist.get_rank() == 0, run_config=config,
+                                     save_dir=config.checkpoint.save)
+        self.progress = TrainingProgress(self.metrics, model_cfg, seq_length=cfg.seq_length,
+                                         world_size=ps.world_size, train_iters=cfg.train_iters,
+                                         log_interval=config.logging.log_interval)
+        self.exit_signal = ExitSignal(cfg.exit_signal_handler)
 
     def _load(self) -> None:
         ckpt = self.config.checkpoint
@@ -137,15 +148,30 @@ class Trainer:
 
     def train(self) -> int:
         cfg, st = self.config.training, self.state
-        saved_at = st.iteration if self.config.checkpoint.load else None
+        per_step = ("microbatches per step growing with --rampup-batch-size" if cfg.rampup_batch_size else
+                    f"{cfg.num_microbatches} microbatches per step")
         log.info(f"training {cfg.train_iters} iterations from iteration {st.iteration}: "
                  f"{self.ps.world_size} ranks (tp {self.ps.tp_size}, pp {self.ps.pp_size}, vpp {self.ps.vpp_size}, "
-                 f"dp {self.ps.dp_size}), schedule {self.config.parallel.pipeline_schedule}, "
-                 f"{cfg.num_microbatches} microbatches per step")
+                 f"dp {self.ps.dp_size}), schedule {self.config.parallel.pipeline_schedule}, {per_step}")
+        with manual_gc(cfg.manual_gc):
+            status = self._train_loop()
+        if status is None:
+            if cfg.eval_iters and not self._every(cfg.eval_interval):
+                self.evaluate()     # the last iteration was not validated yet
+            status = 0
+        self.progress.log_summary()
+        return status
+
+    def _train_loop(self) -> Optional[int]:
+        """Iterations up to --train-iters; an exit status when the run stops early (None: it completed)."""
+        cfg, st = self.config.training, self.state
+        saved_at = st.iteration if self.config.checkpoint.load else None
         while st.iteration < cfg.train_iters:
             status = self.train_step()
             if status is not None:
                 return status
+            if cfg.manual_gc and self._every(cfg.manual_gc_interval):
+                gc.collect()
             if self._every(self.config.checkpoint.save_interval):
                 self.save()
                 saved_at = st.iteration
@@ -158,9 +184,7 @@ class Trainer:
                 return 0
         if saved_at != st.iteration:
             self.save()
-        if cfg.eval_iters and cfg.eval_interval is None:
-            self.evaluate()
-        return 0
+        return None
 
     def _every(self, interval: Optional[int]) -> bool:
         return bool(interval) and self.state.iteration % interval == 0
@@ -178,11 +202,11 @@ class Trainer:
             return True
         return self._every(cfg.exit_interval)
 
-    def _run_schedule(self, iterators: list, forward_only: bool) -> tuple[float, float]:
+    def _run_schedule(self, iterators: list, forward_only: bool, num_microbatches: int) -> tuple[float, float]:
         """One global batch through the pipeline; returns (loss sum, token count) reduced over PP and DP."""
         scale = 1.0 if forward_only else self.optimizer.get_loss_scale()
         losses = self.fb_func(forward_step_func=forward_step, data_iterator=iterators, model=self.chunks,
-                              num_microbatches=self.config.training.num_microbatches,
+                              num_microbatches=num_microbatches,
                               forward_only=forward_only, loss_scale=scale,
                               grad_sync=None if forward_only else self.grad_sync)
         totals = torch.zeros(2, dtype=torch.float64)
@@ -199,11 +223,14 @@ class Trainer:
         from llamapipe.core.distributed.grad_reduce import finalize_model_grads
         st, cfg = self.state, self.config.training
         start = time.perf_counter()
+        self.batches.update(st.consumed_samples)
+        global_batch_size = self.batches.get_current_global_batch_size()
         self.optimizer.zero_grad()
-        loss_sum, tokens = self._run_schedule(self.train_iters, forward_only=False)
+        loss_sum, tokens = self._run_schedule(self.train_iters, forward_only=False,
+                                              num_microbatches=self.batches.get())
         loss = loss_sum / max(tokens, 1.0)
         st.iteration += 1
-        st.consumed_samples += cfg.global_batch_size
+        st.consumed_samples += global_batch_size
         fp16 = self.config.optimizer.fp16
         if not math.isfinite(loss) and not fp16:
             if not cfg.skip_nonfinite_steps:
@@ -218,6 +245,9 @@ class Trainer:
         if self.grad_sync is not None and not self._overlap_logged:
             self._overlap_logged = True
             log.info(self.grad_sync.summary())
+        extra = {}
+        if self.config.logging.log_num_zeros_in_grad:   # the reduced gradients the optimizer is about to use
+            extra["num_zeros_in_grad"] = num_zeros_in_grad(self.chunks, self.ps)
         result = self.optimizer.step()
         if not result.update_successful:
             if not fp16 and not cfg.skip_nonfinite_steps:
@@ -225,8 +255,14 @@ class Trainer:
                           "(pass --skip-nonfinite-steps to skip such steps instead)")
                 return 1
             return self._skip(f"inf/nan in gradients (loss scale now {self.optimizer.get_loss_scale():g})")
-        self.scheduler.step()
-        self._log(loss, result.grad_norm, time.perf_counter() - start)
+        self.scheduler.step(global_batch_size if self.scheduler.counts_samples else 1)
+        seconds = time.perf_counter() - start
+        if self.config.logging.log_params_norm:
+            extra["params_norm"] = params_norm(self.chunks, self.ps)
+        self.progress.iteration(iteration=st.iteration, consumed_samples=st.consumed_samples,
+                                global_batch_size=global_batch_size, seconds=seconds,
+                                lr=self.scheduler.get_lr(), loss=loss, loss_scale=self.optimizer.get_loss_scale(),
+                                grad_norm=result.grad_norm, skipped_iterations=st.skipped_iterations, extra=extra)
         return None
 
     def _skip(self, why: str) -> None:
@@ -237,31 +273,16 @@ class Trainer:
         log.warning(f"skipped iteration {self.state.iteration}: {why}")
         return None
 
-    def _log(self, loss: float, grad_norm: float, seconds: float) -> None:
-        st, cfg = self.state, self.config.training
-        tokens_per_sec = self.global_batch_tokens / seconds
-        tflops = flops_per_token(self.model_cfg, cfg.seq_length) * tokens_per_sec / self.ps.world_size / 1e12
-        peak = device_peak_tflops()
-        record = {"iteration": st.iteration, "consumed_samples": st.consumed_samples,
-                  "elapsed_ms": seconds * 1000.0, "lr": self.scheduler.get_lr(), "lm_loss": loss,
-                  "loss_scale": self.optimizer.get_loss_scale(), "grad_norm": float(grad_norm),
-                  "skipped_iterations": st.skipped_iterations, "tokens_per_sec": tokens_per_sec,
-                  "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
-                  "max_memory_gib": max_memory_gib()}
-        if self._every(self.config.logging.log_interval):
-            self.metrics.iteration(record, cfg.train_iters)
-        else:
-            self.metrics.write(record)
-
     def evaluate(self) -> Optional[float]:
         """Validation loss and perplexity over --eval-iters global batches."""
         cfg = self.config.training
         if not cfg.eval_iters or self.valid_iters is None:
             return None
         loss_sum = tokens = 0.0
-        with torch.no_grad():
+        with torch.no_grad(), collect_for_eval(cfg.manual_gc and cfg.manual_gc_eval):
             for _ in range(cfg.eval_iters):
-                batch_loss, batch_tokens = self._run_schedule(self.valid_iters, forward_only=True)
+                batch_loss, batch_tokens = self._run_schedule(self.valid_iters, forward_only=True,
+                                                              num_microbatches=cfg.num_microbatches)
                 loss_sum, tokens = loss_sum + batch_loss, tokens + batch_tokens
         loss = loss_sum / max(tokens, 1.0)
         ppl = math.exp(min(loss, 20.0))

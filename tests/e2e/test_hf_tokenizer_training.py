@@ -13,7 +13,8 @@ from tests.harness import ROOT
 
 SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
          "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--train-iters", "3", "--log-interval", "1", "--split", "98,2,0"]
+         "--global-batch-size", "4", "--train-iters", "3", "--log-interval", "1", "--split", "98,2,0",
+         "--eval-iters", "0", "--num-workers", "0"]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from tests.harness import ROOT
 
 
 def cfg(argv, world=1):
-    return config_from_args(build_parser().parse_args(["--mock-data"] + argv), world)
+    """The tiny preset on mock data, with `argv` on top."""
+    return config_from_args(build_parser().parse_args(["--mock-data", "--model", "tiny"] + argv), world)
 
 
 def rejects(argv, world, *fragments):
@@ -90,13 +91,14 @@ CASES = [
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
       "--pipeline-schedule", "zb-h1", "--global-batch-size", "2"], 2, ("zb-h1", "one model chunk")),
     (["--ffn-hidden-size", "351", "--tensor-model-parallel-size", "2"], 2, ("--ffn-hidden-size 351",)),
-    (["--split", "90,10"], 1, ("--split 90,10",)),
+    (["--split", "90,10,0,1"], 1, ("--split 90,10,0,1", "up to three")),
     (["--lr-warmup-iters", "20", "--train-iters", "10"], 1, ("--lr-warmup-iters 20", "(10")),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto", "--pipeline-memory-limit", "0.5",
       "--global-batch-size", "2"], 2, ("--pipeline-memory-limit 0.5",)),
     (["--num-layers", "16", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
       "--pipeline-schedule", "auto", "--global-batch-size", "2"], 2, ("auto supports 1 or 2", "got 4")),
-    (["--split", "100,0,0", "--eval-iters", "2"], 1, ("--eval-iters 2", "--split 100,0,0")),
+    (["--split", "100,0,0", "--eval-iters", "2", "--eval-interval", "5"], 1,
+     ("--eval-interval 5 needs validation data", "--split 100,0,0 gives it weight 0")),
     (["--recompute-num-layers", "2"], 1, ("--recompute-num-layers 2", "--recompute-granularity full")),
     (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5",
       "--decoder-last-pipeline-num-layers", "2", "--global-batch-size", "2"], 2,

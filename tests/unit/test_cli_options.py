@@ -1,14 +1,19 @@
 """The command line is frozen (torchtitan's idea): adding or removing a flag is a deliberate change
-here, and every flag is documented in docs/ (docs/flags.md is generated from the parser)."""
+here, and every flag is documented in docs/ (docs/flags.md is generated from the parser) and in --help,
+with its default. Megatron-LM's flags that have no effect here or are refused live in two tables
+(training/arguments/megatron_compat.py) and are pinned by those tables."""
+import argparse
 import os
 
+from llamapipe.training.arguments.megatron_compat import NOTICES, REFUSED
 from llamapipe.training.arguments.parser import build_parser
 
 from tests.harness import ROOT
 
 FLAGS = """
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
---adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --clip-grad --data-cache-path --data-path
+--adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --calculate-per-token-loss --clip-grad
+--data-cache-path --data-path
 --ddp-bucket-size
 --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers
 --disable-bias-linear --distributed-backend --distributed-timeout-minutes --eval-interval --eval-iters
@@ -25,7 +30,12 @@ FLAGS = """
 --tensorboard-dir --tie-embeddings-and-output-weights --tokenizer-model --tokenizer-type --train-iters
 --untie-embeddings-and-output-weights --use-distributed-optimizer --use-rotary-position-embeddings
 --vocab-size --weight-decay
+--kv-channels --rotary-percent --train-samples --lr-warmup-samples --lr-decay-samples --lr-warmup-fraction
+--rampup-batch-size --manual-gc --manual-gc-interval --no-manual-gc-eval --train-data-path --valid-data-path
+--test-data-path --log-throughput --log-params-norm --log-num-zeros-in-grad --wandb-project --wandb-exp-name
+--wandb-save-dir --use-checkpoint-args --recompute-activations --use-flash-attn
 """.split()
+COMPAT = [entry.flag for entry in NOTICES + REFUSED]
 
 
 def parser_flags():
@@ -34,7 +44,36 @@ def parser_flags():
 
 
 def test_cli_flag_set_is_pinned():
-    assert parser_flags() == sorted(FLAGS)
+    assert not set(FLAGS) & set(COMPAT), "a flag is both implemented and in a compatibility table"
+    assert len(set(COMPAT)) == len(COMPAT)
+    assert parser_flags() == sorted(FLAGS + COMPAT)
+
+
+def test_every_flag_has_a_help_line_and_help_shows_defaults():
+    parser = build_parser()
+    missing = [a.option_strings[0] for a in parser._actions if a.option_strings and not (a.help or "").strip()]
+    assert not missing, f"flags without help: {missing}"
+    text = parser.format_help()
+
+    def entry(option: str) -> str:       # the option's own lines of --help, after the usage
+        return " ".join(text.split("\n  " + option)[1].split("\n  -")[0].split())
+    assert entry("--adam-beta2 ADAM_BETA2").endswith("(default: 0.999)")
+    assert entry("--eval-iters EVAL_ITERS").endswith("(default: 100)")
+    assert entry("--use-mcore-models").startswith("no effect: ")
+    assert entry("--context-parallel-size CONTEXT_PARALLEL_SIZE").startswith("refused unless 1 (off): context parallelism")
+
+
+def test_abbreviated_flags_are_refused():
+    """Megatron's parser has allow_abbrev=False: --train-iter is not --train-iters."""
+    parser = build_parser()
+    assert parser.allow_abbrev is False
+    try:
+        parser.parse_args(["--train-iter", "5"])
+    except SystemExit as exit_:
+        assert exit_.code == 2
+    else:
+        raise AssertionError("--train-iter was accepted as an abbreviation")
+    assert isinstance(parser.parse_args(["--train-iters", "5"]), argparse.Namespace)
 
 
 def test_every_flag_is_documented_in_docs():

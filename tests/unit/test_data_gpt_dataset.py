@@ -48,8 +48,9 @@ def test_epochs_repeat_documents_when_more_samples_are_needed():
 def test_split_ranges_follow_megatron():
     assert split_ranges("969,30,1", 1000) == [(0, 969), (969, 999), (999, 1000)]
     assert split_ranges("98,2,0", 10) == [(0, 10), (10, 10), (10, 10)]
-    # Megatron rounds each share (3, 3, 3) and shifts every boundary by the shortfall: 0, 4, 7, 10
-    assert split_ranges("1,1,1", 10) == [(0, 4), (4, 7), (7, 10)]
+    # current Megatron (BlendedMegatronDatasetBuilder) rounds the cumulative fractions: 0, 3.33 -> 3, 6.67 -> 7, 10
+    # (legacy Megatron rounded each share and shifted the bounds: 0, 4, 7, 10)
+    assert split_ranges("1,1,1", 10) == [(0, 3), (3, 7), (7, 10)]
 
 
 def test_cache_is_reused_and_keyed_by_settings(tmp_path):

@@ -78,6 +78,59 @@ def test_decay_defaults_to_train_iters():
     assert [sched.step() for _ in range(5)] == pytest.approx([0.75, 0.5, 0.25, 0.0, 0.0])
 
 
+def _megatron_lr(n: float, warmup: float, decay: float, style: str, max_lr: float = 1.0, min_lr: float = 0.1) -> float:
+    """Megatron-LM's OptimizerParamScheduler.get_lr, written out for one step count."""
+    if warmup > 0 and n <= warmup:
+        return max_lr * n / warmup
+    if n > decay:
+        return min_lr
+    ratio = (n - warmup) / (decay - warmup)
+    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+# global batch sizes of --global-batch-size 12 --rampup-batch-size 2 2 20 (tests/unit/test_batch_rampup.py)
+RAMP_BATCHES = [2, 2, 4, 6, 8, 12, 12]
+CONSUMED = [2, 4, 8, 14, 22, 34, 46]
+
+
+@pytest.mark.parametrize("style", ["cosine", "linear"])
+def test_sample_based_schedule_counts_consumed_samples(style):
+    """--train-samples: the step count is the consumed samples, also while the batch ramps up;
+    --lr-warmup-samples 6 --lr-decay-samples 40."""
+    cfg = replace(CFG, lr=1.0, min_lr=0.1, lr_decay_style=style, lr_warmup_iters=3, lr_decay_iters=5,
+                  lr_warmup_samples=6, lr_decay_samples=40)    # the iteration flags are not used
+    opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=5.0)
+    sched = OptimizerParamScheduler(opt, cfg, train_iters=7, train_samples=50)
+    assert sched.counts_samples and sched.get_lr() == 0.0
+    got = [sched.step(batch) for batch in RAMP_BATCHES]
+    assert CONSUMED[:2] == [2, 4] and got[:2] == pytest.approx([2 / 6, 4 / 6], rel=1e-15)
+    assert got[-1] == 0.1                                    # 46 samples > --lr-decay-samples 40
+    assert got == pytest.approx([_megatron_lr(n, 6, 40, style) for n in CONSUMED], rel=1e-12, abs=1e-15)
+    resumed = OptimizerParamScheduler(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=5.0), cfg, 7, 50)
+    resumed.load_state_dict(sched.state_dict())
+    assert resumed.num_steps == 46 and resumed.get_lr(22) == pytest.approx(got[4], rel=1e-15)
+    with pytest.raises(ValueError, match=r"--lr-warmup-samples 60 is larger than the decay length "
+                                         r"\(--lr-decay-samples or --train-samples\) 40"):
+        OptimizerParamScheduler(opt, replace(cfg, lr_warmup_samples=60), train_iters=7, train_samples=50)
+
+
+def test_warmup_fraction_of_the_decay_span():
+    """--lr-warmup-fraction 0.25: a quarter of --train-samples 48 (no --lr-decay-samples) = 12 samples; with
+    --train-iters, a fraction of the decay iterations, the same values as the equal --lr-warmup-iters."""
+    cfg = replace(CFG, lr=1.0, min_lr=0.1, lr_decay_style="cosine", lr_warmup_fraction=0.25)
+    opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=5.0)
+    sched = OptimizerParamScheduler(opt, cfg, train_iters=7, train_samples=48)
+    assert (sched.lr_warmup_steps, sched.lr_decay_steps) == (12.0, 48)
+    got = [sched.step(batch) for batch in RAMP_BATCHES]
+    assert got == pytest.approx([_megatron_lr(n, 12, 48, "cosine") for n in CONSUMED], rel=1e-12, abs=1e-15)
+    by_iters = OptimizerParamScheduler(opt, replace(cfg, lr_warmup_fraction=None, lr_warmup_iters=2,
+                                                    lr_decay_iters=10), train_iters=99)
+    by_fraction = OptimizerParamScheduler(opt, replace(cfg, lr_decay_iters=10, lr_warmup_fraction=0.2), train_iters=99)
+    assert not by_fraction.counts_samples
+    assert [by_fraction.step() for _ in range(12)] == [by_iters.step() for _ in range(12)]
+
+
 @pytest.mark.parametrize("clip_grad", [0.0, 0.5])
 def test_adamw_matches_torch_reference(clip_grad):
     """fp32: every step equals torch.optim.AdamW (+ clip_grad_norm_) with Megatron's decay groups."""

@@ -1,7 +1,12 @@
 """Learning-rate schedule: linear warmup from 0, then constant, linear or cosine decay to min_lr.
 
-Follows Megatron-LM's `OptimizerParamScheduler.get_lr` formulas; one `step()` per successful
-optimizer update. Iteration 1 runs at `get_lr()` of step 0 (0 during warmup), as in Megatron.
+Follows Megatron-LM's `OptimizerParamScheduler.get_lr` formulas and its units: an iteration-based run
+(--train-iters) counts optimizer steps, a sample-based run (--train-samples) counts consumed samples, so
+its warmup and decay (--lr-warmup-samples, --lr-decay-samples) follow the data seen, also while
+--rampup-batch-size grows the batch. --lr-warmup-fraction sets the warmup to that share of the decay
+span in either unit. One `step(increment)` per successful optimizer update (increment: 1, or the step's
+global batch size when counting samples). Iteration 1 runs at `get_lr()` of step 0 (0 during warmup), as
+in Megatron.
 """
 from __future__ import annotations
 
@@ -16,19 +21,28 @@ DECAY_STYLES = ("constant", "linear", "cosine")
 class OptimizerParamScheduler:
     """Sets `lr` on every param group of `optimizer` from the number of steps taken so far."""
 
-    def __init__(self, optimizer: Any, opt_cfg: OptimizerConfig, train_iters: int) -> None:
+    def __init__(self, optimizer: Any, opt_cfg: OptimizerConfig, train_iters: int,
+                 train_samples: Optional[int] = None) -> None:
         if opt_cfg.lr_decay_style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style {opt_cfg.lr_decay_style} is not one of {', '.join(DECAY_STYLES)}")
         self.optimizer = optimizer
         self.max_lr = float(opt_cfg.lr)
         self.min_lr = float(opt_cfg.min_lr)
-        self.lr_warmup_steps = int(opt_cfg.lr_warmup_iters)
-        decay = opt_cfg.lr_decay_iters if opt_cfg.lr_decay_iters is not None else train_iters
-        self.lr_decay_steps = int(decay)
+        self.counts_samples = train_samples is not None
+        unit = "samples" if self.counts_samples else "iters"
+        given_decay = opt_cfg.lr_decay_samples if self.counts_samples else opt_cfg.lr_decay_iters
+        self.lr_decay_steps = int(given_decay if given_decay is not None else
+                                  train_samples if self.counts_samples else train_iters)
+        if opt_cfg.lr_warmup_fraction is not None:
+            self.lr_warmup_steps = opt_cfg.lr_warmup_fraction * self.lr_decay_steps
+            warmup_flag = f"--lr-warmup-fraction {opt_cfg.lr_warmup_fraction:g} ({self.lr_warmup_steps:g} {unit})"
+        else:
+            self.lr_warmup_steps = int(opt_cfg.lr_warmup_samples if self.counts_samples else opt_cfg.lr_warmup_iters)
+            warmup_flag = f"--lr-warmup-{unit} {self.lr_warmup_steps}"
         self.lr_decay_style = opt_cfg.lr_decay_style
         if self.lr_decay_style != "constant" and self.lr_warmup_steps > self.lr_decay_steps:
-            raise ValueError(f"--lr-warmup-iters {self.lr_warmup_steps} is larger than the decay length "
-                             f"(--lr-decay-iters or --train-iters) {self.lr_decay_steps}")
+            raise ValueError(f"{warmup_flag} is larger than the decay length (--lr-decay-{unit} or --train-{unit}) "
+                             f"{self.lr_decay_steps}")
         self.num_steps = 0
         self.step(0)
 
@@ -50,7 +64,8 @@ class OptimizerParamScheduler:
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
     def step(self, increment: int = 1) -> float:
-        """Advance the step count and write the new learning rate into the optimizer; returns it."""
+        """Advance the step count (by the step's global batch size when counting samples) and write the new
+        learning rate into the optimizer; returns it."""
         self.num_steps += increment
         lr = self.get_lr()
         for group in self.optimizer.param_groups:

@@ -1,35 +1,35 @@
-"""Validation of parsed command-line arguments and the per-concern configs built from them.
+"""Validation of parsed command-line arguments: value ranges, and the parallel, checkpoint and logging configs.
 
-Every inconsistent combination is rejected here (the pipeline layout's in `training/arguments/pipeline.py`),
-before any process group exists, with `ArgumentError`: one plain sentence that names the flags and the
-numbers (docs/design.md section 2). `llamapipe.training.arguments.parser` defines the flags and calls these in order; the first
-failing check is the one reported.
+Every inconsistent combination is rejected before any process group exists, with `ArgumentError`: one
+plain sentence that names the flags and the numbers (docs/design.md section 2). The other concerns have
+their own modules here (model_args, training_args, data_args, pipeline); `parser.config_from_args` calls
+them in order, and the first failing check is the one reported.
 """
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Sequence
 
 import torch
 
-from llamapipe.training.arguments.pipeline import check_layer_split, vpp_size
-from llamapipe.core.config import ArgumentError, DataConfig, OptimizerConfig, ParallelConfig, SCHEDULES, TrainingConfig
-from llamapipe.training.config import CheckpointConfig
+from llamapipe.core.config import SCHEDULES, ArgumentError, ParallelConfig
 from llamapipe.core.logger import get_logger
 from llamapipe.core.pipeline_parallel.activation_memory import MemoryBytes
-from llamapipe.model.config import LlamaConfig
+from llamapipe.training.arguments.pipeline import vpp_size
+from llamapipe.training.config import CheckpointConfig, LoggingConfig
 
 log = get_logger()
 
 _POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
              "num_virtual_stages_per_pipeline_rank",
-             "micro_batch_size", "global_batch_size", "seq_length", "train_iters", "num_layers", "hidden_size",
-             "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size", "max_position_embeddings",
-             "make_vocab_size_divisible_by", "log_interval", "save_interval", "eval_interval", "exit_interval",
-             "loss_scale_window", "hysteresis", "keep_last_n", "recompute_num_layers", "pipeline_profile_iters",
-             "distributed_timeout_minutes", "pipeline_memory_limit", "rotary_base", "norm_epsilon")
-_NON_NEGATIVE = ("lr_warmup_iters", "eval_iters", "weight_decay", "clip_grad", "min_lr", "num_workers", "seed")
+             "micro_batch_size", "global_batch_size", "seq_length", "train_iters", "train_samples", "num_layers",
+             "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "vocab_size",
+             "max_position_embeddings", "make_vocab_size_divisible_by", "log_interval", "save_interval",
+             "eval_interval", "exit_interval", "loss_scale_window", "hysteresis", "keep_last_n",
+             "recompute_num_layers", "pipeline_profile_iters", "distributed_timeout_minutes", "pipeline_memory_limit",
+             "rotary_base", "norm_epsilon", "lr_decay_iters", "lr_decay_samples")
+_NON_NEGATIVE = ("lr_warmup_iters", "lr_warmup_samples", "weight_decay", "clip_grad", "min_lr", "num_workers", "seed",
+                 "manual_gc_interval")
 
 
 def _flag(name: str) -> str:
@@ -92,118 +92,6 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
                           ddp_bucket_size=args.ddp_bucket_size or ParallelConfig.ddp_bucket_size)
 
 
-def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig) -> None:
-    tp, pp = par.tp_size, par.pp_size
-    check_layer_split(args, m.num_layers, par)
-    if m.hidden_size % m.num_attention_heads:
-        raise ArgumentError(f"--hidden-size {m.hidden_size} is not divisible by "
-                            f"--num-attention-heads ({m.num_attention_heads})")
-    if m.num_attention_heads % tp:
-        raise ArgumentError(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
-                            f"--tensor-model-parallel-size ({tp})")
-    if m.num_attention_heads % m.num_query_groups:
-        raise ArgumentError(f"--num-query-groups {m.num_query_groups} does not divide "
-                            f"--num-attention-heads ({m.num_attention_heads})")
-    if m.num_query_groups % tp:
-        raise ArgumentError(f"--num-query-groups {m.num_query_groups} is not divisible by "
-                            f"--tensor-model-parallel-size ({tp})")
-    if m.ffn_hidden_size % tp:
-        raise ArgumentError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by "
-                            f"--tensor-model-parallel-size ({tp})")
-    if args.seq_length > m.max_position_embeddings:
-        raise ArgumentError(f"--seq-length {args.seq_length} is larger than "
-                            f"--max-position-embeddings ({m.max_position_embeddings})")
-    if par.sequence_parallel and args.seq_length % tp:
-        raise ArgumentError(f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
-                            f"({tp}), which --sequence-parallel needs")
-    for flag in ("attention_dropout", "hidden_dropout"):
-        if getattr(args, flag):
-            raise ArgumentError(f"{_flag(flag)} {getattr(args, flag)} is not supported: LLaMA pretraining here "
-                                "uses no dropout (accepted only as 0 for Megatron script compatibility)")
-    if args.recompute_num_layers is not None and args.recompute_granularity != "full":
-        raise ArgumentError(f"--recompute-num-layers {args.recompute_num_layers} needs --recompute-granularity full")
-    if args.recompute_method == "uniform" and (args.recompute_num_layers or 1) > 1:
-        raise ArgumentError(f"--recompute-method uniform with --recompute-num-layers {args.recompute_num_layers} "
-                            "is not supported; use --recompute-method block (the first N layers of each chunk)")
-    if m.tie_word_embeddings and pp > 1:
-        raise ArgumentError("--tie-embeddings-and-output-weights is supported only with "
-                            f"--pipeline-model-parallel-size 1 (got {pp})")
-
-
-def training_config(args: argparse.Namespace, par: ParallelConfig) -> TrainingConfig:
-    mbs, dp = args.micro_batch_size, par.dp_size
-    gbs = args.global_batch_size if args.global_batch_size is not None else mbs * dp
-    if gbs % (mbs * dp):
-        raise ArgumentError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size ({mbs}) "
-                            f"x data-parallel size ({dp})")
-    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
-    if args.lr_warmup_iters > decay_iters:
-        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} is longer than the decay length "
-                            f"({decay_iters}, from --lr-decay-iters or --train-iters)")
-    if args.eval_interval is not None and args.eval_iters == 0:
-        raise ArgumentError(f"--eval-interval {args.eval_interval} needs --eval-iters > 0")
-    return TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, seq_length=args.seq_length,
-                          train_iters=args.train_iters, seed=args.seed, eval_interval=args.eval_interval,
-                          eval_iters=args.eval_iters, exit_interval=args.exit_interval,
-                          exit_duration_in_mins=args.exit_duration_in_mins,
-                          exit_signal_handler=args.exit_signal_handler,
-                          skip_nonfinite_steps=args.skip_nonfinite_steps, num_microbatches=gbs // (mbs * dp),
-                          profile_iters=args.pipeline_profile_iters,
-                          keep_host_memory=not args.release_host_memory)
-
-
-def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
-    return OptimizerConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
-                           lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
-                           weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-                           adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-                           loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-                           min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-                           hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer)
-
-
-def data_config(args: argparse.Namespace) -> DataConfig:
-    if not args.mock_data and not args.data_path:
-        raise ArgumentError("give --data-path PREFIX (from llamapipe preprocess) or --mock-data")
-    if args.tokenizer_model is not None and not os.path.exists(args.tokenizer_model):
-        raise ArgumentError(f"--tokenizer-model {args.tokenizer_model} does not exist")
-    if args.data_path and not args.mock_data:
-        if args.tokenizer_model is None:
-            raise ArgumentError("--data-path needs --tokenizer-model (the tokenizer used to preprocess it)")
-        for prefix in _data_prefixes(args.data_path):
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(prefix + ext):
-                    raise ArgumentError(f"--data-path {prefix}: file {prefix + ext} does not exist")
-    parts = args.split.split(",")
-    if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts) or \
-            sum(float(p) for p in parts) <= 0:
-        raise ArgumentError(f"--split {args.split} must be three non-negative numbers like 969,30,1")
-    if args.eval_iters and float(parts[1]) == 0:
-        raise ArgumentError(f"--eval-iters {args.eval_iters} needs validation data, but --split {args.split} "
-                            "gives the validation set weight 0")
-    return DataConfig(data_path=tuple(args.data_path or ()), split=args.split, tokenizer_model=args.tokenizer_model,
-                      tokenizer_type=args.tokenizer_type,
-                      mock_data=args.mock_data, data_cache_path=args.data_cache_path, num_workers=args.num_workers,
-                      seq_length=args.seq_length, seed=args.seed)
-
-
-def _data_prefixes(data_path: Sequence[str]) -> list[str]:
-    """`A B` -> [A, B]; `0.3 A 0.7 B` -> [A, B] (weights checked for form here)."""
-    try:
-        float(data_path[0])
-    except ValueError:
-        return list(data_path)
-    if len(data_path) % 2:
-        raise ArgumentError(f"--data-path with weights needs weight/prefix pairs, got {len(data_path)} values")
-    for weight in data_path[0::2]:
-        try:
-            if float(weight) <= 0:
-                raise ValueError
-        except ValueError:
-            raise ArgumentError(f"--data-path weight {weight} must be a positive number") from None
-    return list(data_path[1::2])
-
-
 def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
     # --load equal to --save may not exist yet: the first launch of a restartable (torchrun) job.
     if args.load is not None and not os.path.isdir(args.load) and args.load != args.save:
@@ -211,3 +99,11 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
     return CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
                             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
                             finetune=args.finetune, keep_last_n=args.keep_last_n)
+
+
+def logging_config(args: argparse.Namespace) -> LoggingConfig:
+    return LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
+                         metrics_jsonl=args.metrics_jsonl, log_throughput=args.log_throughput,
+                         log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+                         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
+                         wandb_save_dir=args.wandb_save_dir)

@@ -33,7 +33,7 @@ _MODEL_FIELDS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "
                  "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
                  "vocab_size": "--vocab-size (or --tokenizer-model)",
                  "tie_word_embeddings": "--tie-embeddings-and-output-weights", "rope_theta": "--rotary-base",
-                 "norm_epsilon": "--norm-epsilon"}
+                 "norm_epsilon": "--norm-epsilon", "kv_channels": "--kv-channels", "rotary_percent": "--rotary-percent"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,49 @@
+"""--use-checkpoint-args: the model shape from the --load checkpoint's metadata (Megatron's load_args_from_checkpoint).
+
+As in Megatron, shape flags the user did not give are filled from the checkpoint (layers, hidden, MLP and
+head sizes, positions, sequence length, vocabulary), while the architecture switches are always taken
+from it (query groups and --group-query-attention, RoPE base and percent, tied embeddings). With no
+checkpoint in --load yet, the command line stands (Megatron prints the same and goes on).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from llamapipe.core.config import ArgumentError
+from llamapipe.training.checkpointing.io import METADATA, latest_checkpoint
+
+_FILLED = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
+           "num_attention_heads": "num_attention_heads", "kv_channels": "kv_channels",
+           "max_position_embeddings": "max_position_embeddings", "vocab_size": "vocab_size",
+           "norm_epsilon": "norm_epsilon", "make_vocab_size_divisible_by": "make_vocab_size_divisible_by"}
+_FORCED = {"num_query_groups": "num_query_groups", "rope_theta": "rotary_base", "rotary_percent": "rotary_percent"}
+
+
+def apply_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> None:
+    """Write the checkpoint's model arguments into `args` (Megatron's fill/force rules)."""
+    if not args.use_checkpoint_args:
+        return
+    if args.load is None:
+        raise ArgumentError("--use-checkpoint-args needs --load DIR, the checkpoint to take the model arguments from")
+    found = latest_checkpoint(args.load) if os.path.isdir(args.load) else None
+    if found is None:
+        notices.append(f"notice: --use-checkpoint-args: no checkpoint in --load {args.load} yet; "
+                       "using the model arguments of the command line")
+        return
+    with open(os.path.join(found[1], METADATA)) as fh:
+        meta = json.load(fh)
+    model = meta["model_config"]
+    values = {flag: model.get(field) for field, flag in _FILLED.items() if getattr(args, flag) is None}
+    if args.seq_length is None:
+        values["seq_length"] = ((meta.get("config") or {}).get("training") or {}).get("seq_length")
+    values.update({flag: model.get(field) for field, flag in _FORCED.items()})
+    values = {flag: value for flag, value in values.items() if value is not None}
+    for flag, value in values.items():
+        setattr(args, flag, value)
+    args.group_query_attention = model["num_query_groups"] != model["num_attention_heads"]
+    args.tie_embeddings_and_output_weights = bool(model.get("tie_word_embeddings"))
+    args.untie_embeddings_and_output_weights = not args.tie_embeddings_and_output_weights
+    taken = ", ".join(f"--{flag.replace('_', '-')} {value}" for flag, value in values.items())
+    notices.append(f"--use-checkpoint-args: {taken} from {found[1]}")

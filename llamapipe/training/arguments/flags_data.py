@@ -1,0 +1,57 @@
+"""The data, checkpointing and logging flags, with Megatron-LM's names and defaults."""
+from __future__ import annotations
+
+import argparse
+
+from llamapipe.data.tokenizer import TOKENIZER_TYPES
+
+
+def add_data_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data", "One source: --mock-data, --data-path (split by --split), or per-split "
+                             "--train-data-path / --valid-data-path / --test-data-path.")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="preprocessed dataset prefixes (without .bin/.idx), or weight prefix weight prefix ...")
+    g.add_argument("--split", default=None,
+                   help="train,valid,test weights over --data-path's documents, e.g. 99,1 (missing ones are 0); "
+                        "None: 969,30,1")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
+                       help=f"{split} dataset prefixes (or weight prefix ...), each used whole; no --split")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="sentencepiece .model, or an HF tokenizer.json or the directory holding it")
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="kind of --tokenizer-model; None: guessed from it (a .model file is sentencepiece, a "
+                        "tokenizer.json or a directory holding one is HuggingFaceTokenizer, e.g. LLaMA 3's); "
+                        "NullTokenizer: data that is token ids already, with --vocab-size")
+    g.add_argument("--mock-data", action="store_true", help="synthetic, learnable token sequences; no files")
+    g.add_argument("--data-cache-path", default=None,
+                   help="directory of the dataset index caches; None: a cache/ folder next to the data")
+    g.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes per rank")
+
+
+def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--load", default=None, help="directory to resume from (its newest complete checkpoint)")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model shape (layers, sizes, heads, groups, RoPE, seq length) from the --load "
+                        "checkpoint: flags not given are filled, the architecture switches are overridden")
+    g.add_argument("--no-load-optim", action="store_true", help="load the weights but not the optimizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not restore the random number generators")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the weights only and start at iteration 0")
+    g.add_argument("--keep-last-n", type=int, default=None, help="delete all but the newest N checkpoints")
+
+
+def add_logging_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100, help="iterations between log lines")
+    g.add_argument("--log-throughput", action="store_true", help="log the throughput (tokens/s and TFLOP/s)")
+    g.add_argument("--log-params-norm", action="store_true", help="log the norm of all parameters")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true", help="log the number of zero gradients")
+    g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard events here")
+    g.add_argument("--metrics-jsonl", default=None, help="write one JSON line of metrics per logged iteration")
+    g.add_argument("--wandb-project", default=None, help="log to this Weights & Biases project (pip extra wandb)")
+    g.add_argument("--wandb-exp-name", default=None, help="Weights & Biases run name")
+    g.add_argument("--wandb-save-dir", default=None, help="directory for the Weights & Biases run files")

@@ -1,0 +1,108 @@
+"""The parallelism and model flags, with Megatron-LM's names, meanings and defaults.
+
+A default of None means "not given": the value then comes from a --model preset or from Megatron's rule
+(llamapipe.training.arguments.model_args), and the help says what that is.
+"""
+from __future__ import annotations
+
+import argparse
+
+from llamapipe.core.config import SCHEDULES
+from llamapipe.core.pipeline_parallel.activation_memory import memory_limit
+from llamapipe.model.config import PRESETS
+
+
+def add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks per model")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages (ranks) per model")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per model chunk; several chunks per pipeline rank give the interleaved schedule")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="model chunks per pipeline rank (newer Megatron's alternative to "
+                        "--num-layers-per-virtual-pipeline-stage)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers on the first pipeline stage (uneven split; the rest split evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers on the last pipeline stage, e.g. fewer to balance the LM head and loss")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as one layer when splitting layers over (virtual) stages")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the LM head and loss as one layer when splitting layers over (virtual) stages")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split norms and activations along the sequence over the tensor-parallel ranks")
+    g.add_argument("--pipeline-schedule", default=None,
+                   help=f"one of {', '.join(SCHEDULES)}; None: 1f1b, or interleaved with virtual stages")
+    g.add_argument("--pipeline-memory-limit", type=memory_limit, default=None,
+                   help="auto schedule: activation memory cap per rank, in microbatch-chunk units (a number) "
+                        "or bytes (e.g. 24GiB, 512MB), measured while profiling")
+    g.add_argument("--parallel-order", default="tp-dp-pp", help="rank order, fastest-varying first")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="None: nccl when CUDA is available, else gloo (Megatron's default is nccl)")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="timeout of collective operations")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer state over data-parallel ranks (ZeRO-1)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each gradient bucket's data-parallel all-reduce during the backward")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per data-parallel gradient all-reduce bucket; None: 25000000")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model", "Megatron requires --num-layers, --hidden-size, --num-attention-heads, "
+                             "--max-position-embeddings and --seq-length; a --model preset supplies them instead, "
+                             "and with neither the tiny preset is trained.")
+    g.add_argument("--model", default=None, choices=tuple(PRESETS),
+                   help="named architecture; shape flags override single fields of it")
+    shape = (("--num-layers", int, "transformer layers"), ("--hidden-size", int, "hidden size"),
+             ("--ffn-hidden-size", int, "MLP hidden size; None: the preset's, or Megatron's rule "
+                                        "int(4 * hidden * 2 / 3 / 64) * 64 with --swiglu, else 4 * hidden"),
+             ("--num-attention-heads", int, "attention heads"),
+             ("--num-query-groups", int, "key/value heads under --group-query-attention (Megatron's default 1); "
+                                         "ignored without it"),
+             ("--kv-channels", int, "head dim (q/k/v projections are heads x kv-channels wide); "
+                                    "None: hidden-size / num-attention-heads"),
+             ("--vocab-size", int, "vocabulary without padding; None: the tokenizer's or the preset's"),
+             ("--max-position-embeddings", int, "longest sequence the RoPE tables cover"),
+             ("--rotary-base", float, "RoPE theta; None: the preset's, else 10000"),
+             ("--norm-epsilon", float, "RMSNorm epsilon; None: 1e-5"),
+             ("--make-vocab-size-divisible-by", int, "pad the vocabulary to a multiple of this x TP; None: 128"),
+             ("--init-method-std", float, "std of the normal weight init; None: 0.02"),
+             ("--recompute-num-layers", int, "full recompute: layers per chunk recomputed"))
+    for flag, typ, text in shape:
+        g.add_argument(flag, type=typ, default=None, help=text)
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="fraction of each head's dims that RoPE rotates (the first ones); the rest pass unrotated")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups key/value heads")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output-layer weights (LLaMA's; also llamapipe's default)")
+    g.add_argument("--tie-embeddings-and-output-weights", action="store_true",
+                   help="share the embedding with the output layer (pipeline size 1 only)")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="activation recompute: whole layers, or only the attention core")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="full recompute: every layer (uniform) or the first --recompute-num-layers (block)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron's shorthand for --recompute-granularity selective")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="CUDA: run attention on SDPA's FlashAttention kernel (needs --bf16 or --fp16); "
+                        "no effect on CPU")
+    _add_llama_shape_flags(g)
+
+
+def _add_llama_shape_flags(g: argparse._ArgumentGroup) -> None:
+    """Flags of Megatron's LLaMA scripts that describe what the model here always is."""
+    g.add_argument("--swiglu", action="store_true",
+                   help="SwiGLU MLP (always, here); also picks Megatron's --ffn-hidden-size rule")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers (always, here)")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true", help="RoPE (always, here)")
+    g.add_argument("--normalization", choices=("RMSNorm",), default="RMSNorm",
+                   help="only RMSNorm (LLaMA); Megatron's default LayerNorm is not available")
+    g.add_argument("--position-embedding-type", choices=("rope",), default="rope",
+                   help="only rope (LLaMA); Megatron's default learned_absolute is not available")
+    g.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="only 0 (LLaMA pretraining uses no dropout; Megatron's default is 0.1)")
+    g.add_argument("--hidden-dropout", type=float, default=0.0,
+                   help="only 0 (LLaMA pretraining uses no dropout; Megatron's default is 0.1)")

@@ -1,0 +1,143 @@
+"""Megatron-LM flags llamapipe accepts without acting on them, and those it refuses: two tables.
+
+Megatron's LLaMA and GPT example scripts (examples/llama/*.sh, examples/gpt3/*.sh) pass switches for
+Megatron's own kernels, checkpoint formats and tools. So that those scripts run unchanged, every flag here
+is parsed with Megatron's arity. One that has no effect here gets one notice line at start-up (rank 0); one
+whose meaning llamapipe lacks stops the run with one line saying why and what to use instead, unless its
+value is the one that means "off" in Megatron (e.g. --context-parallel-size 1).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+from llamapipe.core.config import ArgumentError
+
+
+@dataclass(frozen=True)
+class CompatFlag:
+    flag: str
+    why: str                                    # notices: why it has no effect; refusals: why and what instead
+    type: Optional[Callable] = None             # None: a switch; else it takes a value of this type
+    nargs: Union[int, str, None] = None         # for a flag taking several values
+    off: tuple = ()                             # refused flags: values that mean "off" and pass silently
+
+
+_FUSION = "a switch of Megatron's fused CUDA kernels; llamapipe has none (torch picks its kernels)"
+_TB = "TensorBoard gets the loss, learning rate, grad norm and loss scale only"
+_PROFILE = "no built-in profiler; wrap the run in torch.profiler or nsys"
+_FP8 = "FP8 training needs Transformer Engine, which llamapipe does not use; train with --bf16"
+
+NOTICES: tuple[CompatFlag, ...] = (
+    CompatFlag("--use-mcore-models", "llamapipe has one LLaMA implementation, laid out like Megatron core's"),
+    CompatFlag("--use-legacy-models", "llamapipe has one LLaMA implementation, not Megatron's legacy model"),
+    CompatFlag("--transformer-impl", "layers are llamapipe's own PyTorch modules (no Transformer Engine)", str),
+    CompatFlag("--attention-backend", "attention is torch's scaled_dot_product_attention, which picks its kernel "
+               "(--use-flash-attn forces FlashAttention on CUDA)", str),
+    CompatFlag("--apply-layernorm-1p", "RMSNorm stores its scale itself; storing scale - 1 is the same model"),
+    CompatFlag("--attention-softmax-in-fp32", "torch's attention kernels keep the softmax in fp32"),
+    CompatFlag("--no-masked-softmax-fusion", _FUSION),
+    CompatFlag("--no-bias-gelu-fusion", _FUSION),
+    CompatFlag("--no-bias-swiglu-fusion", _FUSION),
+    CompatFlag("--no-bias-dropout-fusion", _FUSION),
+    CompatFlag("--no-rope-fusion", _FUSION),
+    CompatFlag("--no-persist-layer-norm", _FUSION),
+    CompatFlag("--no-gradient-accumulation-fusion", _FUSION),
+    CompatFlag("--cross-entropy-loss-fusion", "the cross entropy is llamapipe's vocabulary-parallel one, in place "
+               "on the logits"),
+    CompatFlag("--cross-entropy-fusion-impl", "the cross entropy is llamapipe's vocabulary-parallel one", str),
+    CompatFlag("--tp-comm-overlap", "Transformer Engine's tensor-parallel GEMM/communication overlap is not used"),
+    CompatFlag("--overlap-param-gather", "the distributed optimizer gathers the parameters right after its step"),
+    CompatFlag("--overlap-param-gather-with-optimizer-step",
+               "the distributed optimizer gathers the parameters right after its step"),
+    CompatFlag("--grad-reduce-in-bf16", "half-precision gradients are reduced in fp32"),
+    CompatFlag("--accumulate-allreduce-grads-in-fp32", "half-precision gradients are always reduced in fp32"),
+    CompatFlag("--decoupled-lr", "every parameter follows --lr; a separate embedding/output-layer rate is not "
+               "implemented", float),
+    CompatFlag("--decoupled-min-lr", "every parameter follows --min-lr; a separate embedding/output-layer rate "
+               "is not implemented", float),
+    CompatFlag("--ckpt-format", "checkpoints are llamapipe's own format (safetensors shards and metadata.json), "
+               "which load into any parallel layout", str),
+    CompatFlag("--ckpt-fully-parallel-load", "checkpoint loading has one strategy: each rank reads what it holds"),
+    CompatFlag("--async-save", "checkpoints are written synchronously"),
+    CompatFlag("--async-strategy", "checkpoints are written synchronously", str),
+    CompatFlag("--empty-unused-memory-level", "the CUDA caching allocator is not emptied between steps", int),
+    CompatFlag("--profile", _PROFILE),
+    CompatFlag("--use-pytorch-profiler", _PROFILE),
+    CompatFlag("--profile-step-start", _PROFILE, int),
+    CompatFlag("--profile-step-end", _PROFILE, int),
+    CompatFlag("--profile-ranks", _PROFILE, int, "+"),
+    CompatFlag("--log-timers-to-tensorboard", _TB),
+    CompatFlag("--log-memory-to-tensorboard", _TB),
+    CompatFlag("--log-world-size-to-tensorboard", _TB),
+    CompatFlag("--log-validation-ppl-to-tensorboard", "the validation loss is logged; its perplexity is exp(loss)"),
+    CompatFlag("--timing-log-level", "no per-phase timers; the log line has the iteration time", int),
+    CompatFlag("--timing-log-option", "no per-phase timers; the log line has the iteration time", str),
+    CompatFlag("--tensorboard-queue-size", "events are written as they come", int),
+    CompatFlag("--tensorboard-log-interval", "TensorBoard is written every --log-interval", int),
+    CompatFlag("--wandb-entity", "it is not passed to wandb; set WANDB_ENTITY instead", str),
+    CompatFlag("--no-create-attention-mask-in-dataloader", "no attention mask is ever built (causal SDPA)"),
+    CompatFlag("--no-mmap-bin-files", ".bin files are always memory-mapped"),
+    CompatFlag("--num-dataset-builder-threads", "rank 0 builds the dataset indices in one thread", int),
+    CompatFlag("--tiktoken-pattern", "it is for Megatron's TikTokenizer; a tokenizer.json carries its own "
+               "pre-tokenizer pattern", str),
+)
+
+REFUSED: tuple[CompatFlag, ...] = (
+    CompatFlag("--context-parallel-size", "context parallelism is not implemented; use --sequence-parallel with "
+               "--tensor-model-parallel-size, or a shorter --seq-length", int, off=(1,)),
+    CompatFlag("--expert-model-parallel-size", "LLaMA is a dense model and mixture-of-experts is not implemented",
+               int, off=(1,)),
+    CompatFlag("--num-experts", "LLaMA is a dense model and mixture-of-experts is not implemented; drop it",
+               int, off=(0,)),
+    CompatFlag("--fp8-format", _FP8, str),
+    CompatFlag("--fp8-recipe", _FP8, str),
+    CompatFlag("--fp8-hybrid", _FP8),
+    CompatFlag("--fp8-amax-history-len", _FP8, int),
+    CompatFlag("--fp8-amax-compute-algo", _FP8, str),
+    CompatFlag("--fp8-param-gather", _FP8),
+    CompatFlag("--first-last-layers-bf16", _FP8),
+    CompatFlag("--num-layers-at-start-in-bf16", _FP8, int),
+    CompatFlag("--num-layers-at-end-in-bf16", _FP8, int),
+    CompatFlag("--vocab-file", "GPT-2 BPE vocab/merges files are not read; save the tokenizer as a tokenizer.json "
+               "and pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model", str),
+    CompatFlag("--merge-file", "GPT-2 BPE vocab/merges files are not read; save the tokenizer as a tokenizer.json "
+               "and pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model", str),
+    CompatFlag("--step-batch-size-schedule", "use --rampup-batch-size START INCREMENT RAMP_SAMPLES", str),
+)
+
+
+def _dest(entry: CompatFlag) -> str:
+    return entry.flag[2:].replace("-", "_")
+
+
+def add_compat_flags(p: argparse.ArgumentParser) -> None:
+    """Both tables as flags of two groups, each with its reason as help."""
+    for title, entries, prefix in (("Megatron-LM flags with no effect here (one notice line each)", NOTICES,
+                                    "no effect: "),
+                                   ("Megatron-LM flags refused (the run stops with the reason)", REFUSED,
+                                    "refused: ")):
+        g = p.add_argument_group(title)
+        for e in entries:
+            text = prefix + e.why if not e.off else f"refused unless {' or '.join(map(str, e.off))} (off): {e.why}"
+            if e.type is None:
+                g.add_argument(e.flag, dest=_dest(e), action="store_true", help=text)
+            else:
+                g.add_argument(e.flag, dest=_dest(e), type=e.type, nargs=e.nargs, default=None, help=text)
+
+
+def _said(entry: CompatFlag, value) -> str:
+    if entry.type is None:
+        return entry.flag
+    return f"{entry.flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+
+
+def check_compat(args: argparse.Namespace) -> list[str]:
+    """Raise ArgumentError for the first refused flag given; return one notice line per no-effect flag given."""
+    for e in REFUSED:
+        value = getattr(args, _dest(e))
+        if value not in (None, False) and value not in e.off:
+            raise ArgumentError(f"{_said(e, value)} is not supported: {e.why}")
+    return [f"notice: {_said(e, getattr(args, _dest(e)))} has no effect here: {e.why}"
+            for e in NOTICES if getattr(args, _dest(e)) not in (None, False)]

@@ -1,0 +1,151 @@
+"""The model config from the flags: a --model preset with overrides, or Megatron's required shape flags.
+
+Megatron requires --num-layers, --hidden-size, --num-attention-heads, --max-position-embeddings and
+--seq-length, computes a missing --ffn-hidden-size (4h, or int(4h * 2/3 / 64) * 64 under --swiglu) and a
+missing --kv-channels (h / heads), and uses --num-query-groups only under --group-query-attention. Here a
+--model preset may supply the shape instead (its own ffn size and query groups; --seq-length then defaults
+to 128), and a run given neither a preset nor any shape flag trains the tiny preset, so that
+`pretrain_llama.py --mock-data` works for a newcomer.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from llamapipe.core.config import ArgumentError, ParallelConfig
+from llamapipe.model.config import PRESETS, LlamaConfig
+from llamapipe.training.arguments.pipeline import check_layer_split
+
+FALLBACK_PRESET = "tiny"
+PRESET_SEQ_LENGTH = 128
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "seq_length")
+_SHAPE = REQUIRED[:4]
+_OVERRIDES = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
+              "num_attention_heads": "num_attention_heads", "vocab_size": "vocab_size",
+              "max_position_embeddings": "max_position_embeddings", "rope_theta": "rotary_base",
+              "norm_epsilon": "norm_epsilon", "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
+              "init_method_std": "init_method_std", "kv_channels": "kv_channels",
+              "recompute_num_layers": "recompute_num_layers"}
+
+
+def _flags(names) -> str:
+    return ", ".join("--" + n.replace("_", "-") for n in names)
+
+
+def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron's default MLP width (megatron/training/arguments.py, validate_args)."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
+
+
+def _base_fields(args: argparse.Namespace, notices: list[str]) -> dict:
+    """The preset's fields, or those Megatron derives from the required shape flags."""
+    if args.model is None and not any(getattr(args, n) is not None for n in _SHAPE):
+        args.model = FALLBACK_PRESET
+        notices.append(f"notice: no --model and no model shape flags: training the {FALLBACK_PRESET} preset "
+                       f"(--model {FALLBACK_PRESET}); give --model or Megatron's shape flags for another")
+    if args.model is not None:
+        if args.seq_length is None:
+            args.seq_length = PRESET_SEQ_LENGTH
+        return dict(PRESETS[args.model])
+    missing = [n for n in REQUIRED if getattr(args, n) is None]
+    if missing:
+        raise ArgumentError(f"{_flags(missing)} {'is' if len(missing) == 1 else 'are'} required with the other "
+                            "model shape flags (as in Megatron-LM); give them, or a --model preset")
+    if args.vocab_size is None and args.tokenizer_model is None:
+        raise ArgumentError("--vocab-size is required without --tokenizer-model (or a --model preset)")
+    fields = {"ffn_hidden_size": megatron_ffn_hidden_size(args.hidden_size, args.swiglu)}
+    if args.vocab_size is None:     # a placeholder: setup takes the tokenizer's vocabulary
+        fields["vocab_size"] = LlamaConfig.vocab_size
+    return fields
+
+
+def _query_groups(args: argparse.Namespace, heads: int, notices: list[str]) -> int:
+    """Megatron's rule; a preset of a GQA model (llama3-8b) counts as --group-query-attention."""
+    preset = PRESETS.get(args.model, {})
+    preset_gqa = preset.get("num_query_groups", heads) != preset.get("num_attention_heads", heads)
+    if args.group_query_attention or preset_gqa:
+        if args.num_query_groups is not None:
+            return args.num_query_groups
+        return preset["num_query_groups"] if preset_gqa else 1     # Megatron's --num-query-groups default
+    if args.num_query_groups is not None and args.num_query_groups != heads:
+        notices.append(f"notice: --num-query-groups {args.num_query_groups} is ignored without "
+                       "--group-query-attention (as in Megatron-LM): every head has its own keys and values")
+    return heads
+
+
+def model_config(args: argparse.Namespace, notices: list[str]) -> LlamaConfig:
+    """Build the LlamaConfig; writes the resolved --model and --seq-length back into `args`."""
+    fields = _base_fields(args, notices)
+    fields.update({field: getattr(args, flag) for field, flag in _OVERRIDES.items()
+                   if getattr(args, flag) is not None})
+    fields["num_query_groups"] = _query_groups(args, fields["num_attention_heads"], notices)
+    if fields.get("kv_channels") is not None and fields["kv_channels"] * fields["num_attention_heads"] == \
+            fields["hidden_size"]:
+        fields["kv_channels"] = None    # one spelling of the default head dim, so checkpoint configs compare
+    if args.untie_embeddings_and_output_weights:
+        fields["tie_word_embeddings"] = False
+    if args.tie_embeddings_and_output_weights:
+        fields["tie_word_embeddings"] = True
+    granularity = args.recompute_granularity
+    if args.recompute_activations:
+        if granularity == "full":
+            raise ArgumentError("--recompute-activations (selective recompute) contradicts "
+                                "--recompute-granularity full; give one")
+        granularity = "selective"
+    fields["recompute_granularity"] = granularity
+    if args.recompute_method == "uniform":
+        fields["recompute_num_layers"] = None   # Megatron uniform, 1 layer per group: every layer
+    if args.use_flash_attn:
+        _check_flash_attn(args, notices)
+    return LlamaConfig(**fields, rotary_percent=args.rotary_percent, use_flash_attn=args.use_flash_attn)
+
+
+def _check_flash_attn(args: argparse.Namespace, notices: list[str]) -> None:
+    if not torch.cuda.is_available() or args.distributed_backend == "gloo":
+        notices.append("notice: --use-flash-attn has no effect on CPU: SDPA's FlashAttention kernel is CUDA-only")
+    elif not (args.bf16 or args.fp16):
+        raise ArgumentError("--use-flash-attn needs --bf16 or --fp16: FlashAttention computes in half precision")
+
+
+def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig) -> None:
+    tp = par.tp_size
+    check_layer_split(args, m.num_layers, par)
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        raise ArgumentError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+                            f"({m.num_attention_heads}); give --kv-channels for another head dim")
+    if not 0 < m.rotary_percent <= 1 or m.rotary_dim % 2 or m.rotary_dim == 0:
+        raise ArgumentError(f"--rotary-percent {m.rotary_percent} must be in (0, 1] and leave RoPE a positive even "
+                            f"number of dims; of the head dim {m.head_dim} it rotates {m.rotary_dim}")
+    for name, value in (("--num-attention-heads", m.num_attention_heads), ("--num-query-groups", m.num_query_groups),
+                        ("--ffn-hidden-size", m.ffn_hidden_size)):
+        if value % tp:
+            raise ArgumentError(f"{name} {value} is not divisible by --tensor-model-parallel-size ({tp})")
+    if m.num_attention_heads % m.num_query_groups:
+        raise ArgumentError(f"--num-query-groups {m.num_query_groups} does not divide "
+                            f"--num-attention-heads ({m.num_attention_heads})")
+    if args.seq_length > m.max_position_embeddings:
+        raise ArgumentError(f"--seq-length {args.seq_length} is larger than "
+                            f"--max-position-embeddings ({m.max_position_embeddings})")
+    if par.sequence_parallel and args.seq_length % tp:
+        raise ArgumentError(f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
+                            f"({tp}), which --sequence-parallel needs")
+    for flag in ("attention_dropout", "hidden_dropout"):
+        if getattr(args, flag):
+            raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not supported: LLaMA "
+                                "pretraining here uses no dropout (accepted only as 0 for Megatron scripts)")
+    _check_recompute(args, m)
+    if m.tie_word_embeddings and par.pp_size > 1:
+        raise ArgumentError("--tie-embeddings-and-output-weights is supported only with "
+                            f"--pipeline-model-parallel-size 1 (got {par.pp_size})")
+
+
+def _check_recompute(args: argparse.Namespace, m: LlamaConfig) -> None:
+    if args.recompute_num_layers is not None and m.recompute_granularity != "full":
+        raise ArgumentError(f"--recompute-num-layers {args.recompute_num_layers} needs --recompute-granularity full")
+    if args.recompute_method is not None and m.recompute_granularity == "selective":
+        raise ArgumentError(f"--recompute-method {args.recompute_method} applies to --recompute-granularity full, "
+                            "not to selective recompute (--recompute-activations)")
+    if args.recompute_method == "uniform" and (args.recompute_num_layers or 1) > 1:
+        raise ArgumentError(f"--recompute-method uniform with --recompute-num-layers {args.recompute_num_layers} "
+                            "is not supported; use --recompute-method block (the first N layers of each chunk)")

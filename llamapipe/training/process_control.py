@@ -1,0 +1,47 @@
+"""Process-level controls of the training loop: SIGTERM (--exit-signal-handler) and Python's garbage
+collector (--manual-gc), both as Megatron-LM handles them."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import signal
+from typing import Any, Iterator
+
+
+class ExitSignal:
+    """Remembers a SIGTERM (SLURM preemption) so all ranks can agree to save and exit."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.received = False
+        if enabled:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+
+@contextlib.contextmanager
+def manual_gc(enabled: bool) -> Iterator[None]:
+    """--manual-gc: Python's collector never runs by itself during training, because ranks that pause at
+    different moments make every rank wait for the slowest in the next collective; the loop collects every
+    --manual-gc-interval iterations and around evaluation instead (`collect_for_eval`)."""
+    if not enabled:
+        yield
+        return
+    gc.disable()
+    gc.collect()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@contextlib.contextmanager
+def collect_for_eval(enabled: bool) -> Iterator[None]:
+    """--manual-gc without --no-manual-gc-eval: a full collection before evaluation, and one of the youngest
+    generation (what evaluation alone allocated) after it."""
+    if enabled:
+        gc.collect()
+    yield
+    if enabled:
+        gc.collect(generation=0)

@@ -1,0 +1,107 @@
+"""What the training loop reports: one record per iteration, a console line every --log-interval, and the
+end-of-training summary.
+
+Every iteration gets its own JSONL/TensorBoard/W&B record, whatever --log-interval says (tests and plots
+read them). The console line, as in Megatron-LM, averages the loss and the time per iteration over the
+iterations since the previous line. Throughput (tokens/s, TFLOP/s per GPU, MFU) leaves out the first
+iteration of a run, which also pays for warm-up (allocations, profiling, first-touch of memory). A single
+iteration's loss is noisy, so the summary compares the mean loss of the first and the last (up to) ten
+iterations this run trained.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from llamapipe.core.logger import get_logger
+from llamapipe.training.log import MetricsWriter, device_peak_tflops, flops_per_token, max_memory_gib
+from llamapipe.model.config import LlamaConfig
+
+SUMMARY_WINDOW = 10     # iterations averaged at each end of the run for the summary
+
+
+class TrainingProgress:
+    """Builds the per-iteration records and the lines a person reads."""
+
+    def __init__(self, metrics: MetricsWriter, model_cfg: LlamaConfig, *, seq_length: int, world_size: int,
+                 train_iters: int, log_interval: int) -> None:
+        self.metrics, self.train_iters, self.log_interval = metrics, train_iters, log_interval
+        self.seq_length, self.world_size = seq_length, world_size
+        self.flops_per_token = flops_per_token(model_cfg, seq_length)
+        self.peak = device_peak_tflops()
+        self.losses: dict[int, float] = {}              # iteration -> lm loss, this run only
+        self._interval: list[dict] = []                 # records since the last console line
+        self._timed_tokens = self._timed_seconds = 0.0  # the run's totals after its first iteration
+        self._start = time.time()
+
+    def _throughput(self, tokens: float, seconds: float) -> dict:
+        tokens_per_sec = tokens / seconds
+        tflops = self.flops_per_token * tokens_per_sec / self.world_size / 1e12
+        return {"tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops,
+                "mfu": tflops / self.peak if self.peak else None}
+
+    def iteration(self, *, iteration: int, consumed_samples: int, global_batch_size: int, seconds: float,
+                  lr: float, loss: float, loss_scale: float, grad_norm: float, skipped_iterations: int,
+                  extra: Optional[dict] = None) -> None:
+        """Record one trained iteration; print the averaged console line when `iteration` ends an interval."""
+        tokens = global_batch_size * self.seq_length
+        first = not self.losses
+        record = {"iteration": iteration, "consumed_samples": consumed_samples,
+                  "global_batch_size": global_batch_size, "elapsed_ms": seconds * 1000.0, "lr": lr,
+                  "lm_loss": loss, "loss_scale": loss_scale, "grad_norm": float(grad_norm),
+                  "skipped_iterations": skipped_iterations,
+                  **({"tokens_per_sec": None, "tflops_per_device": None, "mfu": None} if first else
+                     self._throughput(tokens, seconds)),
+                  "max_memory_gib": max_memory_gib(), **(extra or {})}
+        if not first:
+            self._timed_tokens += tokens
+            self._timed_seconds += seconds
+        self.losses[iteration] = loss
+        self.metrics.write(record)
+        self._interval.append(record)
+        if iteration % self.log_interval == 0:
+            self.metrics.iteration(self._averaged(), self.train_iters)
+            self._interval = []
+
+    def _averaged(self) -> dict:
+        """The interval's last record with its loss and time per iteration averaged, throughput over the
+        interval's timed iterations."""
+        rows = self._interval
+        out = dict(rows[-1], lm_loss=sum(r["lm_loss"] for r in rows) / len(rows),
+                   elapsed_ms=sum(r["elapsed_ms"] for r in rows) / len(rows))
+        timed = [r for r in rows if r["tokens_per_sec"] is not None]
+        if timed:
+            seconds = sum(r["elapsed_ms"] for r in timed) / 1000.0
+            tokens = sum(r["global_batch_size"] for r in timed) * self.seq_length
+            out.update(self._throughput(tokens, seconds))
+        return out
+
+    def summary(self) -> str:
+        """One line: iterations and time, throughput, and the mean loss at the start vs the end of the run."""
+        iters = sorted(self.losses)
+        line = f"training done: {len(iters)} iterations in {time.time() - self._start:.1f} s"
+        if self._timed_seconds:
+            t = self._throughput(self._timed_tokens, self._timed_seconds)
+            line += f", {t['tokens_per_sec']:.0f} tokens/s ({t['tflops_per_device']:.3f} TFLOP/s per device) " \
+                    "after the first iteration"
+        if not iters:
+            return line
+        n = min(SUMMARY_WINDOW, len(iters) // 2)
+        if n == 0:
+            return line + f"; lm loss {self.losses[iters[0]]:.4f} at iteration {iters[0]} (one iteration: " \
+                          "nothing to compare)"
+        first, last = iters[:n], iters[-n:]
+        before = sum(self.losses[i] for i in first) / n
+        after = sum(self.losses[i] for i in last) / n
+        if n == 1:
+            text = f"lm loss {before:.4f} at iteration {first[0]} -> {after:.4f} at iteration {last[0]}"
+        else:
+            text = (f"mean lm loss {before:.4f} over iterations {first[0]}-{first[-1]} -> {after:.4f} over "
+                    f"iterations {last[0]}-{last[-1]}")
+        if n < SUMMARY_WINDOW:
+            means = "single iterations" if n == 1 else f"means of {n}"
+            text += f" (only {len(iters)} iterations, so {means} instead of means of {SUMMARY_WINDOW})"
+        return f"{line}; {text}: the loss is {'falling' if after < before else 'not falling'}"
+
+    def log_summary(self) -> None:
+        get_logger().info(self.summary())
