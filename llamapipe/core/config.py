@@ -66,6 +66,7 @@ class TrainingConfig:
     manual_gc: bool = False                     # --manual-gc: Python's gc only at chosen points
     manual_gc_interval: int = 0                 # iterations between manual collections (0: none in training)
     manual_gc_eval: bool = True                 # collect around evaluation (--no-manual-gc-eval to not)
+    compile: bool = False                       # --compile: torch.compile each decoder layer and the loss
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class OptimizerConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     use_distributed_optimizer: bool = False
+    post_validation: bool = False       # --enable-optimizer-post-validation (zero-bubble paper, section 4)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from tests.harness import ROOT
 
 FLAGS = """
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
---adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --calculate-per-token-loss --clip-grad
+--adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --calculate-per-token-loss --clip-grad --compile
+--enable-optimizer-post-validation
 --data-cache-path --data-path
 --ddp-bucket-size
 --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers

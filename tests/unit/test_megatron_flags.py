@@ -85,7 +85,8 @@ DIVERGENCES = {
 ALWAYS_ON = ("--disable-bias-linear",)
 LLAMAPIPE_ONLY = ("--model", "--parallel-order", "--pipeline-schedule", "--pipeline-memory-limit",
                   "--pipeline-profile-iters", "--release-host-memory", "--skip-nonfinite-steps", "--keep-last-n",
-                  "--metrics-jsonl", "--tie-embeddings-and-output-weights")
+                  "--metrics-jsonl", "--tie-embeddings-and-output-weights", "--compile",
+                  "--enable-optimizer-post-validation")
 
 
 def cfg(argv, world=1) -> Config:

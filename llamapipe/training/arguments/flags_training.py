@@ -45,6 +45,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    action="store_false", help="with --manual-gc: do not collect around evaluation")
     g.add_argument("--pipeline-profile-iters", type=int, default=3,
                    help="auto and zb-h2 schedules: 1F1B iterations profiled before switching")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer and the loss (inductor); works under every schedule")
     g.add_argument("--release-host-memory", action="store_true",
                    help="CPU runs: let malloc return freed memory to the OS (glibc's default) instead of "
                         "keeping it for the next step")
@@ -70,6 +72,10 @@ def add_optimizer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam's first-moment decay")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam's second-moment decay")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's denominator epsilon")
+    g.add_argument("--enable-optimizer-post-validation", action="store_true",
+                   help="each pipeline stage steps as soon as its gradients are final and validates the global "
+                        "grad norm and inf/NaN check afterwards (rolling back when they would have changed "
+                        "the step), so iterations overlap; results stay identical")
     g.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this; 0: off")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
     g.add_argument("--fp16", action="store_true", help="fp16 parameters and compute with loss scaling")

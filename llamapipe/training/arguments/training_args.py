@@ -91,7 +91,8 @@ def training_config(args: argparse.Namespace, par: ParallelConfig) -> TrainingCo
                           keep_host_memory=not args.release_host_memory, train_samples=args.train_samples,
                           rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
                           calculate_per_token_loss=args.calculate_per_token_loss, manual_gc=args.manual_gc,
-                          manual_gc_interval=args.manual_gc_interval, manual_gc_eval=args.manual_gc_eval)
+                          manual_gc_interval=args.manual_gc_interval, manual_gc_eval=args.manual_gc_eval,
+                          compile=args.compile)
 
 
 def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
@@ -105,4 +106,5 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
                            adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
                            loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                            min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-                           hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer)
+                           hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
+                           post_validation=args.enable_optimizer_post_validation)
