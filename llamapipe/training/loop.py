@@ -121,6 +121,10 @@ class Trainer:
                                          world_size=ps.world_size, train_iters=cfg.train_iters,
                                          log_interval=config.logging.log_interval)
         self.exit_signal = ExitSignal(cfg.exit_signal_handler)
+        self.pv = None
+        if config.optimizer.post_validation:
+            from llamapipe.training.post_validated import PostValidatedSteps
+            self.pv = PostValidatedSteps(self)
 
     def _load(self) -> None:
         ckpt = self.config.checkpoint
@@ -155,6 +159,8 @@ class Trainer:
                  f"dp {self.ps.dp_size}), schedule {self.config.parallel.pipeline_schedule}, {per_step}")
         with manual_gc(cfg.manual_gc):
             status = self._train_loop()
+        if self.pv is not None:
+            log.info(self.pv.summary())
         if status is None:
             if cfg.eval_iters and not self._every(cfg.eval_interval):
                 self.evaluate()     # the last iteration was not validated yet
@@ -172,12 +178,18 @@ class Trainer:
                 return status
             if cfg.manual_gc and self._every(cfg.manual_gc_interval):
                 gc.collect()
+            exiting = self._should_exit()
+            if self.pv is not None and (exiting or st.iteration >= cfg.train_iters or self._every(cfg.eval_interval)
+                                        or self._every(self.config.checkpoint.save_interval)):
+                status = self.pv.drain()      # a global point: resolve the pending step first
+                if status is not None:
+                    return status
             if self._every(self.config.checkpoint.save_interval):
                 self.save()
                 saved_at = st.iteration
             if self._every(cfg.eval_interval):
                 self.evaluate()
-            if self._should_exit():
+            if exiting:
                 if saved_at != st.iteration:
                     self.save()
                 log.info(f"exiting at iteration {st.iteration}")
@@ -191,9 +203,8 @@ class Trainer:
 
     def _should_exit(self) -> bool:
         cfg, st = self.config.training, self.state
-        flags = torch.tensor([float(self.exit_signal.received), time.time() - st.start_time])
-        if cfg.exit_signal_handler or cfg.exit_duration_in_mins is not None:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        collective = cfg.exit_signal_handler or cfg.exit_duration_in_mins is not None
+        flags = self.exit_signal.agreed_flags(time.time() - st.start_time, collective, overlapped=self.pv is not None)
         if flags[0] > 0:
             log.info(f"SIGTERM received; saving at iteration {st.iteration} and exiting")
             return True
@@ -202,8 +213,10 @@ class Trainer:
             return True
         return self._every(cfg.exit_interval)
 
-    def _run_schedule(self, iterators: list, forward_only: bool, num_microbatches: int) -> tuple[float, float]:
-        """One global batch through the pipeline; returns (loss sum, token count) reduced over PP and DP."""
+    def _run_schedule(self, iterators: list, forward_only: bool, num_microbatches: int,
+                      reduce_pp: bool = True) -> tuple[float, float]:
+        """One global batch through the pipeline; returns (loss sum, token count) reduced over DP and, unless
+        `reduce_pp` is False, PP (then ranks without the loss, and TP ranks other than 0, return zeros)."""
         scale = 1.0 if forward_only else self.optimizer.get_loss_scale()
         losses = self.fb_func(forward_step_func=forward_step, data_iterator=iterators, model=self.chunks,
                               num_microbatches=num_microbatches,
@@ -214,13 +227,17 @@ class Trainer:
             totals[0] += float(out["loss_sum"])
             totals[1] += float(out["num_tokens"])
         for group, size in ((self.ps.dp_group, self.ps.dp_size), (self.ps.pp_group, self.ps.pp_size)):
-            if size > 1:
+            if size > 1 and (reduce_pp or group is self.ps.dp_group):
                 dist.all_reduce(totals, group=group)
+        if not reduce_pp and self.ps.tp_rank != 0:
+            totals.zero_()
         return totals[0].item(), totals[1].item()
 
     def train_step(self) -> Optional[int]:
         """One optimizer step; returns an exit status when the run must stop."""
         from llamapipe.core.distributed.grad_reduce import finalize_model_grads
+        if self.pv is not None:
+            return self.pv.train_step()
         st, cfg = self.state, self.config.training
         start = time.perf_counter()
         self.batches.update(st.consumed_samples)
@@ -256,14 +273,18 @@ class Trainer:
                 return 1
             return self._skip(f"inf/nan in gradients (loss scale now {self.optimizer.get_loss_scale():g})")
         self.scheduler.step(global_batch_size if self.scheduler.counts_samples else 1)
-        seconds = time.perf_counter() - start
+        self.log_iteration(st.iteration, st.consumed_samples, global_batch_size, time.perf_counter() - start,
+                           loss, result.grad_norm, extra)
+        return None
+
+    def log_iteration(self, iteration: int, consumed_samples: int, global_batch_size: int, seconds: float,
+                      loss: float, grad_norm: float, extra: dict) -> None:
         if self.config.logging.log_params_norm:
             extra["params_norm"] = params_norm(self.chunks, self.ps)
-        self.progress.iteration(iteration=st.iteration, consumed_samples=st.consumed_samples,
+        self.progress.iteration(iteration=iteration, consumed_samples=consumed_samples,
                                 global_batch_size=global_batch_size, seconds=seconds,
                                 lr=self.scheduler.get_lr(), loss=loss, loss_scale=self.optimizer.get_loss_scale(),
-                                grad_norm=result.grad_norm, skipped_iterations=st.skipped_iterations, extra=extra)
-        return None
+                                grad_norm=grad_norm, skipped_iterations=self.state.skipped_iterations, extra=extra)
 
     def _skip(self, why: str) -> None:
         if self.grad_sync is not None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import signal
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
 
 
 class ExitSignal:
@@ -13,11 +16,29 @@ class ExitSignal:
 
     def __init__(self, enabled: bool) -> None:
         self.received = False
+        self._in_flight: Optional[tuple] = None
         if enabled:
             signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = True
+
+    def agreed_flags(self, elapsed_s: float, collective: bool, overlapped: bool = False) -> torch.Tensor:
+        """[SIGTERM seen, seconds elapsed], as MAX over all ranks when `collective`. `overlapped` (iterations
+        that overlap under post-validation) reads the agreement started one iteration earlier and starts the
+        next without blocking: a signal is then acted on one iteration later, on every rank alike."""
+        flags = torch.tensor([float(self.received), elapsed_s])
+        if not collective:
+            return flags
+        if not overlapped:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            return flags
+        previous, self._in_flight = self._in_flight, (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX,
+                                                                             async_op=True))
+        if previous is None:
+            return torch.zeros_like(flags)
+        previous[1].wait()
+        return previous[0]
 
 
 @contextlib.contextmanager

@@ -24,10 +24,7 @@ def counts_for_norm(param: torch.Tensor, tp_rank: int) -> bool:
 
 def global_grad_norm(grads: list[torch.Tensor], groups: Iterable[Any], device: torch.device) -> float:
     """L2 norm of the union of every rank's `grads` (collective over `groups`)."""
-    squared = torch.zeros(1, dtype=torch.float64, device=device)
-    if grads:
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-        squared += torch.stack(norms).double().pow(2).sum()
+    squared = local_squared_norm(grads).reshape(1).to(device)
     all_reduce_over(squared, groups)
     return math.sqrt(squared.item())  # inf and NaN pass through for the caller to report
 
@@ -40,12 +37,27 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: float) -
     return min(coeff, 1.0)
 
 
-def unscale_and_check_(grads: list[torch.Tensor], inv_scale: float, groups: Iterable[Any],
-                       device: torch.device) -> bool:
-    """Multiply fp32 `grads` by `inv_scale` in place; True if any rank in `groups` saw inf or NaN."""
+def local_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of `grads` on this rank, as a float64 scalar tensor."""
+    squared = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+    if grads:
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+        squared += torch.stack(norms).double().pow(2).sum()
+    return squared
+
+
+def unscale_local_(grads: list[torch.Tensor], inv_scale: float, device: torch.device) -> torch.Tensor:
+    """Multiply fp32 `grads` by `inv_scale` in place; a 1-element tensor > 0 if this rank saw inf or NaN."""
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     if grads:
         inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+    return found_inf
+
+
+def unscale_and_check_(grads: list[torch.Tensor], inv_scale: float, groups: Iterable[Any],
+                       device: torch.device) -> bool:
+    """Multiply fp32 `grads` by `inv_scale` in place; True if any rank in `groups` saw inf or NaN."""
+    found_inf = unscale_local_(grads, inv_scale, device)
     all_reduce_over(found_inf, groups, op=dist.ReduceOp.MAX)
     return found_inf.item() > 0

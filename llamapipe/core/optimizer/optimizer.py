@@ -17,7 +17,9 @@ import torch
 from llamapipe.core.config import OptimizerConfig
 from llamapipe.core.logger import get_logger
 from llamapipe.core.optimizer.adamw import decays_weight, get_adam_state, make_adamw, set_adam_state
-from llamapipe.core.optimizer.clip_grads import clip_grads_, counts_for_norm, global_grad_norm, unscale_and_check_
+from llamapipe.core.optimizer.clip_grads import (clip_grads_, counts_for_norm, local_squared_norm, unscale_and_check_,
+                                                 unscale_local_)
+from llamapipe.core.optimizer import post_validation as pv
 from llamapipe.core.optimizer.distrib_optimizer import ShardLayout, gather_shards, pack_shard, unflatten
 from llamapipe.core.optimizer.grad_scaler import build_grad_scaler
 from llamapipe.core.parallel_state import ParallelState
@@ -66,7 +68,8 @@ class Optimizer:
         self.num_steps = 0
         self.device = self.params[0].device if self.params else torch.device("cpu")
         # together these groups cover every element exactly once (DP too when DP ranks hold disjoint shards)
-        self._reduce_groups = [ps.mp_group] + ([ps.dp_group] if self.sharded else [])
+        self._reduce_groups = ([ps.dp_group] if self.sharded else []) + [ps.mp_group]
+        self._snapshot = pv.Snapshot()          # post-validation's rollback copy, allocated on first use
 
     @property
     def param_groups(self) -> list[dict]:
@@ -105,6 +108,13 @@ class Optimizer:
             grads.append(main.grad)
         return grads
 
+    def _local_stats(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """[squared norm of the counted grads, 0, 0, 0, 0]: the post-validation statistics layout, so that the
+        synchronous and the post-validated norms come from the same reduction of the same-sized tensor."""
+        pack = torch.zeros(pv.STATS, dtype=torch.float64, device=self.device)
+        pack[pv.SQ] = local_squared_norm([g for g, c in zip(grads, self._counted) if c])
+        return pack
+
     @torch.no_grad()
     def step(self) -> StepResult:
         """One update from the grads in param.grad (already reduced over DP and divided by the token count)."""
@@ -117,19 +127,81 @@ class Optimizer:
                                   self.grad_scaler.scale)
                 self._release_main_grads()
                 return StepResult(False, float("nan"), True)
-        counted = [g for g, c in zip(grads, self._counted) if c]
-        grad_norm = global_grad_norm(counted, self._reduce_groups, self.device)
+        pack = self._local_stats(grads)
+        work = pv.reduce_stats_async(pack, self._reduce_groups)
+        if work is not None:
+            work.wait()
+        grad_norm = math.sqrt(pack[pv.SQ].item())  # inf and NaN pass through
         if not math.isfinite(grad_norm):
             get_logger().info("gradient norm is %s: update skipped", grad_norm)
             self._release_main_grads()
             return StepResult(False, grad_norm, False)
         if self.opt_cfg.clip_grad > 0:
             clip_grads_(grads, self.opt_cfg.clip_grad, grad_norm)
+        self._update()
+        self._release_main_grads()
+        return StepResult(True, grad_norm, False)
+
+    def _update(self) -> None:
         self.inner.step()
         self.num_steps += 1
         self._copy_main_to_model()
+
+    @torch.no_grad()
+    def begin_post_validated_step(self, loss_sum: float, tokens: float, always_speculate: bool = False
+                                  ) -> pv.PendingStep:
+        """Start a post-validated step (`post_validation` module): reduce this step's statistics without
+        blocking and, when this rank's own statistics allow it, apply the unclipped update now.
+        `loss_sum`/`tokens`: what this rank holds of the step's loss (DP-reduced; 0 on other ranks)."""
+        grads = self._main_grads()
+        found_inf = None
+        if self.grad_scaler is not None:
+            found_inf = unscale_local_(grads, self.grad_scaler.inv_scale, self.device)
+        pack = self._local_stats(grads)     # of the unscaled grads, as step() takes it
+        if found_inf is not None:
+            pack[pv.NONFINITE] = found_inf.double().sum()
+        first = pv.reduce_stats_async(pack, self._reduce_groups[:-1])   # DP peers (ZeRO-1): same decision
+        if first is not None:
+            first.wait()
+        speculate = always_speculate or pv.may_speculate(pack, self.opt_cfg.clip_grad, loss_sum)
+        pack[pv.SPECULATED], pack[pv.LOSS], pack[pv.TOKENS] = float(speculate), loss_sum, tokens
+        work = pv.reduce_stats_async(pack, self._reduce_groups[-1:])
+        if speculate:
+            self._snapshot.capture(self)
+            if self.grad_scaler is not None:
+                self.grad_scaler.update(False)
+            self._update()
         self._release_main_grads()
-        return StepResult(True, grad_norm, False)
+        return pv.PendingStep(pack, work, grads, speculate)
+
+    @torch.no_grad()
+    def resolve_post_validated_step(self, pending: pv.PendingStep) -> pv.Resolution:
+        """Wait for the step's statistics and leave the parameters as the synchronous step would have."""
+        if pending.resolution is not None:
+            return pending.resolution
+        if pending.work is not None:
+            pending.work.wait()
+        action, grad_norm = pv.decide(pending.pack, self.opt_cfg.clip_grad, self.grad_scaler is not None)
+        rolled_back = pending.speculated and action != "apply"
+        if rolled_back:
+            self._snapshot.restore(self)
+        if not (pending.speculated and action == "apply"):
+            if self.grad_scaler is not None:
+                self.grad_scaler.update(action == "found_inf")
+            if action in ("apply", "clip"):
+                for main, grad in zip(self.mains, pending.grads):
+                    main.grad = grad
+                if action == "clip":
+                    clip_grads_(pending.grads, self.opt_cfg.clip_grad, grad_norm)
+                self._update()
+                self._release_main_grads()
+            elif rolled_back:
+                self._copy_main_to_model()
+        pending.grads = []
+        replay = pending.pack[pv.SPECULATED].item() > 0 and action != "apply"
+        pending.resolution = pv.Resolution(action, grad_norm, pending.pack[pv.LOSS].item(),
+                                           pending.pack[pv.TOKENS].item(), replay, rolled_back)
+        return pending.resolution
 
     def _copy_main_to_model(self) -> None:
         if not self.sharded:

@@ -1,0 +1,136 @@
+"""Optimizer post-validation (zero-bubble paper, arXiv 2401.10241 section 4): step first, validate after.
+
+A synchronous step is a barrier over the whole pipeline: the global grad norm (clipping) and the global
+inf/NaN check need every stage's gradients. With post-validation each rank packs its own statistics
+(squared grad norm, non-finite flag, whether it speculated, and the loss sum and token count it holds) into
+one small tensor, starts a *non-blocking* all-reduce of it over the model-parallel group, and, when its
+own statistics say the update cannot be clipped or skipped, applies the unclipped AdamW update at once
+("speculates") and goes on to the next iteration. The reduced result is read later (`finish`): when the
+synchronous step would have done something else (clip, skip, stop), the update is rolled back from a
+snapshot and redone exactly as the synchronous path does it, and every rank re-runs the iteration that
+ran on the speculative parameters (`Resolution.replay`).
+
+Rollback keeps a copy of what an AdamW step overwrites: the rank's fp32 main parameters and both moments
+(12 bytes per parameter of the rank's optimizer shard) plus the step's gradients until validation (4 bytes
+per parameter). No cheaper exact way exists: AdamW's update is not invertible in floating point.
+A rank whose own statistics already show that clipping or a skip is coming does not speculate; it waits
+for the reduction instead (the synchronous step), so a run that clips every step pays no rollbacks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+SQ, NONFINITE, SPECULATED, LOSS, TOKENS = range(5)
+STATS = 5            # the sync path reduces a tensor of the same size, so its sums are bit-identical
+
+
+def reduce_stats_async(pack: torch.Tensor, groups: list) -> Optional[Any]:
+    """All-reduce `pack` (SUM) over `groups` in turn; the last reduction is left running (its work is
+    returned), the earlier ones block (they are over ranks that run in lockstep, e.g. DP peers)."""
+    from llamapipe.core.distributed.grad_reduce import group_size
+    groups = [g for g in groups if group_size(g) > 1]
+    for group in groups[:-1]:
+        dist.all_reduce(pack, group=group)
+    return dist.all_reduce(pack, group=groups[-1], async_op=True) if groups else None
+
+
+class Snapshot:
+    """What an AdamW step overwrites: main params, moments and step counts, the loss scaler, the step count.
+    Buffers are allocated once and reused."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._had_state: list[bool] = []
+        self._scaler: Optional[dict] = None
+        self._num_steps = 0
+
+    @staticmethod
+    def _tensors(optimizer: Any, had_state: list[bool]) -> list[torch.Tensor]:
+        tensors = list(optimizer.mains)
+        for main, had in zip(optimizer.mains, had_state):
+            if had:
+                state = optimizer.inner.state[main]
+                tensors += [state["exp_avg"], state["exp_avg_sq"], state["step"]]
+        return tensors
+
+    def capture(self, optimizer: Any) -> None:
+        self._had_state = [("exp_avg" in optimizer.inner.state.get(m, {})) for m in optimizer.mains]
+        tensors = self._tensors(optimizer, self._had_state)
+        if [t.shape for t in self._buffers] != [t.shape for t in tensors]:
+            self._buffers = [torch.empty_like(t) for t in tensors]
+        for buffer, tensor in zip(self._buffers, tensors):
+            buffer.copy_(tensor)
+        scaler = optimizer.grad_scaler
+        self._scaler = dict(scaler.state_dict()) if scaler is not None else None
+        self._num_steps = optimizer.num_steps
+
+    def restore(self, optimizer: Any) -> None:
+        for main, had in zip(optimizer.mains, self._had_state):
+            if not had:
+                optimizer.inner.state.pop(main, None)
+        for buffer, tensor in zip(self._buffers, self._tensors(optimizer, self._had_state)):
+            tensor.copy_(buffer)
+        if self._scaler is not None:
+            optimizer.grad_scaler.load_state_dict(self._scaler)
+        optimizer.num_steps = self._num_steps
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+
+@dataclass
+class PendingStep:
+    """A step whose global statistics are still being reduced."""
+    pack: torch.Tensor
+    work: Optional[Any]
+    grads: list[torch.Tensor]          # the step's main grads, kept until it is resolved
+    speculated: bool                   # this rank already applied the unclipped update
+    resolution: Optional["Resolution"] = None
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What the synchronous step would have done, and what it means for the iteration after it."""
+    action: str                 # "apply", "clip", "found_inf" (fp16: skipped), "nonfinite_norm", "nonfinite_loss"
+    grad_norm: float
+    loss_sum: float
+    tokens: float
+    replay: bool                # some rank speculated wrongly: the next iteration must run again
+    rolled_back: bool           # this rank undid its speculative update
+
+    @property
+    def update_successful(self) -> bool:
+        return self.action in ("apply", "clip")
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.tokens, 1.0)
+
+
+def decide(pack: torch.Tensor, clip_grad: float, fp16: bool) -> tuple[str, float]:
+    """The synchronous step's decision from the reduced statistics: (action, grad norm)."""
+    loss = pack[LOSS].item() / max(pack[TOKENS].item(), 1.0)
+    if not fp16 and not math.isfinite(loss):
+        return "nonfinite_loss", float("nan")
+    if fp16 and pack[NONFINITE].item() > 0:
+        return "found_inf", float("nan")
+    norm = math.sqrt(pack[SQ].item())
+    if not math.isfinite(norm):
+        return "nonfinite_norm", norm
+    if clip_grad > 0 and clip_grad / (norm + 1.0e-6) < 1.0:
+        return "clip", norm
+    return "apply", norm
+
+
+def may_speculate(pack: torch.Tensor, clip_grad: float, loss_sum: float) -> bool:
+    """Whether this rank's own (stage-level) statistics allow an unclipped, finite update: its part of the
+    norm alone must stay under the clip threshold (the global norm is at least as large)."""
+    if pack[NONFINITE].item() > 0 or not math.isfinite(loss_sum):
+        return False
+    norm = math.sqrt(pack[SQ].item())
+    return math.isfinite(norm) and not (clip_grad > 0 and clip_grad / (norm + 1.0e-6) < 1.0)

@@ -1,0 +1,126 @@
+"""--enable-optimizer-post-validation through the CLI: per-iteration losses, grad norms and the final parameters
+and optimizer state are bit-identical to the same run without the flag (fp32, CPU), when clipping never
+triggers, when it triggers on every step, when it triggers on some steps only for the global norm (the
+rollback path), with an injected non-finite loss, and across a resume from a checkpoint saved under the flag."""
+import glob
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.cli import TINY, read_metrics, torchrun
+
+PV = ["--enable-optimizer-post-validation"]
+BATCH = ["--micro-batch-size", "1", "--lr-decay-style", "cosine", "--train-iters", "10"]
+ZBV = ["--pipeline-schedule", "zbv", "--num-virtual-stages-per-pipeline-rank", "2"]
+
+
+def _run(nproc: int, flags: list[str], tmp, name: str, *, script: str = "pretrain_llama.py",
+         prefix: tuple = (), ok: bool = True) -> tuple[list[dict], str, str]:
+    jsonl, save = str(tmp / f"{name}.jsonl"), str(tmp / name)
+    args = list(prefix) + TINY + flags + ["--metrics-jsonl", jsonl]
+    if "--save" not in flags:
+        args += ["--save", save]
+    proc = torchrun(nproc, args, script=script)
+    out = proc.stdout + proc.stderr
+    if ok:
+        assert proc.returncode == 0, out[-4000:]
+    rows = read_metrics(jsonl) if os.path.exists(jsonl) else []
+    return rows, out, save
+
+
+def _records(rows: list[dict]) -> list[tuple]:
+    return [(r["iteration"], r["lm_loss"], r["grad_norm"], r["lr"]) for r in rows]
+
+
+def _final_state(save: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the newest checkpoint's model and optimizer shards, keyed by file and name."""
+    state = {}
+    for path in sorted(glob.glob(os.path.join(save, "iter_*", "*.safetensors")))[-8:]:
+        for key, value in load_file(path).items():
+            state[f"{os.path.basename(path)}:{key}"] = value
+    assert state, f"no checkpoint under {save}"
+    return state
+
+
+def _assert_identical(tmp, nproc: int, flags: list[str], *, script: str = "pretrain_llama.py") -> str:
+    sync_rows, _, sync_save = _run(nproc, flags, tmp, "sync")
+    pv_rows, out, pv_save = _run(nproc, flags + PV, tmp, "pv", script=script)
+    assert len(sync_rows) == 10 and _records(pv_rows) == _records(sync_rows)
+    sync_state, pv_state = _final_state(sync_save), _final_state(pv_save)
+    assert sync_state.keys() == pv_state.keys()
+    different = [k for k in sync_state if not torch.equal(sync_state[k], pv_state[k])]
+    assert not different, f"parameters or optimizer state differ: {different[:5]}"
+    return out
+
+
+def _rolled_back(out: str) -> tuple[int, int]:
+    found = re.findall(r"post-validation: (\d+) speculative updates rolled back, (\d+) iterations run again", out)
+    assert found, out[-3000:]
+    return int(found[-1][0]), int(found[-1][1])
+
+
+def test_pp2_zbv_clipping_for_the_global_norm_only_rolls_back_and_stays_identical(tmp_path):
+    # grad norms of this run are 1.55 .. 2.5, each stage's part about 1/sqrt(2) of it: with --clip-grad 1.7 the
+    # global norm clips on some steps where no stage's own part does, so those speculative steps roll back
+    out = _assert_identical(tmp_path, 2, BATCH + ZBV + ["--global-batch-size", "4",
+                                                         "--pipeline-model-parallel-size", "2", "--clip-grad", "1.7"])
+    rollbacks, replays = _rolled_back(out)
+    assert rollbacks >= 1 and replays >= rollbacks
+
+
+def test_pp4_zb_h2_clipping_never_triggers(tmp_path):
+    out = _assert_identical(tmp_path, 4, BATCH + ["--global-batch-size", "8", "--pipeline-model-parallel-size", "4",
+                                                  "--pipeline-schedule", "zb-h2", "--clip-grad", "100"])
+    assert _rolled_back(out) == (0, 0)
+
+
+def test_tp2_pp2_zbv_clipping_on_every_step(tmp_path):
+    # every stage's own norm is above 1e-3, so no rank speculates: each step is the synchronous one
+    out = _assert_identical(tmp_path, 4, BATCH + ZBV + ["--global-batch-size", "4", "--tensor-model-parallel-size", "2",
+                                                         "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+                                                         "--clip-grad", "1e-3"])
+    assert _rolled_back(out) == (0, 0)
+
+
+def test_dp2_pp2_auto_zero1_overlapped_grad_reduce(tmp_path):
+    _assert_identical(tmp_path, 4, BATCH + ["--global-batch-size", "8", "--pipeline-model-parallel-size", "2",
+                                            "--pipeline-schedule", "auto", "--use-distributed-optimizer",
+                                            "--overlap-grad-reduce", "--clip-grad", "1.5"])
+
+
+def test_forced_speculation_rolls_back_every_clipped_step_and_stays_identical(tmp_path):
+    out = _assert_identical(tmp_path, 2, BATCH + ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
+                                                  "--pipeline-schedule", "zb-h2", "--clip-grad", "1e-3"],
+                            script="tests/scripts/speculate_always.py")
+    assert _rolled_back(out) == (10, 9)     # the last step drains (nothing ran after it)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_injected_nonfinite_loss_is_rolled_back_like_the_synchronous_step(tmp_path, skip):
+    flags = BATCH + ZBV + ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2", "--clip-grad", "100"]
+    flags += ["--skip-nonfinite-steps"] if skip else []
+    prefix = ("--inject-inf-iteration", "2", "--")
+    sync, sync_out, _ = _run(2, flags, tmp_path, "sync", script="tests/scripts/inject_inf.py", prefix=prefix, ok=skip)
+    pv, pv_out, _ = _run(2, flags + PV, tmp_path, "pv", script="tests/scripts/speculate_always.py", prefix=prefix,
+                         ok=skip)
+    assert _records(pv) == _records(sync)
+    if skip:
+        assert [r["iteration"] for r in pv] == [1] + list(range(3, 11))
+        assert "skipped iteration 2" in pv_out
+    else:
+        assert [r["iteration"] for r in pv] == [1]
+        assert "iteration 2: lm loss is inf" in pv_out and "iteration 2: lm loss is inf" in sync_out
+
+
+def test_resume_from_a_checkpoint_saved_under_the_flag(tmp_path):
+    flags = BATCH[:-2] + ZBV + ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
+                                "--clip-grad", "1.7", "--lr-decay-iters", "10"]
+    full, _, _ = _run(2, flags + ["--train-iters", "10"], tmp_path, "full")
+    save = str(tmp_path / "resumed")
+    first, _, _ = _run(2, flags + PV + ["--train-iters", "6", "--save", save], tmp_path, "first")
+    second, out, _ = _run(2, flags + PV + ["--train-iters", "10", "--save", save, "--load", save], tmp_path, "second")
+    assert "resumed from" in out
+    assert _records(first + second) == _records(full)
