@@ -2,6 +2,12 @@
 
     llamapipe plot-schedule --schedule zb-h1 --pp 4 --microbatches 8            (writes runs/schedule_zb-h1.png)
     llamapipe plot-schedule --schedule auto --pp 4 --microbatches 16 --costs 1,1.5,0.8,0.1 --json
+    llamapipe plot-schedule --schedule zbv --pp 2 --microbatches 8 --iterations 3 --post-validation
+
+With --iterations K it runs K chained iterations (`simulator_iterations`): a barrier after each, or with
+--post-validation each rank going on to the next iteration as soon as it has stepped, so iterations
+interleave; it prints the steady-state time per iteration. `auto` is planned for what that costs
+(`auto_plan`): the makespan, or with --post-validation the longest stage span.
 """
 from __future__ import annotations
 
@@ -11,9 +17,17 @@ import os
 import sys
 
 from llamapipe.core.config import SCHEDULES
+from llamapipe.core.pipeline_parallel.auto_plan import plan_auto
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
-from llamapipe.core.pipeline_parallel.visualize import ascii_timeline, bubble_text, plot_timeline, rank_table
+from llamapipe.core.pipeline_parallel.simulator_iterations import simulate_iterations
+from llamapipe.core.pipeline_parallel.visualize import (
+    ascii_timeline,
+    bubble_text,
+    iterations_text,
+    plot_timeline,
+    rank_table,
+)
 
 PROG = "llamapipe plot-schedule"
 
@@ -38,6 +52,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--costs", default="1,1,1,0", help="F,B,W[,COMM] times of one chunk (default 1,1,1,0)")
     p.add_argument("--mem-limit", type=float, default=None,
                    help="auto: activation memory cap per rank in microbatch-chunk units (default 2*pp)")
+    p.add_argument("--iterations", type=int, default=1, help="chained iterations to simulate and draw (default 1)")
+    p.add_argument("--post-validation", action="store_true",
+                   help="optimizer post-validation: each rank starts the next iteration once it has stepped, "
+                        "without a barrier (and auto plans for the longest stage span)")
+    p.add_argument("--optimizer-step", type=float, default=0.0, help="time of one optimizer step (default 0)")
     p.add_argument("--out", default=None, help="picture to write, .png or .svg (default runs/schedule_SCHEDULE.png)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     return p.parse_args(argv)
@@ -53,9 +72,18 @@ def _costs(text: str) -> Costs:
     return Costs(*values)
 
 
-def _report(plan, result) -> str:
-    return "\n".join([ascii_timeline(plan, result), "", rank_table(plan, result), "",
-                      f"makespan {result.makespan:.2f}", bubble_text(result)])
+def _build(args: argparse.Namespace, vpp: int, costs: Costs):
+    """The plan as the runtime builds it: `auto` for what an iteration costs with or without post-validation."""
+    if SPECS[args.schedule].memory_capped:
+        SPECS[args.schedule].check_chunks(vpp)
+        return plan_auto(args.pp, vpp, args.microbatches, costs, args.mem_limit, post_validation=args.post_validation)
+    return build(args.schedule, args.pp, vpp, args.microbatches, costs=costs, mem_limit=args.mem_limit)
+
+
+def _report(plan, result, iters) -> str:
+    lines = [ascii_timeline(plan, iters.result, iters.iteration_of), "", rank_table(plan, result), "",
+             f"makespan {result.makespan:.2f}", bubble_text(result)]
+    return "\n".join(lines + ([iterations_text(iters)] if iters.iterations > 1 or iters.post_validation else []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,19 +94,27 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--out {args.out} must end in .png or .svg")
     try:
         costs = _costs(args.costs)
-        plan = build(args.schedule, args.pp, vpp, args.microbatches, costs=costs, mem_limit=args.mem_limit)
+        plan = _build(args, vpp, costs)
+        iters = simulate_iterations(plan, costs, args.iterations, post_validation=args.post_validation,
+                                    optimizer_step=args.optimizer_step)
     except ValueError as e:
         return _fail(str(e))
     result = simulate(plan, costs)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    plot_timeline(plan, result, args.out)
-    if args.json:
-        print(json.dumps({"schedule": args.schedule, "pp": args.pp, "vpp": vpp, "microbatches": args.microbatches,
-                          "makespan": result.makespan, "bubble_rate": result.bubble_rate,
-                          "makespan_bubble_rate": result.makespan_bubble_rate,
-                          "peak_activation_memory": result.peak_memory}))
+    if args.iterations > 1:
+        plot_timeline(plan, iters.result, args.out, iterations=iters)
     else:
-        print(_report(plan, result))
+        plot_timeline(plan, result, args.out)
+    if args.json:
+        data = {"schedule": args.schedule, "pp": args.pp, "vpp": vpp, "microbatches": args.microbatches,
+                "makespan": result.makespan, "bubble_rate": result.bubble_rate,
+                "makespan_bubble_rate": result.makespan_bubble_rate, "peak_activation_memory": result.peak_memory}
+        if args.iterations > 1 or args.post_validation:
+            data.update(iterations=args.iterations, post_validation=args.post_validation,
+                        time_per_iteration=iters.time_per_iteration, iteration_end=iters.iteration_end)
+        print(json.dumps(data))
+    else:
+        print(_report(plan, result, iters))
         print(f"wrote {args.out}")
     return 0
 

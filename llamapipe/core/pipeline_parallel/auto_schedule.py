@@ -10,7 +10,9 @@ saved inputs still alive plus the output gradients of its closures), as a share 
 Then the slowest stage's median times and the largest unit and share (all-reduced MAX over the world, so
 every replica sees the same numbers) go to the schedule's builder (`schedule_specs`) on global rank 0:
 `auto` under the memory cap (in units, or bytes turned into units; default: what the profiling plan
-needs), `zb-h2` under ZB-H2's own cap of 2p-1 microbatches. The options come in one small frozen
+needs) through `auto_plan`, which minimises the synchronous makespan, or with `post_validation` (the
+optimizer steps each stage as soon as its gradients are final, so iterations overlap) the longest stage
+span; `zb-h2` under ZB-H2's own cap of 2p-1 microbatches. The options come in one small frozen
 `AutoOptions`. The plan is broadcast to all ranks as JSON bytes (no pickle) and used from then on.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llamapipe.core.logger import get_logger
-from llamapipe.core.pipeline_parallel import builders, executor
+from llamapipe.core.pipeline_parallel import auto_plan, builders, executor
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
 from llamapipe.core.pipeline_parallel.p2p_communication import measure_latency
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
@@ -40,6 +42,8 @@ class AutoOptions:
     profile_iters: int = 3                      # iterations profiled before switching; the first is warm-up
     memory_limit: Optional[float] = None        # auto: activation units per rank (None: the profiling plan's)
     memory_limit_bytes: Optional[int] = None    # auto: a byte cap instead, turned into units once measured
+    post_validation: bool = False               # auto: iterations overlap (optimizer post-validation), so plan
+                                                # for the longest stage span instead of the synchronous makespan
 
 
 def split_bw(plan: Plan) -> Plan:
@@ -138,7 +142,7 @@ class AutoSchedule:
         reference = profiling_plan(pp, vpp, m)
         limit = self._memory_limit(reference, unit, vpp) if self.spec.memory_capped else None
         build = not dist.is_initialized() or dist.get_rank() == 0
-        self.plan = broadcast_plan(self.spec.build(pp, vpp, m, self.costs, limit) if build else None)
+        self.plan = broadcast_plan(self._build(pp, vpp, m, limit) if build else None)
         chosen, base = simulate(self.plan, self.costs), simulate(reference, self.costs)
         ref, mib = ("1F1B" if vpp == 1 else "ZB-V"), unit / 2 ** 20
         peak = max(chosen.peak_memory)
@@ -148,8 +152,16 @@ class AutoSchedule:
             f"W={self.costs.w * 1e3:.2f} ms comm={self.costs.comm * 1e3:.3f} ms, activations {mib:.3g} MiB per "
             f"unit (W keeps {share:.0%}), {cap} -> "
             f"{self.plan.name}: simulated bubble {chosen.bubble_rate:.1%} ({ref} {base.bubble_rate:.1%}), peak memory "
-            f"{peak:.3g} units ({peak * mib:.3g} MiB), makespan {chosen.makespan / base.makespan:.3f}x {ref}")
+            f"{peak:.3g} units ({peak * mib:.3g} MiB), makespan {chosen.makespan / base.makespan:.3f}x {ref}, "
+            f"longest stage span {max(chosen.span) / max(base.span):.3f}x {ref} (planned for the "
+            f"{'span: post-validation' if self.options.post_validation else 'makespan: synchronous step'})")
         self._times, self._iters = [], 0
+
+    def _build(self, pp: int, vpp: int, m: int, limit: Optional[float]) -> Plan:
+        """The memory-capped `auto` plans for what the runtime pays (`auto_plan`); others as their spec says."""
+        if self.spec.memory_capped:
+            return auto_plan.plan_auto(pp, vpp, m, self.costs, limit, post_validation=self.options.post_validation)
+        return self.spec.build(pp, vpp, m, self.costs, limit)
 
     def _memory_limit(self, reference: Plan, unit: int, vpp: int) -> float:
         """The cap in units: a byte cap converted, the units given, or what the profiling plan needs."""

@@ -156,15 +156,11 @@ def zb_h2_fitted(pp: int, m: int, costs: Costs) -> Plan:
     return _fastest("zb-h2", candidates, costs, limit)
 
 
-def auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: float | None = None) -> Plan:
+def auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: float | None = None, *,
+         post_validation: bool = False) -> Plan:
     """Fastest plan for one or two chunks per rank (`schedule_specs` checks vpp) under measured `costs`
-    within `mem_limit` activation units per rank (default 2p: ZB-2p for one chunk, 1F1B's memory for two
-    chunks on V placement). Candidates: the zero-bubble greedy heuristic, plus ZB-H1 and 1F1B for one
-    chunk, ZB-V for two, when they fit (the greedy is a heuristic, so this keeps auto never slower than
-    those under the same costs)."""
-    costs = costs or Costs()
-    limit = 2 * pp if mem_limit is None else mem_limit
-    candidates = [greedy_plan("auto", pp, vpp, m, "interleaved" if vpp == 1 else "v", costs, limit)]
-    candidates += [zb_h1(pp, m), one_f_one_b(pp, m)] if vpp == 1 else [zbv(pp, m)]
-    return _fastest("auto", candidates, costs, limit)
+    within `mem_limit` activation units per rank (default 2p), for what the runtime pays: the makespan of a
+    synchronous step, or the longest stage span under post-validation (`auto_plan.plan_auto`)."""
+    from llamapipe.core.pipeline_parallel.auto_plan import plan_auto
+    return plan_auto(pp, vpp, m, costs, mem_limit, post_validation=post_validation)
 

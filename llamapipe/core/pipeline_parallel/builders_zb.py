@@ -1,6 +1,7 @@
-"""Zero-bubble schedules found by list scheduling: ZB-H2 and the heuristic behind `auto`.
+"""Zero-bubble schedules found by list scheduling: ZB-H2 and one of `auto`'s candidates (auto_plan.py).
 
-Why: the zero-bubble paper (Qi et al., arXiv 2401.10241, section 3.1) builds schedules greedily from
+Why: the zero-bubble paper (Qi et al., arXiv 2401.10241, section 3.1; its own heuristic is in
+zb_heuristic.py) builds schedules greedily from
 F/B/W costs and a memory cap: as many F's as memory allows in the warmup, then B first (it is on the
 critical path), then F, and W only to fill a bubble at least as long as W, or to free memory when the
 cap blocks an F. Its handcrafted ZB-H2 is that heuristic at unit costs with cap (2p-1)*M_B; on V placement it is one
@@ -8,15 +9,23 @@ of `auto`'s candidates (the fixed ZB-V order is in builders.py).
 
 The scheduler simulates time: the rank with the earliest clock picks next, so every other rank's
 clock is later and the arrivals it sees are final. Each stage runs F's and B's in microbatch order,
-so messages on every stream arrive in the order they are consumed.
+so messages on every stream arrive in the order they are consumed. A rank is looked at again only when
+it or a neighbour (the only producers of its inputs) emitted, or its clock reached an input's arrival,
+which keeps p=32, m=256 at about a second (`auto_plan` runs this next to the paper's own heuristic).
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan, rank_chunk_of, stage_of
+from llamapipe.core.pipeline_parallel.schedule_ir import (
+    Action,
+    Plan,
+    rank_chunk_of,
+    stage_of,
+)
 from llamapipe.core.pipeline_parallel.simulator import Costs
 
 _EPS = 1e-9
@@ -40,6 +49,10 @@ class _Greedy:
         self.ranks = [_Rank([0] * vpp, [0] * vpp) for _ in range(pp)]
         self.f_end: dict = {}
         self.b_end: dict = {}
+        # per-rank caches, valid until the rank or a neighbour (the only producers of its inputs) emits: the
+        # next F/B candidates, and until when a rank that could not act cannot (its next known arrival)
+        self._cands: list[dict | None] = [None] * pp
+        self._stuck_until: list[float] = [-math.inf] * pp
 
     def _arrival(self, rank: int, stage: int, kind: str, mb: int) -> float | None:
         """When the input of F/B (stage, mb) is on `rank`; None while its producer has not run."""
@@ -68,6 +81,8 @@ class _Greedy:
 
     def _emit(self, rank: int, action: Action) -> None:
         st, costs = self.ranks[rank], self.costs
+        for near in {(rank - 1) % self.pp, rank, (rank + 1) % self.pp}:
+            self._cands[near], self._stuck_until[near] = None, -math.inf
         st.clock += costs.duration(action.kind)
         st.mem += costs.mem_delta(action.kind)
         st.actions.append(action)
@@ -83,24 +98,32 @@ class _Greedy:
     def _try_act(self, rank: int) -> bool:
         """Run one action on `rank` at its clock if the heuristic wants one now."""
         st = self.ranks[rank]
-        cands = {kind: self._candidates(rank, kind) for kind in ("B", "F")}
+        if st.clock < self._stuck_until[rank] - _EPS:
+            return False
+        cands = self._cached(rank)
         for kind in ("B", "F"):
             ready = sorted(c[1:4] for c in cands[kind] if c[4] and c[0] is not None and c[0] <= st.clock + _EPS)
             if ready:
                 self._emit(rank, Action(kind, ready[0][2], ready[0][0]))
                 return True
-        if not st.pending_w:
-            return False
         # W fills a gap it fits in (or one of unknown length), or frees memory when the cap holds back an F
         blocked = any(not c[4] and c[0] is not None and c[0] <= st.clock + _EPS for c in cands["F"])
-        if blocked or self._next_arrival(rank, cands) - st.clock >= self.costs.w - _EPS:
+        if st.pending_w and (blocked or self._next_arrival(rank) - st.clock >= self.costs.w - _EPS):
             chunk, mb = st.pending_w.popleft()
             self._emit(rank, Action("W", chunk, mb))
             return True
+        # a later clock only shrinks the gap, so nothing changes before an input arrives
+        self._stuck_until[rank] = min((c[0] for kind in ("B", "F") for c in cands[kind] if c[0] is not None),
+                                      default=math.inf)
         return False
 
-    def _next_arrival(self, rank: int, cands: dict | None = None) -> float:
-        cands = cands or {kind: self._candidates(rank, kind) for kind in ("B", "F")}
+    def _cached(self, rank: int) -> dict:
+        if self._cands[rank] is None:
+            self._cands[rank] = {kind: self._candidates(rank, kind) for kind in ("B", "F")}
+        return self._cands[rank]
+
+    def _next_arrival(self, rank: int) -> float:
+        cands = self._cached(rank)
         return min((c[0] for kind in ("B", "F") for c in cands[kind] if c[4] and c[0] is not None),
                    default=math.inf)
 
@@ -108,13 +131,14 @@ class _Greedy:
         return min(st.next_b) >= self.m and not st.pending_w
 
     def run(self, name: str) -> Plan:
-        while True:
-            active = [r for r in range(self.pp) if not self._done(self.ranks[r])]
-            if not active:
-                break
+        active = list(range(self.pp))
+        while active:
             now = min(self.ranks[r].clock for r in active)
             waiting = [r for r in active if self.ranks[r].clock <= now + _EPS]
-            if any(self._try_act(r) for r in waiting):
+            acted = next((r for r in waiting if self._try_act(r)), None)
+            if acted is not None:
+                if self._done(self.ranks[acted]):
+                    active.remove(acted)
                 continue
             # nothing can start at `now`: jump to the next arrival or the next rank's decision
             later = [self.ranks[r].clock for r in active if r not in waiting]
@@ -139,6 +163,7 @@ def greedy_plan(name: str, pp: int, vpp: int, m: int, placement: str, costs: Cos
     return _Greedy(pp, vpp, m, placement, costs, mem_limit).run(name)
 
 
+@functools.lru_cache(maxsize=16)
 def zb_h2(pp: int, m: int) -> Plan:
     """ZB-H2: zero bubble at F=B=W with peak memory (2p-1)*M_B (extra warmup F's, W's in the tail)."""
     return greedy_plan("zb-h2", pp, 1, m, "interleaved", Costs(), mem_limit=2 * pp - 1)

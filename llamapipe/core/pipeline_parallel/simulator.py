@@ -7,7 +7,8 @@ and frees M_B - M_W, keeping the M_W that the weight gradient needs; its W takes
 A p2p hop between two ranks costs `comm`; a hand-off between chunks of the same rank is free.
 
 Execution model (the executor's): each rank runs its list strictly in order; an action starts once its
-inputs have arrived; sends never block. A plan that can never finish is a deadlock.
+inputs have arrived; sends never block. A plan that can never finish is a deadlock. `run_timeline` takes
+each rank's release time, so `simulator_iterations` chains iterations with it.
 """
 from __future__ import annotations
 
@@ -158,9 +159,11 @@ def _deadlock_message(plan: Plan, pos: list[int]) -> str:
     return "deadlock: " + "; ".join(stuck)
 
 
-def _run(plan: Plan, costs: Costs, early_send: bool) -> list[list[tuple[float, float, Action]]]:
-    """Event order does not matter: each start is max(rank clock, input arrival)."""
-    pos, clock = [0] * plan.pp, [0.0] * plan.pp
+def run_timeline(plan: Plan, costs: Costs, early_send: bool = True,
+                 release: list[float] | None = None) -> list[list[tuple[float, float, Action]]]:
+    """Start and end of every action of a verified plan; rank r starts no earlier than `release[r]` (default 0).
+    Event order does not matter: each start is max(rank clock, input arrival)."""
+    pos, clock = [0] * plan.pp, list(release) if release is not None else [0.0] * plan.pp
     f_end: dict = {}
     b_end: dict = {}
     timeline: list[list] = [[] for _ in range(plan.pp)]
@@ -209,7 +212,11 @@ def simulate(plan: Plan, costs: Costs | None = None, *, early_send: bool = True)
     With False a BW sends at its end, as in Megatron-LM and the zero-bubble paper's 1F1B baseline."""
     costs = costs or Costs()
     verify(plan)
-    timeline = _run(plan, costs, early_send)
+    return measure(plan, costs, run_timeline(plan, costs, early_send))
+
+
+def measure(plan: Plan, costs: Costs, timeline: list[list[tuple[float, float, Action]]]) -> Result:
+    """Makespan, spans, bubble rates and peak memory of a simulated `timeline` of `plan`."""
     busy = [sum(e - s for s, e, _ in row) for row in timeline]
     span = [row[-1][1] - row[0][0] if row else 0.0 for row in timeline]
     makespan = max((row[-1][1] for row in timeline if row), default=0.0)

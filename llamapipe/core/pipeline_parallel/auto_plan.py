@@ -1,0 +1,68 @@
+"""`auto`'s planner: the best zero-bubble plan for measured costs under a memory cap, judged by what the
+runtime pays per iteration.
+
+Why: a synchronous optimizer step makes every iteration cost the plan's makespan (the ramps at both
+ends included); with optimizer post-validation (zero-bubble paper, Qi et al., arXiv 2401.10241, section 4)
+iterations overlap, and the cost is the longest stage span, first F to last W of one rank, which is the
+objective of the paper's heuristic and ILP (appendix G, eq. 3) and the `cost` of its bubble rate (section
+5.3). Candidates: the paper's heuristic over its hyperparameter grid (`zb_heuristic`), the list scheduler
+of builders_zb, and the fixed plans that fit the cap (ZB-H1, 1F1B, ZB-H2 unit-cost and fitted for one
+chunk; ZB-V for two), so `auto` is never worse than any of them at the same memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from llamapipe.core.pipeline_parallel import builders
+from llamapipe.core.pipeline_parallel.builders_zb import greedy_plan
+from llamapipe.core.pipeline_parallel.schedule_ir import Plan
+from llamapipe.core.pipeline_parallel.simulator import Costs, Result, simulate
+from llamapipe.core.pipeline_parallel.zb_heuristic import heuristic_plans
+
+_EPS = 1e-9
+
+
+def objective(result: Result, post_validation: bool) -> tuple[float, float]:
+    """What an iteration costs the runtime, then a tie-break: (longest stage span, makespan) with
+    post-validation, (makespan, longest stage span) without."""
+    span = max(result.span, default=0.0)
+    return (span, result.makespan) if post_validation else (result.makespan, span)
+
+
+def _better(score: tuple[float, float], than: tuple[float, float]) -> bool:
+    """Lexicographically smaller, up to float noise."""
+    return score[0] < than[0] - _EPS or (abs(score[0] - than[0]) <= _EPS and score[1] < than[1] - _EPS)
+
+
+def candidates(pp: int, vpp: int, m: int, costs: Costs, mem_limit: float) -> list[Plan]:
+    """Every plan `auto` chooses from (some may exceed `mem_limit`; `plan_auto` drops those)."""
+    if vpp == 2:
+        return [greedy_plan("auto", pp, 2, m, "v", costs, mem_limit), builders.zbv(pp, m)]
+    assert vpp == 1, "auto plans one chunk per rank, or two in V placement"
+    plans = heuristic_plans("auto", pp, m, costs, mem_limit)
+    plans.append(greedy_plan("auto", pp, 1, m, "interleaved", costs, mem_limit))
+    if mem_limit != 2 * pp - 1:     # with the next three, what `zb-h2` chooses from (builders.zb_h2_fitted)
+        plans.append(greedy_plan("zb-h2", pp, 1, m, "interleaved", costs, 2 * pp - 1))
+    return plans + [builders.zb_h2(pp, m), builders.zb_h1(pp, m), builders.one_f_one_b(pp, m)]
+
+
+def plan_auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: float | None = None, *,
+              post_validation: bool = False) -> Plan:
+    """The candidate within `mem_limit` activation units per rank (default 2p) with the smallest
+    `objective`: makespan for a synchronous step, longest stage span with post-validation."""
+    costs = costs or Costs()
+    limit = 2 * pp if mem_limit is None else mem_limit
+    best: tuple | None = None
+    seen: list[tuple] = []
+    for plan in candidates(pp, vpp, m, costs, limit):
+        if plan.actions in seen:
+            continue
+        seen.append(plan.actions)
+        result = simulate(plan, costs)
+        if max(result.peak_memory) > limit + _EPS:
+            continue
+        score = objective(result, post_validation)
+        if best is None or _better(score, best[0]):
+            best = (score, plan)
+    assert best is not None, "the list scheduler always keeps within the cap"
+    return dataclasses.replace(best[1], name="auto")
