@@ -33,6 +33,7 @@ class ParallelConfig:
     last_stage_layers: Optional[int] = None         # --decoder-last-pipeline-num-layers
     account_for_embedding: bool = False             # --account-for-embedding-in-pipeline-split
     account_for_loss: bool = False                  # --account-for-loss-in-pipeline-split
+    pipeline_layout: Optional[str] = None           # --pipeline-model-parallel-layout (layers of every stage)
     distributed_backend: str = "gloo"
     distributed_timeout_minutes: float = 10.0
     use_distributed_optimizer: bool = False

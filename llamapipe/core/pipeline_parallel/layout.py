@@ -1,13 +1,56 @@
-"""How the decoder layers split over virtual pipeline stages (Megatron-LM's even, uneven and accounted splits).
+"""How the decoder layers split over virtual pipeline stages (Megatron-LM's even, uneven and accounted splits,
+and its --pipeline-model-parallel-layout string).
 
 Argument checks, model building and checkpoint resharding all read the split from here, so it has one home.
+The layout grammar is Megatron-LM's (megatron/core/transformer/pipeline_parallel_layer_layout.py): `E` the
+embedding, `t` one decoder layer, `L` the LM head and loss, `|` between virtual stages (in layer order), `x*N`
+and `(...)*N` repeat, commas and spaces are cosmetic. Example: "Et*3|(tt|)*2,tL" is 4 stages of 3, 2, 2, 1 layers.
 """
 from __future__ import annotations
+
+import re
+from typing import Optional
+
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+_GROUP = re.compile(r"\(([^()]*)\)\*(\d+)")
+_SINGLE = re.compile(r"([^()|*\d])\*(\d+)")
+
+
+def parse_layout(text: str) -> list[str]:
+    """The virtual stages of a layout string, each as its expanded letters: "Et*2|tL" -> ["Ett", "tL"]."""
+    expanded = re.sub(r"[\s,]", "", text)
+    while _GROUP.search(expanded):
+        expanded = _GROUP.sub(lambda g: g[1] * int(g[2]), expanded)
+    expanded = _SINGLE.sub(lambda g: g[1] * int(g[2]), expanded)
+    unknown = sorted(set(expanded) - set("EtL|"))
+    if unknown:
+        raise ValueError(f"{LAYOUT_FLAG} {text!r} contains {' '.join(unknown)}; it knows E (embedding), t (decoder "
+                         "layer), L (loss), | between virtual stages, x*N and (...)*N to repeat")
+    return expanded.split("|")
+
+
+def layout_layer_counts(text: str, num_layers: int, pp_size: int) -> list[int]:
+    """Decoder layers of each virtual stage of a layout string, checked against the model and pipeline size."""
+    stages, said = parse_layout(text), f"{LAYOUT_FLAG} {text!r}"
+    if len(stages) % pp_size:
+        raise ValueError(f"{said} has {len(stages)} virtual stages, which is not a multiple of "
+                         f"--pipeline-model-parallel-size {pp_size}")
+    letters = "".join(stages)
+    if letters.count("E") != 1 or not stages[0].startswith("E"):
+        raise ValueError(f"{said} must place the embedding E once, at the start of the first virtual stage")
+    if letters.count("L") != 1 or not stages[-1].endswith("L"):
+        raise ValueError(f"{said} must place the loss L once, at the end of the last virtual stage")
+    empty = [i for i, stage in enumerate(stages) if not stage]
+    if empty:
+        raise ValueError(f"{said} leaves virtual stage {empty[0]} empty; give every stage a t, E or L")
+    if letters.count("t") != num_layers:
+        raise ValueError(f"{said} places {letters.count('t')} decoder layers (t), but --num-layers is {num_layers}")
+    return [stage.count("t") for stage in stages]
 
 
 def stage_layer_ranges(num_layers: int, pp_size: int, vpp_size: int = 1, first: int | None = None,
                        last: int | None = None, *, embedding: bool = False,
-                       loss: bool = False) -> list[tuple[int, int]]:
+                       loss: bool = False, layout: Optional[str] = None) -> list[tuple[int, int]]:
     """[start, end) layer range of each virtual stage, in stage order.
 
     Even split by default (docs/design.md: stage v owns layers [v*L/S, (v+1)*L/S)). `first` / `last` are
@@ -15,9 +58,16 @@ def stage_layer_ranges(num_layers: int, pp_size: int, vpp_size: int = 1, first: 
     (one chunk per rank), the rest split evenly over the stages between, e.g. to give the stage with the
     LM head and the loss fewer layers. `embedding` / `loss` are Megatron-LM's
     --account-for-embedding/loss-in-pipeline-split: the embedding (first stage) or the head and loss (last
-    stage) count as one layer in an even split over all virtual stages, V placement included."""
+    stage) count as one layer in an even split over all virtual stages, V placement included. `layout` is a
+    --pipeline-model-parallel-layout string, which gives every stage's count itself (the other split flags are
+    checked against it in training/arguments/pipeline.py)."""
     stages = pp_size * vpp_size
-    if embedding or loss:
+    if layout is not None:
+        counts = layout_layer_counts(layout, num_layers, pp_size)
+        if len(counts) != stages:
+            raise ValueError(f"{LAYOUT_FLAG} {layout!r} has {len(counts)} virtual stages, but "
+                             f"--pipeline-model-parallel-size {pp_size} x {vpp_size} model chunks is {stages}")
+    elif embedding or loss:
         counts = _accounted_counts(num_layers, pp_size, vpp_size, first, last, embedding, loss)
     elif first is None and last is None:
         if num_layers % stages:

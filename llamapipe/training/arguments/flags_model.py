@@ -25,6 +25,10 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="layers on the first pipeline stage (uneven split; the rest split evenly)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers on the last pipeline stage, e.g. fewer to balance the LM head and loss")
+    g.add_argument("--pipeline-model-parallel-layout", default=None,
+                   help="Megatron's layout string: E embedding, t decoder layer, L loss, | between virtual stages, "
+                        "*N repeats, e.g. \"Et*3|(tt|)*2,tL\"; sets the layers of every virtual stage and the chunks "
+                        "per rank (stages / --pipeline-model-parallel-size)")
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
                    help="count the embedding as one layer when splitting layers over (virtual) stages")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",

@@ -11,7 +11,7 @@ import argparse
 from typing import Optional
 
 from llamapipe.core.config import ArgumentError, ParallelConfig
-from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
+from llamapipe.core.pipeline_parallel.layout import LAYOUT_FLAG, layout_layer_counts, parse_layout, stage_layer_ranges
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, ScheduleSpec
 from llamapipe.model.config import PRESETS
 
@@ -19,6 +19,8 @@ from llamapipe.model.config import PRESETS
 def vpp_size(args: argparse.Namespace) -> int:
     per_vstage, chunks = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     pp = args.pipeline_model_parallel_size
+    if getattr(args, "pipeline_model_parallel_layout", None) is not None:
+        return _layout_vpp(args, pp)
     if chunks is not None:
         if per_vstage is not None:
             raise ArgumentError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} and "
@@ -45,6 +47,48 @@ def vpp_size(args: argparse.Namespace) -> int:
     return max(per_rank // per_vstage, 1)
 
 
+def _layout_vpp(args: argparse.Namespace, pp: int) -> int:
+    """Model chunks per rank of a --pipeline-model-parallel-layout, checked against the chunk flags."""
+    text = args.pipeline_model_parallel_layout
+    try:
+        stages = parse_layout(text)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+    said = f"{LAYOUT_FLAG} {text!r} ({len(stages)} virtual stages)"
+    if len(stages) % pp:
+        raise ArgumentError(f"{said} is not a multiple of --pipeline-model-parallel-size {pp}")
+    if pp == 1 and len(stages) > 1:
+        raise ArgumentError(f"{said} needs --pipeline-model-parallel-size > 1, got 1")
+    vpp, chunks = len(stages) // pp, args.num_virtual_stages_per_pipeline_rank
+    if chunks is not None and chunks != vpp:
+        raise ArgumentError(f"{said} gives {vpp} model chunks per pipeline rank with --pipeline-model-parallel-size "
+                            f"{pp}, but --num-virtual-stages-per-pipeline-rank is {chunks}")
+    per_vstage = args.num_layers_per_virtual_pipeline_stage
+    counts = [stage.count("t") for stage in stages]
+    if per_vstage is not None and any(n != per_vstage for n in counts):
+        raise ArgumentError(f"{said} puts {', '.join(map(str, counts))} layers on its stages, but "
+                            f"--num-layers-per-virtual-pipeline-stage is {per_vstage}")
+    return vpp
+
+
+def _check_layout(args: argparse.Namespace, num_layers: int, par: ParallelConfig) -> None:
+    """A layout string sets the whole split: the other split flags may only repeat it."""
+    text = args.pipeline_model_parallel_layout
+    try:
+        counts = layout_layer_counts(text, num_layers, par.pp_size)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+    for part, on in (("embedding", par.account_for_embedding), ("loss", par.account_for_loss)):
+        if on:
+            raise ArgumentError(f"--account-for-{part}-in-pipeline-split cannot be combined with {LAYOUT_FLAG} "
+                                f"{text!r}, which places the {part} ({part[0].upper()}) itself")
+    for end, given, layers in (("first", par.first_stage_layers, counts[0]), ("last", par.last_stage_layers,
+                                                                             counts[-1])):
+        if given is not None and layers != given:
+            raise ArgumentError(f"--decoder-{end}-pipeline-num-layers {given} contradicts {LAYOUT_FLAG} {text!r}, "
+                                f"which gives the {end} stage {layers} layers")
+
+
 def virtual_stage_flag(args: argparse.Namespace) -> Optional[str]:
     """The flag (with its value) that set the model chunks per rank, as the user gave it; None if neither."""
     for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"):
@@ -65,8 +109,11 @@ def _layer_units(num_layers: int, embedding: bool, loss: bool) -> tuple[int, str
 
 def check_layer_split(args: argparse.Namespace, num_layers: int, par: ParallelConfig) -> None:
     """The even split, --decoder-first/last-pipeline-num-layers with one chunk per rank, or the split that
-    counts the embedding / loss as layers (--account-for-*-in-pipeline-split)."""
+    counts the embedding / loss as layers (--account-for-*-in-pipeline-split), or a layout string."""
     pp = par.pp_size
+    if getattr(args, "pipeline_model_parallel_layout", None) is not None:
+        _check_layout(args, num_layers, par)
+        return
     uneven = [f"--decoder-{end}-pipeline-num-layers {n}" for end, n in
               (("first", par.first_stage_layers), ("last", par.last_stage_layers)) if n is not None]
     if uneven:

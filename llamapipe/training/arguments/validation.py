@@ -86,6 +86,7 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
                           last_stage_layers=args.decoder_last_pipeline_num_layers, distributed_backend=backend,
                           account_for_embedding=args.account_for_embedding_in_pipeline_split,
                           account_for_loss=args.account_for_loss_in_pipeline_split,
+                          pipeline_layout=args.pipeline_model_parallel_layout,
                           distributed_timeout_minutes=args.distributed_timeout_minutes,
                           use_distributed_optimizer=args.use_distributed_optimizer,
                           overlap_grad_reduce=args.overlap_grad_reduce,

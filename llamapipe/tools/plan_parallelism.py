@@ -1,0 +1,168 @@
+"""`llamapipe plan`: rank the parallel layouts that fit a LLaMA model on a cluster.
+
+    llamapipe plan --model llama2-7b --gpus 8 --gpu-memory-gb 80 --seq-length 4096 --global-batch-size 512
+
+Enumerates tp x pp x dp = gpus, model chunks per rank and schedule (every --pipeline-schedule with a fixed
+order), micro-batch size, activation recompute and the distributed optimizer; estimates each layout's memory on
+its most loaded rank and its step time (llamapipe.tools.parallel_estimate), keeps those that fit under
+--headroom x the GPU memory and prints them fastest first. The top row's command line is printed ready to run;
+--explain N shows the memory breakdown of row N.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Optional
+
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
+from llamapipe.model.config import PRESETS, LlamaConfig
+from llamapipe.tools.parallel_estimate import DEVICES, GIB, Estimate, Layout, estimate
+
+SCHEDULES = [name for name, spec in SPECS.items() if not spec.profiled and name != "gpipe"]
+RECOMPUTE_FLAGS = {"none": [], "selective": ["--recompute-activations"],
+                   "full": ["--recompute-granularity", "full", "--recompute-method", "uniform"]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llamapipe plan", description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=tuple(PRESETS), default=None, help="named architecture")
+    for flag in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
+                 "--num-query-groups", "--vocab-size"):
+        p.add_argument(flag, type=int, default=None, help="shape override (or the whole shape without --model)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GiB")
+    p.add_argument("--seq-length", type=int, default=4096)
+    p.add_argument("--global-batch-size", type=int, required=True, help="sequences per step")
+    p.add_argument("--device", choices=tuple(DEVICES), default="h100", help="preset for the two figures below")
+    p.add_argument("--device-tflops", type=float, default=None, help="dense bf16 peak per GPU, TFLOP/s")
+    p.add_argument("--link-gbps", type=float, default=None, help="intra-node link per GPU, Gbit/s")
+    p.add_argument("--headroom", type=float, default=0.9, help="share of the GPU memory a layout may plan to use")
+    p.add_argument("--max-micro-batch-size", type=int, default=8)
+    p.add_argument("--top", type=int, default=10, help="rows to print")
+    p.add_argument("--explain", type=int, default=None, metavar="N", help="memory breakdown of row N (1 = top)")
+    return p
+
+
+def model_from_args(args: argparse.Namespace) -> LlamaConfig:
+    fields = dict(PRESETS[args.model]) if args.model else {}
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "vocab_size"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    missing = [n for n in ("num_layers", "hidden_size", "num_attention_heads") if n not in fields]
+    if missing:
+        raise SystemExit("llamapipe plan: give --model or --" + ", --".join(m.replace("_", "-") for m in missing))
+    fields.setdefault("ffn_hidden_size", int(4 * fields["hidden_size"] * 2 / 3 / 64) * 64)
+    fields.setdefault("num_query_groups", fields["num_attention_heads"])
+    return LlamaConfig(**fields)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(m: LlamaConfig, gpus: int, global_batch: int, max_mbs: int) -> list[Layout]:
+    """Every layout the flags could express for this model and cluster."""
+    out = []
+    for tp in [d for d in _divisors(gpus) if d <= 8 and m.num_query_groups % d == 0 and m.ffn_hidden_size % d == 0]:
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            for mbs in [b for b in (1, 2, 4, 8) if b <= max_mbs and global_batch % (b * dp) == 0]:
+                if pp > 1 and global_batch // (mbs * dp) < pp:
+                    continue
+                for schedule, vpp in _schedules(m.num_layers, pp):
+                    for recompute in ("none", "selective", "full"):
+                        for dist_opt in (False, True) if dp > 1 else (False,):
+                            out.append(Layout(tp, pp, vpp, dp, schedule, mbs, recompute, dist_opt))
+    return out
+
+
+def _schedules(num_layers: int, pp: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = []
+    for name in SCHEDULES:
+        spec = SPECS[name]
+        vpp = spec.default_chunks
+        if num_layers % (pp * vpp) == 0:
+            out.append((name, vpp))
+    return out
+
+
+def rank(m: LlamaConfig, args: argparse.Namespace, dev) -> list[tuple[Layout, Estimate]]:
+    budget = args.headroom * args.gpu_memory_gb * GIB
+    rows = []
+    for lay in layouts(m, args.gpus, args.global_batch_size, args.max_micro_batch_size):
+        est = estimate(m, lay, args.seq_length, args.global_batch_size, dev)
+        if est.total <= budget:
+            rows.append((lay, est))
+    rows.sort(key=lambda row: (row[1].step_s, row[1].total))
+    return rows
+
+
+def command(args: argparse.Namespace, lay: Layout) -> str:
+    """A torchrun command line for one node of `lay`."""
+    shape = [f"--model {args.model}"] if args.model else [
+        f"--{n.replace('_', '-')} {getattr(args, n)}" for n in ("num_layers", "hidden_size", "ffn_hidden_size",
+                                                                   "num_attention_heads", "num_query_groups",
+                                                                   "vocab_size") if getattr(args, n) is not None]
+    parts = [f"torchrun --nproc-per-node {min(args.gpus, 8)}" + (f" --nnodes {args.gpus // 8}" if args.gpus > 8
+                                                                   else ""), "pretrain_llama.py", *shape,
+             f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
+    if lay.pp > 1:
+        parts += [f"--num-virtual-stages-per-pipeline-rank {lay.vpp}", f"--pipeline-schedule {lay.schedule}"]
+    parts += [f"--micro-batch-size {lay.micro_batch}", f"--global-batch-size {args.global_batch_size}",
+              f"--seq-length {args.seq_length}", "--bf16"] + (["--sequence-parallel"] if lay.tp > 1 else [])
+    parts += RECOMPUTE_FLAGS[lay.recompute] + (["--use-distributed-optimizer"] if lay.dist_opt else [])
+    return " ".join(parts)
+
+
+def table(rows: list[tuple[Layout, Estimate]], top: int) -> str:
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<11} {'mbs':>3} {'recompute':<9} "
+            f"{'distopt':<7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} {'step s':>8} {'MFU':>6}")
+    lines = [head, "-" * len(head)]
+    for i, (lay, e) in enumerate(rows[:top], 1):
+        gib = [x / GIB for x in (e.params, e.grads, e.optimizer, e.activations, e.total)]
+        lines.append(f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>3} {lay.schedule:<11} {lay.micro_batch:>3} "
+                     f"{lay.recompute:<9} {'yes' if lay.dist_opt else 'no':<7} "
+                     + " ".join(f"{x:>7.1f}" for x in gib) + f" {e.step_s:>8.2f} {e.mfu:>6.1%}")
+    return "\n".join(lines)
+
+
+def explain(lay: Layout, e: Estimate) -> str:
+    return "\n".join([
+        f"layout: tp {lay.tp}, pp {lay.pp}, {lay.vpp} chunk(s) per rank, dp {lay.dp}, --pipeline-schedule "
+        f"{lay.schedule}, micro-batch {lay.micro_batch}, recompute {lay.recompute}, distributed optimizer "
+        f"{'on' if lay.dist_opt else 'off'}",
+        f"  parameters (bf16, 2 B each)          {e.params / GIB:8.2f} GiB",
+        f"  gradients (fp32, 4 B each)           {e.grads / GIB:8.2f} GiB",
+        f"  optimizer (fp32 master, m, v: 12 B{'/dp' if lay.dist_opt else ''}) {e.optimizer / GIB:8.2f} GiB",
+        f"  activations ({e.peak_units:.2f} microbatch-chunks held by the plan) {e.activations / GIB:8.2f} GiB",
+        f"  total on the most loaded rank        {e.total / GIB:8.2f} GiB",
+        f"  step {e.step_s:.3f} s, MFU {e.mfu:.1%}"])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    m = model_from_args(args)
+    dev = DEVICES[args.device]
+    dev = dataclasses.replace(dev, tflops=args.device_tflops or dev.tflops, link_gbps=args.link_gbps or dev.link_gbps)
+    rows = rank(m, args, dev)
+    if not rows:
+        sys.stderr.write(f"llamapipe plan: no layout fits {args.gpus} GPUs of {args.gpu_memory_gb:g} GiB "
+                         f"(x {args.headroom:g} headroom) for this model at --seq-length {args.seq_length}\n")
+        return 1
+    if args.explain is not None:
+        if not 1 <= args.explain <= len(rows):
+            sys.stderr.write(f"llamapipe plan: --explain {args.explain} is not a row (1..{len(rows)})\n")
+            return 2
+        print(explain(*rows[args.explain - 1]))
+        return 0
+    print(table(rows, args.top))
+    print(f"\n{len(rows)} layouts fit. Top row:\n  {command(args, rows[0][0])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
