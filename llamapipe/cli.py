@@ -20,6 +20,8 @@ SUBCOMMANDS = {
     "preprocess": ("llamapipe.tools.preprocess_data", "tokenize jsonl/parquet into Megatron .bin/.idx"),
     "convert-hf": ("llamapipe.tools.convert_hf", "import / export HF transformers LLaMA checkpoints"),
     "plot-schedule": ("llamapipe.tools.plot_schedule", "draw and simulate a pipeline schedule"),
+    "verify-checkpoint": ("llamapipe.tools.verify_checkpoint", "check a checkpoint's files against its checksums"),
+    "plan": ("llamapipe.tools.plan_parallelism", "rank the parallel layouts that fit a model on a cluster"),
     "flag-reference": ("llamapipe.tools.flag_reference", "write docs/flags.md from the argument parser"),
 }
 

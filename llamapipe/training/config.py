@@ -20,6 +20,9 @@ class CheckpointConfig:
     no_load_rng: bool = False
     finetune: bool = False
     keep_last_n: Optional[int] = None
+    override_opt_param_scheduler: bool = False       # the LR schedule comes from the command line
+    use_checkpoint_opt_param_scheduler: bool = False  # the LR schedule comes from the checkpoint
+    async_save: bool = False                         # write checkpoints on a background thread
 
 
 @dataclass(frozen=True)

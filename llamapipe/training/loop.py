@@ -79,12 +79,18 @@ def pretrain(config: Config) -> int:
             sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
         return 2
     from llamapipe.core.pipeline_parallel.auto_schedule import MemoryLimitError
+    from llamapipe.training.checkpointing.save_load import CheckpointSaveError, finalize_async_save
     try:
         status = trainer.train()
+        finalize_async_save()    # every exit path waits for a background save (collective)
     except MemoryLimitError as err:  # raised on every rank alike, from measured numbers all ranks share
         if dist.get_rank() == 0:
             sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
         status = 2
+    except CheckpointSaveError as err:  # agreed on by all ranks (e.g. a full disk on one)
+        if dist.get_rank() == 0:
+            sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
+        status = 1
     finally:
         trainer.metrics.close()  # no collective here: a rank-local failure must exit, not wait in a barrier
     dist.barrier()
@@ -148,7 +154,8 @@ class Trainer:
         from llamapipe.training.checkpointing.save_load import save_checkpoint
         save_checkpoint(ckpt.save, self.state.iteration, model_chunks=self.chunks, optimizer=self.optimizer,
                         scheduler=self.scheduler, parallel_state=self.ps, config=self.config,
-                        consumed_samples=self.state.consumed_samples, keep_last_n=ckpt.keep_last_n)
+                        consumed_samples=self.state.consumed_samples, keep_last_n=ckpt.keep_last_n,
+                        async_save=ckpt.async_save)
 
     def train(self) -> int:
         cfg, st = self.config.training, self.state

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.cli import ROOT, TINY, free_port, read_metrics, torchrun, train
 
 FLAGS = ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr-decay-style", "constant",
@@ -60,10 +62,13 @@ def _workers(proc: subprocess.Popen) -> list[int]:
     raise AssertionError(f"expected 2 workers under torchrun, found {_children(proc.pid)}")
 
 
-def test_sigterm_on_one_rank_saves_same_iteration_everywhere_and_resume_continues(tmp_path):
+@pytest.mark.parametrize("overlap", [[], ["--enable-optimizer-post-validation"]], ids=["sync", "post-validation"])
+def test_sigterm_on_one_rank_saves_same_iteration_everywhere_and_resume_continues(tmp_path, overlap):
+    """Under post-validation the ranks agree on the signal one iteration later, without a barrier per
+    iteration, and drain before saving; the checkpoint then resumes (without the flag) bit-identically."""
     save, jsonl = str(tmp_path / "ckpt"), str(tmp_path / "run.jsonl")
-    proc = _launch(FLAGS + ["--train-iters", "1000", "--exit-signal-handler", "--save", save,
-                            "--metrics-jsonl", jsonl])
+    proc = _launch(FLAGS + overlap + ["--train-iters", "1000", "--exit-signal-handler", "--save", save,
+                                      "--metrics-jsonl", jsonl])
     _wait_for_iteration(jsonl, 2, proc)
     os.kill(_workers(proc)[1], signal.SIGTERM)         # only rank 1 is told; all ranks must agree
     out = proc.communicate(timeout=180)[0]

@@ -89,7 +89,11 @@ class FakeOptimizer:
                 self.state["param_state"][name] = {"exp_avg": p.detach() * 2, "exp_avg_sq": p.detach() ** 2}
 
     def state_dict(self, *, keep: bool = True) -> dict:
-        return self.state if keep else {}
+        """Copies the caller owns, as core/optimizer's state_dict returns."""
+        if not keep:
+            return {}
+        return {**self.state, "param_state": {n: {f: t.clone() for f, t in fields.items()}
+                                              for n, fields in self.state["param_state"].items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.state = state
@@ -105,7 +109,7 @@ class FakeScheduler:
     def state_dict(self) -> dict:
         return {"num_steps": self.step, "max_lr": 3e-4}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, **rule) -> None:
         self.step = state["num_steps"]
 
 
@@ -218,8 +222,8 @@ class Evil:
 def _plant(ckpt: pathlib.Path, fname: str, payload: object) -> None:
     torch.save(payload, ckpt / fname)
     meta = json.loads((ckpt / "metadata.json").read_text())
-    meta["files"][fname] = (ckpt / fname).stat().st_size
-    (ckpt / "metadata.json").write_text(json.dumps(meta))
+    meta["files"][fname] = (ckpt / fname).stat().st_size   # an attacker rewrites the metadata to match
+    (ckpt / "metadata.json").write_text(json.dumps(cio.seal(meta)))
 
 
 @pytest.mark.parametrize("fname", ["optim_common.pt", "rng_rank00000.pt", "model_tp00_pp000.safetensors"])
@@ -242,7 +246,7 @@ sys.path.insert(0, {root!r})
 import llamapipe.training.checkpointing.save_load as ck
 from llamapipe.core.parallel_state import ParallelState
 from tests.multiproc.test_checkpointing import _save_single, make_chunks
-ck.cio.torch_save = lambda obj, path: os._exit(3)   # die after the model shard, before rng/metadata
+ck.cio.torch_save = lambda *args: os._exit(3)   # die after the model shard, before rng/metadata
 _save_single({save_dir!r}, 2, make_chunks(ParallelState(), fill=2.0))
 """
 
@@ -270,7 +274,8 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
                                parallel_state=None, config=CONFIG) == LoadResult(1, 8)
     finally:
         logging.getLogger("llamapipe").removeHandler(handler)
-    assert any("iter_0000003" in r.getMessage() and "incomplete" in r.getMessage() for r in records)
+    assert any("iter_0000003" in r.getMessage() and "model_tp00_pp000.safetensors has 100 bytes" in r.getMessage()
+               for r in records)
     assert cio.read_tracker(save_dir) == 1
     assert torch.equal(loaded[0].output.weight[:50], reference("output.weight"))
 
@@ -306,3 +311,37 @@ def test_no_checkpoint_returns_none_and_wrong_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="hidden_size 8 but this run has 16; set --hidden-size 8"):
         load_checkpoint(str(tmp_path), model_chunks=chunks, optimizer=None, scheduler=None,
                         parallel_state=None, config=other)
+
+
+_KILLED_ASYNC_SAVE = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from llamapipe.core.parallel_state import ParallelState
+from llamapipe.training.checkpointing import integrity
+from llamapipe.training.checkpointing.save_load import save_checkpoint
+from tests.multiproc.test_checkpointing import CONFIG, FakeOptimizer, make_chunks
+real = integrity.HashingFile.write
+def write(self, data):   # SIGKILL on the background writer thread, in the middle of the optimizer shard
+    if "optim_tp" in self.path:
+        real(self, bytes(memoryview(data).cast("B")[:64]))
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(self, data)
+integrity.HashingFile.write = write
+chunks = make_chunks(ParallelState(), fill=2.0)
+save_checkpoint({save_dir!r}, 2, model_chunks=chunks, optimizer=FakeOptimizer(chunks), scheduler=None,
+                parallel_state=None, config=CONFIG, consumed_samples=16, async_save=True)
+"""
+
+
+def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path):
+    save_dir = str(tmp_path)
+    _save_single(save_dir, 1, make_chunks(ParallelState()))
+    proc = subprocess.run([sys.executable, "-c", _KILLED_ASYNC_SAVE.format(root=ROOT, save_dir=save_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert (tmp_path / "iter_0000002.tmp" / "model_tp00_pp000.safetensors").is_file(), "killed before writing"
+    assert cio.list_iterations(save_dir) == [1] and cio.read_tracker(save_dir) == 1
+    loaded = make_chunks(ParallelState(), fill=0.0)
+    assert load_checkpoint(save_dir, model_chunks=loaded, optimizer=None, scheduler=None, parallel_state=None,
+                           config=CONFIG) == LoadResult(1, 8)
+    assert torch.equal(loaded[0].output.weight[:50], reference("output.weight"))

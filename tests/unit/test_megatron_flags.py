@@ -56,7 +56,8 @@ MEGATRON_DEFAULTS = {
     "--data-path": None, "--train-data-path": None, "--valid-data-path": None, "--test-data-path": None,
     "--tokenizer-model": None, "--tokenizer-type": None, "--mock-data": False, "--data-cache-path": None,
     "--num-workers": 2, "--save": None, "--save-interval": None, "--load": None, "--use-checkpoint-args": False,
-    "--finetune": False, "--log-interval": 100, "--log-throughput": False, "--log-params-norm": False,
+    "--finetune": False, "--override-opt_param-scheduler": False, "--use-checkpoint-opt_param-scheduler": False,
+    "--async-save": False, "--log-interval": 100, "--log-throughput": False, "--log-params-norm": False,
     "--log-num-zeros-in-grad": False, "--tensorboard-dir": None, "--wandb-project": None,
     "--wandb-exp-name": None, "--wandb-save-dir": None,
 }

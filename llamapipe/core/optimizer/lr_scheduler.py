@@ -33,12 +33,18 @@ class OptimizerParamScheduler:
         given_decay = opt_cfg.lr_decay_samples if self.counts_samples else opt_cfg.lr_decay_iters
         self.lr_decay_steps = int(given_decay if given_decay is not None else
                                   train_samples if self.counts_samples else train_iters)
+        # field -> (the flag that set it here, what it is), for the resume check in load_state_dict
+        self._flags = {"max_lr": ("--lr", "learning rate"), "min_lr": ("--min-lr", "minimum learning rate"),
+                       "lr_decay_style": ("--lr-decay-style", "decay style"),
+                       "lr_decay_steps": (f"--lr-decay-{unit}" if given_decay is not None else f"--train-{unit}",
+                                          f"decay length in {unit}")}
         if opt_cfg.lr_warmup_fraction is not None:
             self.lr_warmup_steps = opt_cfg.lr_warmup_fraction * self.lr_decay_steps
             warmup_flag = f"--lr-warmup-fraction {opt_cfg.lr_warmup_fraction:g} ({self.lr_warmup_steps:g} {unit})"
         else:
             self.lr_warmup_steps = int(opt_cfg.lr_warmup_samples if self.counts_samples else opt_cfg.lr_warmup_iters)
             warmup_flag = f"--lr-warmup-{unit} {self.lr_warmup_steps}"
+        self._flags["lr_warmup_steps"] = (warmup_flag.split(" ")[0], f"warmup length in {unit}")
         self.lr_decay_style = opt_cfg.lr_decay_style
         if self.lr_decay_style != "constant" and self.lr_warmup_steps > self.lr_decay_steps:
             raise ValueError(f"{warmup_flag} is larger than the decay length (--lr-decay-{unit} or --train-{unit}) "
@@ -77,7 +83,23 @@ class OptimizerParamScheduler:
                 "lr_warmup_steps": self.lr_warmup_steps, "lr_decay_steps": self.lr_decay_steps,
                 "lr_decay_style": self.lr_decay_style}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Resume the step count; the schedule's shape comes from the current flags, as in Megatron."""
+    def load_state_dict(self, state: dict, *, override: bool = False, use_checkpoint: bool = False) -> None:
+        """Resume the step count, with Megatron's rule for the schedule's shape (lr, min-lr, warmup, decay
+        length and style): `override` keeps the command line's, `use_checkpoint` takes the checkpoint's, and
+        with neither a difference that changes a learning rate is a ValueError naming the flag and both values."""
+        if override and use_checkpoint:
+            raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler cannot be "
+                             "used together")
+        # under a constant style on both sides the decay length and min-lr set no learning rate, so a
+        # difference cannot make the schedule drift (Megatron compares them anyway)
+        inert = ("lr_decay_steps", "min_lr") if self.lr_decay_style == state.get("lr_decay_style") == "constant" else ()
+        for name, (flag, what) in ([] if override else self._flags.items()):
+            if name not in state or state[name] == getattr(self, name) or name in inert:
+                continue
+            if not use_checkpoint:
+                raise ValueError(f"{flag} gives the {what} {getattr(self, name)} but the checkpoint's schedule has "
+                                 f"{state[name]}; pass --override-opt_param-scheduler to keep the command line's "
+                                 "schedule or --use-checkpoint-opt_param-scheduler to take the checkpoint's")
+            setattr(self, name, state[name])
         self.num_steps = 0
         self.step(int(state["num_steps"]))

@@ -23,6 +23,11 @@ _FORCED = {"num_query_groups": "num_query_groups", "rope_theta": "rotary_base", 
 
 def apply_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> None:
     """Write the checkpoint's model arguments into `args` (Megatron's fill/force rules)."""
+    if getattr(args, "override_opt_param_scheduler", False) and getattr(args, "use_checkpoint_opt_param_scheduler",
+                                                                         False):
+        raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler cannot be "
+                            "used together: the first takes the learning-rate schedule from the command line, "
+                            "the second from the checkpoint")
     if not args.use_checkpoint_args:
         return
     if args.load is None:

@@ -41,7 +41,18 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="do not restore the random number generators")
     g.add_argument("--finetune", action="store_true",
                    help="load the weights only and start at iteration 0")
-    g.add_argument("--keep-last-n", type=int, default=None, help="delete all but the newest N checkpoints")
+    g.add_argument("--keep-last-n", type=int, default=None,
+                   help="after each verified save, delete older checkpoints beyond the newest N")
+    g.add_argument("--override-opt_param-scheduler", dest="override_opt_param_scheduler", action="store_true",
+                   help="on --load, take the learning-rate schedule (lr, min-lr, warmup, decay length and style) "
+                        "from the command line, not from the checkpoint")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", dest="use_checkpoint_opt_param_scheduler",
+                   action="store_true",
+                   help="on --load, take the learning-rate schedule from the checkpoint; with neither flag a "
+                        "difference between the two is an error")
+    g.add_argument("--async-save", action="store_true",
+                   help="copy the state to CPU and write the checkpoint on a background thread while training "
+                        "goes on; the tracker is updated once every rank's files are written and verified")
 
 
 def add_logging_flags(p: argparse.ArgumentParser) -> None:

@@ -60,8 +60,7 @@ NOTICES: tuple[CompatFlag, ...] = (
     CompatFlag("--ckpt-format", "checkpoints are llamapipe's own format (safetensors shards and metadata.json), "
                "which load into any parallel layout", str),
     CompatFlag("--ckpt-fully-parallel-load", "checkpoint loading has one strategy: each rank reads what it holds"),
-    CompatFlag("--async-save", "checkpoints are written synchronously"),
-    CompatFlag("--async-strategy", "checkpoints are written synchronously", str),
+    CompatFlag("--async-strategy", "--async-save has one strategy here: a background writer thread per rank", str),
     CompatFlag("--empty-unused-memory-level", "the CUDA caching allocator is not emptied between steps", int),
     CompatFlag("--profile", _PROFILE),
     CompatFlag("--use-pytorch-profiler", _PROFILE),

@@ -99,7 +99,10 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         raise ArgumentError(f"--load {args.load} is not a directory")
     return CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
                             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
-                            finetune=args.finetune, keep_last_n=args.keep_last_n)
+                            finetune=args.finetune, keep_last_n=args.keep_last_n,
+                            override_opt_param_scheduler=args.override_opt_param_scheduler,
+                            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+                            async_save=args.async_save)
 
 
 def logging_config(args: argparse.Namespace) -> LoggingConfig:

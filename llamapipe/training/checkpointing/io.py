@@ -1,14 +1,13 @@
-"""On-disk checkpoint format: shard files, metadata, atomic commit, completeness checks, safe reading.
+"""On-disk checkpoint format: shard files, metadata, safe reading, and model-only checkpoints without processes.
 
 Layout of `<save>/iter_0000010/` (docs/checkpoints.md):
   model_tp00_pp000.safetensors   one per (tp_rank, pp_rank); tensors keyed by logical name
   optim_tp00_pp000.safetensors   same, keys "<logical name>/<field>" (exp_avg, exp_avg_sq, master_param)
   optim_common.pt                optimizer step and loss-scaler state (torch.save, weights-only types)
   rng_rank00000.pt               one per global rank
-  metadata.json                  written last: iteration, config, layout, tensor index, file sizes
-A save goes to `iter_XXXXXXX.tmp/` and is renamed into place after metadata.json is fsynced; the
-tracker `latest_checkpointed_iteration.txt` is replaced last. Only safetensors and weights-only
-torch.load are used, so reading a checkpoint never executes code.
+  metadata.json                  written last: iteration, config, layout, tensor index, file sizes and sha256
+Commit, tracker, completeness and pruning are in catalog.py (re-exported here); checksums in integrity.py.
+Only safetensors and weights-only torch.load are used, so reading a checkpoint never executes code.
 """
 from __future__ import annotations
 
@@ -20,21 +19,15 @@ from typing import Any, Iterable, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from llamapipe.core.logger import get_logger
+from llamapipe.training.checkpointing.catalog import (  # noqa: F401  (this module's API since format 1)
+    FORMAT_VERSION, METADATA, TRACKER, commit, incomplete_reason, iter_dir, latest_checkpoint, list_iterations,
+    prune, read_metadata, read_tracker, seal)
+from llamapipe.training.checkpointing.integrity import verify_files, write_json, write_safetensors, write_torch
 from llamapipe.training.checkpointing.resharding import TensorSpec, merge_shards, pp_rank_of, split_shard
 
-FORMAT_VERSION = 1
-METADATA = "metadata.json"
-TRACKER = "latest_checkpointed_iteration.txt"
 OPTIM_COMMON = "optim_common.pt"
-_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 _SHARD = re.compile(r"^(model|optim)_tp(\d+)_pp(\d+)\.safetensors$")
-
-
-def iter_dir(save_dir: str, iteration: int) -> str:
-    return os.path.join(save_dir, f"iter_{iteration:07d}")
 
 
 def shard_name(kind: str, tp_rank: int, pp_rank: int) -> str:
@@ -45,35 +38,25 @@ def rng_name(rank: int) -> str:
     return f"rng_rank{rank:05d}.pt"
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_shard_file(path: str, tensors: dict[str, torch.Tensor], specs: dict[str, TensorSpec],
-                     tp_rank: int, pp_rank: int) -> None:
-    """Write one safetensors shard; per-key partition specs travel in the header."""
+                     tp_rank: int, pp_rank: int, rank: int = 0) -> dict:
+    """Write one safetensors shard (per-key partition specs in the header); returns its checksum record."""
     seen: set[int] = set()
     plain = {}
     for key, tensor in tensors.items():
         t = tensor.detach().cpu().contiguous()
-        if t.data_ptr() in seen:  # tied weights share storage, which safetensors refuses
+        if t.data_ptr() in seen:  # tied weights share storage: store two copies, as safetensors requires
             t = t.clone()
         seen.add(t.data_ptr())
         plain[key] = t
     header = {"tp_rank": str(tp_rank), "pp_rank": str(pp_rank),
               "specs": json.dumps({k: [specs[k].partition_dim, specs[k].vocab_padded] for k in tensors})}
-    save_file(plain, path, metadata=header)
-    _fsync_path(path)
+    return write_safetensors(path, plain, header, rank)
 
 
-def torch_save(obj: Any, path: str) -> None:
+def torch_save(obj: Any, path: str, rank: int = 0) -> dict:
     """torch.save of plain containers, numbers and tensors only (loadable with weights_only=True)."""
-    torch.save(obj, path)
-    _fsync_path(path)
+    return write_torch(path, obj, rank)
 
 
 def safe_torch_load(path: str) -> Any:
@@ -120,92 +103,14 @@ def _index_shards(ckpt_dir: str, files: list[str], vocab_size: int) -> dict[str,
     return index
 
 
-def write_metadata(ckpt_dir: str, **fields: Any) -> dict:
-    """Index every file in `ckpt_dir` and write metadata.json (fsynced). Call after all shards exist."""
-    files = sorted(f for f in os.listdir(ckpt_dir) if f != METADATA)
+def write_metadata(ckpt_dir: str, files: dict[str, dict], **fields: Any) -> dict:
+    """Index the shards and write metadata.json (fsynced) with every file's checksum record in `files`."""
     meta = {"format_version": FORMAT_VERSION, **fields,
-            "tensors": _index_shards(ckpt_dir, files, fields["model_config"]["vocab_size"]),
-            "files": {f: os.path.getsize(os.path.join(ckpt_dir, f)) for f in files}}
-    path = os.path.join(ckpt_dir, METADATA)
-    with open(path, "w") as fh:
-        json.dump(meta, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
+            "tensors": _index_shards(ckpt_dir, list(files), fields["model_config"]["vocab_size"]),
+            "files": files}
+    meta = seal(meta)
+    write_json(os.path.join(ckpt_dir, METADATA), meta)
     return meta
-
-
-def commit(tmp_dir: str, save_dir: str, iteration: int) -> str:
-    """Rename the finished tmp dir into place, then point the tracker at it (both atomic)."""
-    final = iter_dir(save_dir, iteration)
-    if os.path.exists(final):  # re-saving an iteration: the old copy goes only once the new one is whole
-        shutil.rmtree(final)
-    os.replace(tmp_dir, final)
-    _fsync_path(save_dir)
-    tmp_tracker = os.path.join(save_dir, TRACKER + ".tmp")
-    with open(tmp_tracker, "w") as fh:
-        fh.write(f"{iteration}\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp_tracker, os.path.join(save_dir, TRACKER))
-    _fsync_path(save_dir)
-    return final
-
-
-def incomplete_reason(ckpt_dir: str) -> Optional[str]:
-    """None when `ckpt_dir` is a complete checkpoint, else why not (one phrase)."""
-    try:
-        with open(os.path.join(ckpt_dir, METADATA)) as fh:
-            meta = json.load(fh)
-    except (OSError, ValueError):
-        return "metadata.json is missing or unreadable"
-    if meta.get("format_version") != FORMAT_VERSION:
-        return f"format version {meta.get('format_version')} is not {FORMAT_VERSION}"
-    for fname, size in meta["files"].items():
-        path = os.path.join(ckpt_dir, fname)
-        if not os.path.isfile(path):
-            return f"{fname} is missing"
-        if os.path.getsize(path) != size:
-            return f"{fname} has {os.path.getsize(path)} bytes, metadata says {size}"
-    return None
-
-
-def list_iterations(save_dir: str) -> list[int]:
-    """Iterations of all committed (renamed) checkpoint dirs, ascending; complete or not."""
-    if not os.path.isdir(save_dir):
-        return []
-    found = (_ITER_DIR.match(name) for name in os.listdir(save_dir))
-    return sorted(int(m.group(1)) for m in found if m)
-
-
-def read_tracker(save_dir: str) -> Optional[int]:
-    try:
-        with open(os.path.join(save_dir, TRACKER)) as fh:
-            return int(fh.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def latest_checkpoint(load_dir: str) -> Optional[tuple[int, str]]:
-    """Newest complete checkpoint as (iteration, path); incomplete newer ones are skipped with a warning."""
-    log = get_logger()
-    for iteration in reversed(list_iterations(load_dir)):
-        path = iter_dir(load_dir, iteration)
-        reason = incomplete_reason(path)
-        if reason is None:
-            tracked = read_tracker(load_dir)
-            if tracked is not None and tracked != iteration:
-                log.warning(f"{load_dir}/{TRACKER} names iteration {tracked}; using the newest complete "
-                            f"checkpoint {path}")
-            return iteration, path
-        log.warning(f"skipping incomplete checkpoint {path}: {reason}")
-    return None
-
-
-def prune(save_dir: str, keep_last_n: int) -> None:
-    """Delete complete checkpoints older than the newest `keep_last_n` complete ones."""
-    complete = [i for i in list_iterations(save_dir) if incomplete_reason(iter_dir(save_dir, i)) is None]
-    for iteration in complete[:-keep_last_n] if keep_last_n > 0 else complete:
-        shutil.rmtree(iter_dir(save_dir, iteration))
 
 
 class CheckpointReader:
@@ -216,8 +121,7 @@ class CheckpointReader:
         if reason is not None:
             raise ValueError(f"checkpoint {ckpt_dir} is incomplete: {reason}")
         self.path = ckpt_dir
-        with open(os.path.join(ckpt_dir, METADATA)) as fh:
-            self.meta: dict = json.load(fh)
+        self.meta: dict = read_metadata(ckpt_dir)
         self._handles: dict[str, Any] = {}
 
     def keys(self, kind: str = "model") -> list[str]:
@@ -260,8 +164,11 @@ class CheckpointReader:
 
 
 def read_model_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
-    """Any complete checkpoint -> the full logical (tp=1, unpadded) model state dict."""
+    """Any complete checkpoint -> the full logical (tp=1, unpadded) model state dict (model files verified)."""
     reader = CheckpointReader(ckpt_dir)
+    defect = verify_files(ckpt_dir, reader.meta["files"], {f for f in reader.meta["files"] if f.startswith("model_")})
+    if defect is not None:
+        raise ValueError(f"checkpoint {ckpt_dir} is damaged: {defect}")
     return {key: reader.logical(key) for key in reader.keys("model")}
 
 
@@ -279,12 +186,15 @@ def write_layout(save_dir: str, iteration: int, state_dict: dict[str, torch.Tens
     os.makedirs(tmp)
     owner = {name: pp_rank_of(name, model_config["num_layers"], pp, vpp) for name in state_dict}
     grid = [(p, t) for p in range(pp) for t in range(tp)]
+    files = {}
     for pp_rank, tp_rank in (progress(grid) if progress else grid):
         names = [n for n in state_dict if owner[n] == pp_rank]
         shards = {n: split_shard(state_dict[n][:vocab] if specs[n].vocab_padded else state_dict[n],
                                  specs[n], tp, tp_rank, padded_rows) for n in names}
-        write_shard_file(os.path.join(tmp, shard_name("model", tp_rank, pp_rank)), shards, specs, tp_rank, pp_rank)
+        fname = shard_name("model", tp_rank, pp_rank)
+        files[fname] = write_shard_file(os.path.join(tmp, fname), shards, specs, tp_rank, pp_rank,
+                                        rank=pp_rank * tp + tp_rank)   # the tp-dp-pp rank of (tp_rank, pp_rank)
     layout = {"world_size": tp * pp, "tp": tp, "pp": pp, "vpp": vpp, "dp": 1, "order": "tp-dp-pp"}
-    write_metadata(tmp, iteration=iteration, consumed_samples=0, model_config=model_config, config=config,
+    write_metadata(tmp, files, iteration=iteration, consumed_samples=0, model_config=model_config, config=config,
                    layout=layout, has_optimizer=False, scheduler=None)
     return commit(tmp, save_dir, iteration)

@@ -1,8 +1,10 @@
 """Distributed checkpoint save/load with exact resume and resharding between (tp, pp, vpp, dp) layouts.
 
 `save_checkpoint` and `load_checkpoint` are collective (every rank calls them). dp_rank 0 of each
-(tp_rank, pp_rank) writes the model and optimizer shards, every rank writes its RNG state, and rank 0
-commits atomically (training/checkpointing/io.py). Loading reads logical tensors by name, so a checkpoint from
+(tp_rank, pp_rank) writes the model and optimizer shards, every rank writes its RNG state, each verifies
+what it wrote and rank 0 commits atomically (writer.py, catalog.py), inline or in the background
+(--async-save; `finalize_async_save` waits). A load takes the newest checkpoint whose files all pass their
+checksums (selection.py). Loading reads logical tensors by name, so a checkpoint from
 any layout loads into any other; optimizer state reshards like the parameters. RNG state is restored
 only when the layout is unchanged (it is per rank).
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import shutil
 from typing import Any, Optional
 
 import numpy as np
@@ -19,7 +20,11 @@ import torch
 import torch.nn as nn
 
 from llamapipe.training.checkpointing import io as cio
+from llamapipe.training.checkpointing.catalog import remove_stale_tmp
 from llamapipe.training.checkpointing.io import latest_checkpoint  # noqa: F401  (part of this module's API)
+from llamapipe.training.checkpointing.selection import choose_checkpoint
+from llamapipe.training.checkpointing.writer import (  # noqa: F401  (finalize and the error: this module's API)
+    CheckpointSaveError, FileJob, SaveJob, finalize_async_save, start)
 from llamapipe.training.config import Config
 from llamapipe.core.logger import get_logger
 from llamapipe.core.parallel_state import ParallelState
@@ -54,50 +59,92 @@ def _layout(ps: ParallelState) -> dict:
 
 def save_checkpoint(save_dir: str, iteration: int, *, model_chunks: list[nn.Module], optimizer: Any,
                     scheduler: Any, parallel_state: Optional[ParallelState], config: Config,
-                    consumed_samples: int, keep_last_n: Optional[int] = None) -> None:
-    """Write `<save_dir>/iter_XXXXXXX/` atomically; collective over all ranks."""
+                    consumed_samples: int, keep_last_n: Optional[int] = None, async_save: bool = False) -> None:
+    """Write `<save_dir>/iter_XXXXXXX/` atomically, every file checksummed and verified; collective.
+
+    With `async_save` the state is copied to CPU here and written by a background thread; the caller goes on
+    and calls `finalize_async_save()` before its next save and before it exits. A previous pending save is
+    finalized first. Raises `CheckpointSaveError` (one line) when any rank fails to write.
+    """
+    finalize_async_save()
     ps = parallel_state or ParallelState()
     tmp = cio.iter_dir(save_dir, iteration) + ".tmp"
+    setup_error = None
     if ps.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save of this iteration
-        os.makedirs(tmp)
-    _barrier()
-    tensors = named_tensors(model_chunks)
-    specs = {name: spec_of(t) for name, t in tensors.items()}
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            remove_stale_tmp(save_dir)   # leftovers of crashed saves, this iteration's included
+            os.makedirs(tmp)
+        except OSError as exc:
+            setup_error = f"saving checkpoint {cio.iter_dir(save_dir, iteration)}: cannot create {tmp} ({exc})"
+    setup_error = _from_rank0(setup_error)
+    if setup_error is not None:
+        raise CheckpointSaveError(setup_error)
+    files = _rank_files(model_chunks, optimizer, ps, copy=async_save)    # collective under ZeRO-1
+    has_optimizer = optimizer is not None
+    fields = dict(iteration=iteration, consumed_samples=consumed_samples,
+                  model_config=dataclasses.asdict(config.model), config=dataclasses.asdict(config),
+                  layout=_layout(ps), has_optimizer=has_optimizer,
+                  scheduler=scheduler.state_dict() if scheduler is not None else None)
+    start(SaveJob(save_dir, iteration, ps.rank, ps.world_size, files, keep_last_n=keep_last_n, background=async_save,
+                  meta=lambda records: cio.write_metadata(tmp, records, **fields)))
+
+
+def _rank_files(model_chunks: list[nn.Module], optimizer: Any, ps: ParallelState, copy: bool) -> list[FileJob]:
+    """This rank's files, each with the state it holds (copied, for a background writer, when `copy`)."""
+    tensors = {name: _stage(name, t) if copy else t.detach() for name, t in named_tensors(model_chunks).items()}
+    specs = {name: spec_of(t) for name, t in named_tensors(model_chunks).items()}
     # collective under ZeRO-1; only dp_rank 0 (the writer) keeps the gathered state
     optim_state = optimizer.state_dict(keep=ps.dp_rank == 0) if optimizer is not None else None
+    files = []
     if ps.dp_rank == 0:
-        cio.write_shard_file(os.path.join(tmp, cio.shard_name("model", ps.tp_rank, ps.pp_rank)),
-                             tensors, specs, ps.tp_rank, ps.pp_rank)
+        files.append(FileJob(cio.shard_name("model", ps.tp_rank, ps.pp_rank), lambda path, rank: cio.write_shard_file(
+            path, tensors, specs, ps.tp_rank, ps.pp_rank, rank)))
         if optim_state is not None:
-            _write_optimizer_shard(tmp, optim_state, specs, ps)
+            optim_tensors, key_specs = _optimizer_shard(optim_state, specs)
+            files.append(FileJob(cio.shard_name("optim", ps.tp_rank, ps.pp_rank), lambda path, rank: cio.write_shard_file(
+                path, optim_tensors, key_specs, ps.tp_rank, ps.pp_rank, rank)))
     if ps.rank == 0 and optim_state is not None:
-        cio.torch_save({k: v for k, v in optim_state.items() if k != "param_state"},
-                       os.path.join(tmp, cio.OPTIM_COMMON))
-    cio.torch_save(_rng_state(), os.path.join(tmp, cio.rng_name(ps.rank)))
-    _barrier()
-    if ps.rank == 0:
-        cio.write_metadata(tmp, iteration=iteration, consumed_samples=consumed_samples,
-                           model_config=dataclasses.asdict(config.model), config=dataclasses.asdict(config),
-                           layout=_layout(ps), has_optimizer=optim_state is not None,
-                           scheduler=scheduler.state_dict() if scheduler is not None else None)
-        final = cio.commit(tmp, save_dir, iteration)
-        if keep_last_n is not None:
-            cio.prune(save_dir, keep_last_n)
-        get_logger().info(f"saved checkpoint {final} (iteration {iteration}, consumed samples {consumed_samples})")
-    _barrier()
+        common = _cpu({k: v for k, v in optim_state.items() if k != "param_state"}, copy)
+        files.append(FileJob(cio.OPTIM_COMMON, lambda path, rank: cio.torch_save(common, path, rank)))
+    rng = _rng_state()
+    files.append(FileJob(cio.rng_name(ps.rank), lambda path, rank: cio.torch_save(rng, path, rank)))
+    return files
 
 
-def _write_optimizer_shard(tmp: str, optim_state: dict, specs: dict[str, TensorSpec], ps: ParallelState) -> None:
+# Reused CPU copies of the model tensors for background saves: the previous save is finalized before the
+# next one copies, and reusing the pages saves the allocation (page faults) that dominates the copy's stall.
+_staging: dict[str, torch.Tensor] = {}
+
+
+def _stage(name: str, t: torch.Tensor) -> torch.Tensor:
+    buf = _staging.get(name)
+    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+        buf = _staging[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    return buf.copy_(t.detach())
+
+
+def _cpu(obj: Any, copy: bool) -> Any:
+    """Tensors in `obj` on CPU, detached; cloned when `copy` (training goes on changing them in place)."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=copy)
+    if isinstance(obj, dict):
+        return {k: _cpu(v, copy) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu(v, copy) for v in obj)
+    return obj
+
+
+def _optimizer_shard(optim_state: dict, specs: dict[str, TensorSpec]) -> tuple[dict, dict]:
+    """The per-parameter optimizer state as one shard's tensors; `Optimizer.state_dict` returns CPU copies
+    that the caller owns, so a background writer needs no second copy."""
     tensors, key_specs = {}, {}
     for name, fields in optim_state["param_state"].items():
         assert name in specs, f"optimizer state for {name}, which no model chunk holds"
         for field, value in fields.items():
             assert torch.is_tensor(value), f"optimizer state {name}/{field} is not a tensor"
             tensors[f"{name}/{field}"], key_specs[f"{name}/{field}"] = value, specs[name]
-    cio.write_shard_file(os.path.join(tmp, cio.shard_name("optim", ps.tp_rank, ps.pp_rank)),
-                         tensors, key_specs, ps.tp_rank, ps.pp_rank)
+    return tensors, key_specs
 
 
 def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: Any, scheduler: Any,
@@ -105,9 +152,9 @@ def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: 
                     no_load_rng: bool = False, finetune: bool = False) -> Optional[LoadResult]:
     """Load the newest complete checkpoint into this rank's chunks; None when there is none."""
     ps = parallel_state or ParallelState()
-    found = _agreed_latest(load_dir)
+    found = choose_checkpoint(load_dir, _layout(ps))
     if found is None:
-        get_logger().info(f"no complete checkpoint in {load_dir}; starting from scratch")
+        get_logger().info(f"no checkpoint in {load_dir}; starting from scratch")
         return None
     iteration, path = found
     reader = cio.CheckpointReader(path)
@@ -122,7 +169,7 @@ def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: 
         if optimizer is not None:
             _load_optimizer(reader, optimizer, tensors, ps)
         if scheduler is not None and reader.meta["scheduler"] is not None:
-            scheduler.load_state_dict(reader.meta["scheduler"])
+            _load_scheduler(scheduler, reader.meta["scheduler"], config, path)
     elif optimizer is not None:
         optimizer.reload_model_params()  # fp32 masters must follow the loaded (bf16/fp16) weights
     if not (finetune or no_load_rng):
@@ -134,23 +181,22 @@ def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: 
     return LoadResult(iteration, int(reader.meta["consumed_samples"]))
 
 
-def _agreed_latest(load_dir: str) -> Optional[tuple[int, str]]:
-    """Rank 0 picks the checkpoint and every rank takes its word (file systems may disagree briefly)."""
-    found = cio.latest_checkpoint(load_dir) if _rank() == 0 else None
+def _from_rank0(value: Any) -> Any:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        choice = torch.tensor([found[0] if found else -1], dtype=torch.int64)
-        torch.distributed.broadcast(choice, src=0)
-        iteration = int(choice.item())
-        found = (iteration, cio.iter_dir(load_dir, iteration)) if iteration >= 0 else None
-    if found is not None and cio.incomplete_reason(found[1]) is not None:
-        raise ValueError(f"checkpoint {found[1]} chosen by rank 0 is not complete on this rank's file system")
-    return found
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
 
 
-def _rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return 0
+def _load_scheduler(scheduler: Any, state: dict, config: Config, path: str) -> None:
+    """Megatron's rule: the command line and the checkpoint must agree on the schedule unless one is chosen."""
+    ckpt = config.checkpoint
+    try:
+        scheduler.load_state_dict(state, override=ckpt.override_opt_param_scheduler,
+                                  use_checkpoint=ckpt.use_checkpoint_opt_param_scheduler)
+    except ValueError as err:
+        raise ValueError(f"checkpoint {path}: {err}") from None
 
 
 def _check_model_config(saved: dict, current: LlamaConfig, path: str) -> None:

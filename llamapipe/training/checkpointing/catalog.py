@@ -1,0 +1,150 @@
+"""The checkpoints of a directory: which exist, which are complete, the atomic commit and the tracker,
+and pruning by --keep-last-n.
+
+A checkpoint is committed by renaming `iter_XXXXXXX.tmp/` to `iter_XXXXXXX/` once metadata.json (with
+every file's size and checksum) is fsynced; the tracker `latest_checkpointed_iteration.txt` is replaced
+after that. Its new content is written to a side file *before* the rename, so a full disk fails the save
+while the previous checkpoint is still the one the tracker names. Completeness here is the cheap check
+(metadata readable, every file present with its recorded size); checksums are verified on load
+(`selection.py`) and by `llamapipe verify-checkpoint`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from typing import Optional
+
+from llamapipe.core.logger import get_logger
+
+FORMAT_VERSION = 2          # 2: files carry sha256 checksums; 1 (sizes only) still loads
+READABLE_VERSIONS = (1, 2)
+METADATA = "metadata.json"
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+_TMP_DIR = re.compile(r"^iter_(\d{7,})\.tmp$")
+
+
+def iter_dir(save_dir: str, iteration: int) -> str:
+    return os.path.join(save_dir, f"iter_{iteration:07d}")
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_metadata(ckpt_dir: str) -> dict:
+    with open(os.path.join(ckpt_dir, METADATA)) as fh:
+        return json.load(fh)
+
+
+def _digest(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != "metadata_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def seal(meta: dict) -> dict:
+    """`meta` with its own checksum (over everything else in it), so a changed byte in metadata.json shows."""
+    plain = json.loads(json.dumps(meta))     # what a reader will see (tuples as lists, keys as strings)
+    return {**plain, "metadata_sha256": _digest(plain)}
+
+
+def incomplete_reason(ckpt_dir: str) -> Optional[str]:
+    """None when `ckpt_dir` is a complete checkpoint (sizes only, no checksums), else why not (one phrase)."""
+    from llamapipe.training.checkpointing.integrity import file_defect
+    try:
+        meta = read_metadata(ckpt_dir)
+    except (OSError, ValueError):
+        return "metadata.json is missing or unreadable"
+    if meta.get("format_version") not in READABLE_VERSIONS:
+        return f"format version {meta.get('format_version')} is not one of {READABLE_VERSIONS}"
+    if meta["format_version"] >= 2 and meta.get("metadata_sha256") != _digest(meta):
+        return "metadata.json fails its sha256 checksum (its bytes changed after it was written)"
+    for fname, record in sorted(meta["files"].items()):
+        defect = file_defect(ckpt_dir, fname, record, checksum=False)
+        if defect is not None:
+            return defect
+    return None
+
+
+def list_iterations(save_dir: str) -> list[int]:
+    """Iterations of all committed (renamed) checkpoint dirs, ascending; complete or not."""
+    if not os.path.isdir(save_dir):
+        return []
+    found = (_ITER_DIR.match(name) for name in os.listdir(save_dir))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def read_tracker(save_dir: str) -> Optional[int]:
+    try:
+        with open(os.path.join(save_dir, TRACKER)) as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def commit(tmp_dir: str, save_dir: str, iteration: int) -> str:
+    """Rename the finished tmp dir into place, then point the tracker at it (both atomic)."""
+    final = iter_dir(save_dir, iteration)
+    side = os.path.join(save_dir, TRACKER + ".tmp")
+    try:
+        with open(side, "w") as fh:     # the only write of the commit: a full disk fails here, before the rename
+            fh.write(f"{iteration}\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError:
+        if os.path.exists(side):
+            os.remove(side)
+        raise
+    if os.path.exists(final):  # re-saving an iteration: the old copy goes only once the new one is whole
+        shutil.rmtree(final)
+    os.replace(tmp_dir, final)
+    fsync_path(save_dir)
+    os.replace(side, os.path.join(save_dir, TRACKER))
+    fsync_path(save_dir)
+    return final
+
+
+def latest_checkpoint(load_dir: str) -> Optional[tuple[int, str]]:
+    """Newest complete checkpoint as (iteration, path), by the cheap check; incomplete newer ones are skipped
+    with a warning. Loading for training verifies checksums too (selection.choose_checkpoint)."""
+    log = get_logger()
+    for iteration in reversed(list_iterations(load_dir)):
+        path = iter_dir(load_dir, iteration)
+        reason = incomplete_reason(path)
+        if reason is None:
+            tracked = read_tracker(load_dir)
+            if tracked is not None and tracked != iteration:
+                log.warning(f"{load_dir}/{TRACKER} names iteration {tracked}; using the newest complete "
+                            f"checkpoint {path}")
+            return iteration, path
+        log.warning(f"skipping incomplete checkpoint {path}: {reason}")
+    return None
+
+
+def prune(save_dir: str, keep_last_n: int, saved: int) -> list[int]:
+    """Delete complete checkpoints older than `saved` (just committed and verified) beyond the newest
+    `keep_last_n` (counting `saved`); returns the deleted iterations.
+
+    Newer checkpoints (left by an earlier run) are never touched, so the newest valid checkpoint is either
+    `saved` or newer than it, and survives in both cases.
+    """
+    older = [i for i in list_iterations(save_dir)
+             if i < saved and incomplete_reason(iter_dir(save_dir, i)) is None]
+    doomed = older[:len(older) - max(keep_last_n - 1, 0)]
+    for iteration in doomed:
+        shutil.rmtree(iter_dir(save_dir, iteration))
+    return doomed
+
+
+def remove_stale_tmp(save_dir: str) -> None:
+    """Leftovers of saves that crashed (no save runs while this is called)."""
+    for name in os.listdir(save_dir) if os.path.isdir(save_dir) else ():
+        if _TMP_DIR.match(name):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
