@@ -1,13 +1,23 @@
 """Per-rank memory and step time of one parallel layout, for `llamapipe plan`.
 
-Memory follows Megatron-LM's theoretical model (megatron/training/theoretical_memory_usage.py; Korthikanti et al.,
-arXiv 2205.05198, Table 2): bf16 weights (2 bytes), fp32 gradients (4) and Adam's fp32 master, m and v (12), the
-last 12 sharded over data-parallel ranks by the distributed optimizer. Parameters are counted exactly for the
-LLaMA shape on every pipeline rank (the placement decides which rank holds the embedding and the head). Activations
-per layer and microbatch: s*b*h*(18 + 4*f/h) bytes under selective recompute (Megatron's 34 s*b*h for f = 4h), plus
-5*a*s^2*b for the attention scores without recompute, 2*s*b*h (the layer input) under full recompute, all divided
-by tp (sequence parallelism). How many microbatches each rank holds comes from the schedule's plan in the
-simulator (M_W = 0.87 of a unit, measured on LLaMA chunks, see docs/schedules.md), not from a closed form.
+Memory per pipeline rank, counted for what this trainer allocates (validated against measured storages in
+tests/multiproc/test_planner_memory.py, docs/planner.md):
+
+- weights: parameters counted exactly for the LLaMA shape on every rank (the placement and the layout decide
+  which rank holds the embedding and the head; norms are replicated over tp), 2 bytes each under bf16, 4 in fp32;
+- gradients: 4 bytes (bf16 parameters accumulate fp32 `.grad`, Megatron's main_grad);
+- optimizer: Adam's m and v (8 bytes) plus an fp32 master copy under bf16 (4), divided over dp by the
+  distributed optimizer (ZeRO-1), Megatron-LM's theoretical model (megatron/training/theoretical_memory_usage.py);
+- activations, per token of one microbatch and one decoder layer, what autograd saves here (not Megatron's GPT
+  formula of Korthikanti et al., arXiv 2205.05198, which assumes a 2-matrix GeLU MLP and stored attention scores):
+  the two RMSNorms 16h bytes (input and output, or fp32 input, bf16 normed and output), q, k, v and the attention
+  output e(2 hd + 2 kv) (flash/SDPA: no s^2 scores, so selective recompute saves nothing more), SwiGLU's gate, up,
+  silu(gate) and product 4ef, all divided by tp (sequence parallelism); full recompute keeps the layer input eh/tp.
+  The last stage adds the final norm and the fp32 softmax of the vocabulary-parallel loss 4V/tp. Zero-bubble B
+  leaves for W the linears' inputs and output gradients, e(4h + (2 hd + 2 kv + 3f)/tp) (the inputs of the
+  column-parallel linears and the gradients of the row-parallel outputs are sequence-gathered), also under full
+  recompute. The schedule's plan is walked action by action with these per-chunk bytes (F adds M_B, B swaps it
+  for M_W, W frees M_W), so uneven layouts and the V placement's two different chunks are exact.
 
 Time: a step's FLOPs (6 x parameters x tokens plus attention, plus one forward again under full recompute) at
 `efficiency` x the device's peak, per-action costs fed to the simulator for the pipeline makespan, plus TP
@@ -16,14 +26,18 @@ all-reduces on the links and the DP gradient all-reduce.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
+from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 from llamapipe.model.config import LlamaConfig
 
 GIB = 2 ** 30
-W_SHARE = 0.87          # share of a unit the deferred W holds (docs/schedules.md, measured on LLaMA chunks)
+PARAM_BYTES = {"bf16": 2, "fp32": 4}
+OPTIMIZER_BYTES = {"bf16": 12, "fp32": 8}      # Adam m and v, plus the fp32 master of bf16 weights
+GRAD_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -36,6 +50,8 @@ class Layout:
     micro_batch: int
     recompute: str              # "none", "selective" or "full"
     dist_opt: bool
+    precision: str = "bf16"     # "bf16" (fp32 master weights) or "fp32"
+    pipeline_layout: Optional[str] = None   # a --pipeline-model-parallel-layout string; None: even split
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,20 @@ class Device:
 
 
 DEVICES = {"h100": Device(989.0, 3600.0), "h200": Device(989.0, 3600.0), "a100": Device(312.0, 2400.0)}
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank of a pipeline stage holds at its peak."""
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    peak_units: float           # the activation peak in microbatches of the rank's largest chunk
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
 
 
 @dataclass(frozen=True)
@@ -70,59 +100,111 @@ def layer_params(m: LlamaConfig) -> int:
     return h * m.num_attention_heads * m.head_dim * 2 + 2 * h * kv + 3 * h * m.ffn_hidden_size + 2 * h
 
 
-def layer_act_bytes(m: LlamaConfig, seq: int, mbs: int, recompute: str) -> float:
-    """Bytes one layer keeps for one microbatch, before the division by tp."""
-    sbh = seq * mbs * m.hidden_size
-    if recompute == "full":
-        return 2 * sbh
-    act = sbh * (18 + 4 * m.ffn_hidden_size / m.hidden_size)
-    return act + (5 * m.num_attention_heads * seq * seq * mbs if recompute == "none" else 0)
+def layer_act_bytes(m: LlamaConfig, seq: int, mbs: int, recompute: str, precision: str = "bf16",
+                    tp: int = 1) -> tuple[float, float]:
+    """(bytes held from F to B, bytes held from B to W) by one decoder layer for one microbatch on one tp rank."""
+    e, h, f = PARAM_BYTES[precision], m.hidden_size, m.ffn_hidden_size
+    hd, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
+    tokens = seq * mbs
+    saved = e * h / tp if recompute == "full" else (16 * h + e * (2 * hd + 2 * kv + 4 * f) + 8) / tp
+    held = e * (4 * h + (2 * hd + 2 * kv + 3 * f) / tp) if tp > 1 else e * (4 * h + 2 * hd + 2 * kv + 3 * f)
+    return tokens * saved, tokens * held
+
+
+def _head_act_bytes(m: LlamaConfig, seq: int, mbs: int, precision: str, tp: int) -> tuple[float, float]:
+    """(F->B, B->W) bytes of the final norm, output layer and loss for one microbatch on one tp rank."""
+    e, h, vocab = PARAM_BYTES[precision], m.hidden_size, m.padded_vocab_size(tp)
+    return seq * mbs * (8 * h + 4 + 4 * vocab) / tp, seq * mbs * e * (h + vocab / tp)
+
+
+def stage_ranks(lay: Layout) -> list[int]:
+    """Pipeline rank of each virtual stage under the schedule's placement."""
+    stages = lay.pp * lay.vpp
+    if SPECS[lay.schedule].placement(lay.vpp) == "interleaved":
+        return [stage % lay.pp for stage in range(stages)]
+    return [min(stage, 2 * lay.pp - 1 - stage) for stage in range(stages)]
+
+
+def _stage_layers(m: LlamaConfig, lay: Layout) -> list[int]:
+    ranges = stage_layer_ranges(m.num_layers, lay.pp, lay.vpp, layout=lay.pipeline_layout)
+    return [end - start for start, end in ranges]
 
 
 def _rank_params(m: LlamaConfig, lay: Layout) -> list[float]:
-    """Parameters on each pipeline rank (per tp shard)."""
-    ranges = stage_layer_ranges(m.num_layers, lay.pp, lay.vpp)
-    placement, stages = SPECS[lay.schedule].placement(lay.vpp), lay.pp * lay.vpp
-    vocab = m.padded_vocab_size(lay.tp) * m.hidden_size
+    """Parameters on each pipeline rank (per tp shard; the norms are whole on every tp rank)."""
+    h, stages = m.hidden_size, lay.pp * lay.vpp
+    layer = (layer_params(m) - 2 * h) / lay.tp + 2 * h
+    vocab = m.padded_vocab_size(lay.tp) * h / lay.tp
     params = [0.0] * lay.pp
-    for stage, (start, end) in enumerate(ranges):
-        rank = stage % lay.pp if placement == "interleaved" else min(stage, 2 * lay.pp - 1 - stage)
-        params[rank] += (end - start) * layer_params(m) + (vocab if stage == 0 else 0)
-        params[rank] += vocab + m.hidden_size if stage == stages - 1 else 0
-    return [p / lay.tp for p in params]
+    for stage, (rank, layers) in enumerate(zip(stage_ranks(lay), _stage_layers(m, lay))):
+        params[rank] += layers * layer + (vocab if stage == 0 else 0) + (vocab + h if stage == stages - 1 else 0)
+    return params
 
 
-def _plan_memory(lay: Layout, m_micro: int) -> list[float]:
-    """Peak activation units per rank from the schedule's plan (m capped: the peak is reached early)."""
+def _chunk_act_bytes(m: LlamaConfig, lay: Layout, seq: int) -> list[tuple[float, float]]:
+    """(M_B, M_W) bytes of each virtual stage for one microbatch."""
+    saved, held = layer_act_bytes(m, seq, lay.micro_batch, lay.recompute, lay.precision, lay.tp)
+    head = _head_act_bytes(m, seq, lay.micro_batch, lay.precision, lay.tp)
+    last = lay.pp * lay.vpp - 1
+    return [(n * saved + (head[0] if s == last else 0), n * held + (head[1] if s == last else 0))
+            for s, n in enumerate(_stage_layers(m, lay))]
+
+
+def plan_peaks(plan: Plan, chunk_bytes: list[list[tuple[float, float]]]) -> list[float]:
+    """Peak activation bytes of each rank over `plan`: F adds the chunk's M_B, B keeps its M_W instead, W frees
+    M_W, BW frees M_B (`chunk_bytes[rank][chunk]`: (M_B, M_W)). A BW that sends to another rank runs as B, send,
+    W in the executor, so it holds M_W for a moment: more than M_B under full recompute, whose B re-creates the
+    inputs W needs."""
+    peaks = []
+    for rank, actions in enumerate(plan.actions):
+        level = peak = 0.0
+        for a in actions:
+            m_b, m_w = chunk_bytes[rank][a.chunk]
+            stage = plan.stage_of(rank, a.chunk)
+            if a.kind == "BW" and stage > 0 and plan.rank_chunk_of(stage - 1)[0] != rank:
+                peak = max(peak, level - m_b + m_w)
+            level += {"F": m_b, "B": m_w - m_b, "W": -m_w, "BW": -m_b}[a.kind]
+            peak = max(peak, level)
+        peaks.append(peak)
+    return peaks
+
+
+def activation_peaks(m: LlamaConfig, lay: Layout, seq: int, m_micro: int) -> list[float]:
+    """Peak activation bytes per pipeline rank (m capped at 4 pp: the peak is reached early)."""
+    per_stage = _chunk_act_bytes(m, lay, seq)
     if lay.pp == 1:
-        return [1.0]
+        return [per_stage[0][0]]
     plan = build(lay.schedule, lay.pp, lay.vpp, min(m_micro, 4 * lay.pp))
-    return simulate(plan, Costs(w_mem=W_SHARE)).peak_memory
+    ranks = stage_ranks(lay)
+    # a rank's chunks in stage order: interleaved r, r + p, ...; V placement r, 2p - 1 - r
+    chunk_bytes = [[per_stage[s] for s in range(len(ranks)) if ranks[s] == r] for r in range(lay.pp)]
+    return plan_peaks(plan, chunk_bytes)
 
 
-def _allreduce_s(nbytes: float, ranks: int, gbps: float) -> float:
-    return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes * 8 / (gbps * 1e9)
+def rank_memory(m: LlamaConfig, lay: Layout, seq: int, global_batch: int) -> list[RankMemory]:
+    """What each pipeline rank holds at its activation peak."""
+    micro = global_batch // (lay.micro_batch * lay.dp)
+    per_stage = _chunk_act_bytes(m, lay, seq)
+    largest = max(b for b, _ in per_stage)
+    opt_bytes = OPTIMIZER_BYTES[lay.precision] / (lay.dp if lay.dist_opt else 1)
+    return [RankMemory(PARAM_BYTES[lay.precision] * p, GRAD_BYTES * p, opt_bytes * p, act, act / largest)
+            for p, act in zip(_rank_params(m, lay), activation_peaks(m, lay, seq, micro))]
 
 
 def estimate(m: LlamaConfig, lay: Layout, seq: int, global_batch: int, dev: Device) -> Estimate:
     """Memory of the most loaded rank and predicted step time / MFU of `lay`."""
     micro = global_batch // (lay.micro_batch * lay.dp)
-    rank_params, units = _rank_params(m, lay), _plan_memory(lay, micro)
-    layers_per_chunk = m.num_layers / (lay.pp * lay.vpp)
-    unit_bytes = layers_per_chunk * layer_act_bytes(m, seq, lay.micro_batch, lay.recompute) / lay.tp
-    logits = 4 * seq * lay.micro_batch * m.padded_vocab_size(lay.tp) / lay.tp      # fp32 loss of one microbatch
-    opt_bytes = 12 / lay.dp if lay.dist_opt else 12
-    best = None
-    for rank, (p, u) in enumerate(zip(rank_params, units)):
-        working = logits if rank == (lay.pp - 1 if SPECS[lay.schedule].placement(lay.vpp) == "interleaved" else 0) \
-            else 0.0
-        row = (2 * p, 4 * p, opt_bytes * p, u * unit_bytes + working, u)
-        if best is None or sum(row[:4]) > sum(best[:4]):
-            best = row
-    step = _step_seconds(m, lay, seq, micro, dev, max(rank_params))
+    ranks = rank_memory(m, lay, seq, global_batch)
+    best = max(ranks, key=lambda r: r.total)
+    step = _step_seconds(m, lay, seq, micro, dev, max(r.params for r in ranks) / PARAM_BYTES[lay.precision])
     model_flops = _flops_per_token(m, seq, full_recompute=False) * global_batch * seq
     mfu = model_flops / (step * lay.tp * lay.pp * lay.dp * dev.tflops * 1e12)
-    return Estimate(*best[:4], step_s=step, mfu=mfu, peak_units=best[4])
+    return Estimate(best.params, best.grads, best.optimizer, best.activations, step_s=step, mfu=mfu,
+                    peak_units=best.peak_units)
+
+
+def _allreduce_s(nbytes: float, ranks: int, gbps: float) -> float:
+    return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes * 8 / (gbps * 1e9)
 
 
 def _flops_per_token(m: LlamaConfig, seq: int, full_recompute: bool) -> float:

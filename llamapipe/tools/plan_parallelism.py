@@ -3,7 +3,8 @@
     llamapipe plan --model llama2-7b --gpus 8 --gpu-memory-gb 80 --seq-length 4096 --global-batch-size 512
 
 Enumerates tp x pp x dp = gpus, model chunks per rank and schedule (every --pipeline-schedule with a fixed
-order), micro-batch size, activation recompute and the distributed optimizer; estimates each layout's memory on
+order), micro-batch size, full activation recompute or none and the distributed optimizer (selective recompute
+is left out: attention runs on SDPA's flash kernels, which never store the s^2 scores, so it saves nothing); estimates each layout's memory on
 its most loaded rank and its step time (llamapipe.tools.parallel_estimate), keeps those that fit under
 --headroom x the GPU memory and prints them fastest first. The top row's command line is printed ready to run;
 --explain N shows the memory breakdown of row N.
@@ -72,7 +73,7 @@ def layouts(m: LlamaConfig, gpus: int, global_batch: int, max_mbs: int) -> list[
                 if pp > 1 and global_batch // (mbs * dp) < pp:
                     continue
                 for schedule, vpp in _schedules(m.num_layers, pp):
-                    for recompute in ("none", "selective", "full"):
+                    for recompute in ("none", "full"):
                         for dist_opt in (False, True) if dp > 1 else (False,):
                             out.append(Layout(tp, pp, vpp, dp, schedule, mbs, recompute, dist_opt))
     return out
@@ -138,7 +139,8 @@ def explain(lay: Layout, e: Estimate) -> str:
         f"  parameters (bf16, 2 B each)          {e.params / GIB:8.2f} GiB",
         f"  gradients (fp32, 4 B each)           {e.grads / GIB:8.2f} GiB",
         f"  optimizer (fp32 master, m, v: 12 B{'/dp' if lay.dist_opt else ''}) {e.optimizer / GIB:8.2f} GiB",
-        f"  activations ({e.peak_units:.2f} microbatch-chunks held by the plan) {e.activations / GIB:8.2f} GiB",
+        f"  activations (peak of the plan, {e.peak_units:.2f} x the largest chunk's microbatch) "
+        f"{e.activations / GIB:8.2f} GiB",
         f"  total on the most loaded rank        {e.total / GIB:8.2f} GiB",
         f"  step {e.step_s:.3f} s, MFU {e.mfu:.1%}"])
 

@@ -63,7 +63,8 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
     num_stages = ps.pp_size * ps.vpp_size
     par = config.parallel
     ranges = stage_layer_ranges(model_cfg.num_layers, ps.pp_size, ps.vpp_size, par.first_stage_layers,
-                                par.last_stage_layers, embedding=par.account_for_embedding, loss=par.account_for_loss)
+                                par.last_stage_layers, embedding=par.account_for_embedding, loss=par.account_for_loss,
+                                layout=par.pipeline_layout)
     if num_stages > 1:
         log.info("layers per pipeline stage: " + ", ".join(str(end - start) for start, end in ranges))
     chunks, roles = [], []
@@ -86,7 +87,8 @@ def build_forward_backward_func(config: Config, ps: ParallelState):
     """The schedule's forward-backward callable, with the options the profiled schedules read."""
     options = AutoOptions(profile_iters=config.training.profile_iters,
                           memory_limit=config.parallel.pipeline_memory_limit,
-                          memory_limit_bytes=config.parallel.pipeline_memory_limit_bytes)
+                          memory_limit_bytes=config.parallel.pipeline_memory_limit_bytes,
+                          post_validation=config.optimizer.post_validation)
     return get_forward_backward_func(ps, config.parallel.pipeline_schedule, options=options)
 
 
