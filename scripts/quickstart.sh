@@ -37,7 +37,7 @@ LOAD=()
 DONE=0
 if [ -f "$CKPT/latest_checkpointed_iteration.txt" ]; then
   DONE=$(cat "$CKPT/latest_checkpointed_iteration.txt")
-  LOAD=(--load "$CKPT")
+  LOAD=(--load "$CKPT" --override-opt_param-scheduler)   # the schedule follows the new TRAIN_ITERS
 fi
 if [ "$DONE" -ge "$ITERS" ]; then
   echo "== 4/4 pretrain: the checkpoint in $CKPT is at iteration $DONE, nothing to train (raise TRAIN_ITERS, or FRESH=1)"
