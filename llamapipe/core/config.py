@@ -37,6 +37,7 @@ class ParallelConfig:
     distributed_backend: str = "gloo"
     distributed_timeout_minutes: float = 10.0
     use_distributed_optimizer: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"   # no_shard, optim (ZeRO-1), optim_grads, optim_grads_params
     overlap_grad_reduce: bool = False
     ddp_bucket_size: int = 25_000_000               # elements per DP all-reduce bucket
 
@@ -94,6 +95,7 @@ class OptimizerConfig:
     hysteresis: int = 2
     use_distributed_optimizer: bool = False
     post_validation: bool = False       # --enable-optimizer-post-validation (zero-bubble paper, section 4)
+    optimizer_cpu_offload: bool = False # fp32 masters, Adam moments and the update on the CPU
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,8 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
     if not accumulate_grads_in_fp32(chunks):
         log.warning("this torch has no per-tensor grad_dtype, so bf16/fp16 gradients accumulate in half "
                     "precision across microbatches; torch >= 2.10 accumulates them in fp32")
+    from llamapipe.core.distributed.fsdp import apply_data_parallel_sharding
+    apply_data_parallel_sharding(chunks, config.parallel.data_parallel_sharding_strategy, ps)   # ZeRO-2/3: FSDP2
     return chunks, roles
 
 

@@ -14,17 +14,17 @@ FLAGS = """
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
 --adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --calculate-per-token-loss --clip-grad --compile
 --enable-optimizer-post-validation
---data-cache-path --data-path
+--data-cache-path --data-parallel-sharding-strategy --data-path
 --ddp-bucket-size
 --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers
 --disable-bias-linear --distributed-backend --distributed-timeout-minutes --eval-interval --eval-iters
 --exit-duration-in-mins --exit-interval --exit-signal-handler --ffn-hidden-size --finetune --fp16
 --global-batch-size --group-query-attention --hidden-dropout --hidden-size --hysteresis --init-method-std
---initial-loss-scale --keep-last-n --load --override-opt_param-scheduler --use-checkpoint-opt_param-scheduler --async-save --log-interval --loss-scale --loss-scale-window --lr --lr-decay-iters
+--initial-loss-scale --keep-last-n --load --override-opt_param-scheduler --use-checkpoint-opt_param-scheduler --use-torch-fsdp2 --async-save --log-interval --loss-scale --loss-scale-window --lr --lr-decay-iters
 --lr-decay-style --lr-warmup-iters --make-vocab-size-divisible-by --max-position-embeddings --metrics-jsonl
 --micro-batch-size --min-loss-scale --min-lr --mock-data --model --no-load-optim --no-load-rng --norm-epsilon
 --normalization --num-attention-heads --num-layers --num-layers-per-virtual-pipeline-stage --num-query-groups
---num-virtual-stages-per-pipeline-rank --num-workers --optimizer --overlap-grad-reduce --parallel-order --pipeline-memory-limit
+--num-virtual-stages-per-pipeline-rank --num-workers --optimizer --optimizer-cpu-offload --overlap-grad-reduce --parallel-order --pipeline-memory-limit
 --pipeline-model-parallel-layout --pipeline-model-parallel-size --pipeline-profile-iters --pipeline-schedule --position-embedding-type
 --recompute-granularity --recompute-method --recompute-num-layers --release-host-memory --rotary-base --save --save-interval --seed
 --seq-length --sequence-parallel --skip-nonfinite-steps --split --swiglu --tensor-model-parallel-size

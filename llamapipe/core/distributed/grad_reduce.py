@@ -143,6 +143,9 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module], parallel_state: Pa
     reduces the rest and divides; the sums are the same as without it (buckets are per chunk).
     """
     ps = parallel_state
+    from llamapipe.core.distributed import fsdp
+    if fsdp.is_sharded(model_chunks):
+        return _finalize_sharded(model_chunks, ps, num_tokens, global_tokens, grad_sync)
     params = _model_params(model_chunks)
     if grad_sync is None:
         allreduce_sequence_parallel_grads(model_chunks, ps.tp_group)  # small norm grads: one coalesced all-reduce
@@ -157,4 +160,17 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module], parallel_state: Pa
     elif total is not None or group_size(ps.dp_group) > 1:  # dp=1 still divides in fp32, like dp>1
         all_reduce_bucketed([p.grad for p in params], ps.dp_group, bucket_size, divisor=total,
                             async_op=overlap_grad_reduce)
+    return total
+
+
+def _finalize_sharded(model_chunks: list[torch.nn.Module], ps: ParallelState, num_tokens: Optional[torch.Tensor],
+                      global_tokens: Optional[float], grad_sync: Any) -> Optional[float]:
+    """ZeRO-2/3 (`core.distributed.fsdp`): reduce-scatter instead of all-reduce, once, after the last W."""
+    from llamapipe.core.distributed.fsdp import reduce_scatter_grads
+    if global_tokens is not None and global_tokens <= 0:
+        raise ValueError("the global batch has no loss tokens (every loss_mask entry is 0), so the loss is undefined")
+    total = float(global_tokens) if global_tokens is not None else global_num_tokens(num_tokens, ps)
+    if grad_sync is not None:
+        grad_sync.end_step()
+    reduce_scatter_grads(model_chunks, ps, total)
     return total

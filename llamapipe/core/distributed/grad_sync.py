@@ -50,7 +50,10 @@ class GradSync:
         self._hooks = []
         self._store: Optional[WeightGradStore] = None      # the running step's, from begin_step
         self.last_counts = (0, 0, 0)          # last step's buckets launched before/during/after the last action
-        per_chunk = [[p for p in chunk.parameters() if p.requires_grad] for chunk in model_chunks]
+        from llamapipe.core.distributed.fsdp import is_sharded
+        # ZeRO-2/3: FSDP reduce-scatters once after the last W (`fsdp.reduce_scatter_grads`), so no buckets here
+        self.fsdp = is_sharded(list(model_chunks))
+        per_chunk = [[p for p in chunk.parameters() if p.requires_grad and not self.fsdp] for chunk in model_chunks]
         if len({id(p) for params in per_chunk for p in params}) < sum(map(len, per_chunk)):
             raise ValueError("--overlap-grad-reduce cannot handle a parameter shared by two model chunks")
         for c, params in enumerate(per_chunk):
@@ -160,6 +163,9 @@ class GradSync:
         return self.last_counts
 
     def summary(self) -> str:
+        if self.fsdp:
+            return ("--overlap-grad-reduce with a sharded data-parallel strategy: FSDP reduce-scatters the "
+                    "gradients once, after the step's last backward action")
         before, during, after = self.last_counts
         return (f"--overlap-grad-reduce: of this rank's {before + during + after} gradient buckets, {before} "
                 f"started their data-parallel all-reduce before its last backward action, {during} during it "

@@ -4,7 +4,8 @@ One class covers every precision and layout. Each rank steps the `Segment`s of i
 its parameters (plain) or its DP range of them (`--use-distributed-optimizer`). A segment's main tensor is
 a view of the model parameter when that is fp32 (the update lands in the model directly) and an fp32
 master copy when the model is bf16/fp16 (grads are converted into fp32 main grads before the step, and the
-updated masters are written back after it). Step order follows Megatron: main grads -> unscale and
+updated masters are written back after it). Under ZeRO-2/3 (`core.distributed.fsdp`) the segments are this
+rank's FSDP shards, and with `--optimizer-cpu-offload` every main tensor is an fp32 CPU copy. Step order follows Megatron: main grads -> unscale and
 global inf check (fp16) -> global grad norm -> clip -> AdamW -> copy back / all-gather over DP.
 """
 from __future__ import annotations
@@ -21,6 +22,9 @@ from llamapipe.core.optimizer.clip_grads import (clip_grads_, counts_for_norm, l
                                                  unscale_local_)
 from llamapipe.core.optimizer import post_validation as pv
 from llamapipe.core.optimizer.distrib_optimizer import ShardLayout, gather_shards, pack_shard, unflatten
+from llamapipe.core.optimizer.sharded_state import gather_fsdp_param_state, localize_param_state
+from llamapipe.core.distributed.fsdp import is_sharded as is_fsdp_sharded, local_tensor, sync_loaded_views, \
+    zero_sharded_grads
 from llamapipe.core.optimizer.grad_scaler import build_grad_scaler
 from llamapipe.core.parallel_state import ParallelState
 
@@ -49,18 +53,22 @@ class Optimizer:
                  parallel_state: ParallelState, shard_over_dp: bool = False) -> None:
         ps = parallel_state
         named = named_model_params(model_chunks)
+        self.chunks = model_chunks
         self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
+        self.model_params = [p for _, p in named]          # FSDP: sharded DTensors
+        self.params = [local_tensor(p) for p in self.model_params]   # this rank's storage of each
         assert all(p.is_contiguous() for p in self.params), "parameters must be contiguous"
         self.opt_cfg = opt_cfg
         self.parallel_state = ps
-        self.sharded = shard_over_dp and ps.dp_size > 1
+        self.fsdp = is_fsdp_sharded(model_chunks)           # ZeRO-2/3: each rank steps its FSDP shards
+        self.sharded = shard_over_dp and ps.dp_size > 1 and not self.fsdp
+        self.offload = opt_cfg.optimizer_cpu_offload
         self.layout = ShardLayout(tuple(p.numel() for p in self.params),
                                   ps.dp_size if self.sharded else 1, ps.dp_rank if self.sharded else 0)
         self.segments = self.layout.segments()
         self.mains = [self._main_for(seg.param_index, seg.start, seg.end) for seg in self.segments]
-        self._has_master = [self.params[s.param_index].dtype != torch.float32 for s in self.segments]
-        self._counted = [counts_for_norm(self.params[s.param_index], ps.tp_rank) for s in self.segments]
+        self._has_master = [self.params[s.param_index].dtype != torch.float32 or self.offload for s in self.segments]
+        self._counted = [counts_for_norm(self.model_params[s.param_index], ps.tp_rank) for s in self.segments]
         decay = [decays_weight(self.names[s.param_index], self.params[s.param_index]) for s in self.segments]
         self.inner = make_adamw([m for m, d in zip(self.mains, decay) if d],
                                 [m for m, d in zip(self.mains, decay) if not d], opt_cfg)
@@ -68,7 +76,7 @@ class Optimizer:
         self.num_steps = 0
         self.device = self.params[0].device if self.params else torch.device("cpu")
         # together these groups cover every element exactly once (DP too when DP ranks hold disjoint shards)
-        self._reduce_groups = ([ps.dp_group] if self.sharded else []) + [ps.mp_group]
+        self._reduce_groups = ([ps.dp_group] if self.sharded or self.fsdp else []) + [ps.mp_group]
         self._snapshot = pv.Snapshot()          # post-validation's rollback copy, allocated on first use
 
     @property
@@ -77,6 +85,8 @@ class Optimizer:
 
     def _main_for(self, index: int, start: int, end: int) -> torch.Tensor:
         flat = self.params[index].detach().view(-1)[start:end]
+        if self.offload:      # --optimizer-cpu-offload: fp32 masters, moments and the update on the CPU
+            return flat.to("cpu", torch.float32, copy=True)
         return flat if flat.dtype == torch.float32 else flat.to(torch.float32, copy=True)
 
     def get_loss_scale(self) -> float:
@@ -84,7 +94,9 @@ class Optimizer:
         return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
+        if self.fsdp:
+            zero_sharded_grads(self.chunks)
+        for p in self.model_params:
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
@@ -99,12 +111,12 @@ class Optimizer:
         """Point (fp32) or convert (bf16/fp16) each segment's slice of param.grad into the main grad."""
         grads = []
         for seg, main in zip(self.segments, self.mains):
-            grad = self.params[seg.param_index].grad
+            grad = local_tensor(self.model_params[seg.param_index].grad)
             if grad is None:
                 flat = torch.zeros_like(main)
             else:
                 flat = grad.detach().reshape(-1)[seg.start:seg.end]
-            main.grad = flat if flat.dtype == torch.float32 else flat.float()
+            main.grad = flat.to(main.device, torch.float32)
             grads.append(main.grad)
         return grads
 
@@ -218,6 +230,8 @@ class Optimizer:
 
     def reload_model_params(self) -> None:
         """Refresh the fp32 masters from the model (after loading model weights without optimizer state)."""
+        if self.fsdp:
+            sync_loaded_views(self.chunks)
         for seg, main, has_master in zip(self.segments, self.mains, self._has_master):
             if has_master:
                 main.copy_(self.params[seg.param_index].detach().view(-1)[seg.start:seg.end])
@@ -236,7 +250,9 @@ class Optimizer:
         param_state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self.names}
         shapes = [p.shape for p in self.params]
         mixed = any(p.dtype != torch.float32 for p in self.params)  # same on every DP rank: safe collective
-        for key in STATE_KEYS if mixed else STATE_KEYS[:2]:
+        if self.fsdp:
+            param_state = gather_fsdp_param_state(self, STATE_KEYS if mixed else STATE_KEYS[:2], keep)
+        for key in () if self.fsdp else STATE_KEYS if mixed else STATE_KEYS[:2]:
             shard = pack_shard(self.layout, self.segments, self._segment_values(key), torch.float32, self.device)
             full = gather_shards(shard, self.layout, self.parallel_state.dp_group)
             if not keep:
@@ -250,6 +266,9 @@ class Optimizer:
     def load_state_dict(self, state_dict: dict) -> None:
         """Load the per-parameter form of `state_dict()`, keeping only this rank's shard."""
         param_state = state_dict["param_state"]
+        if self.fsdp:
+            sync_loaded_views(self.chunks)       # the model weights the checkpoint reader copied into full views
+            param_state = localize_param_state(param_state, self.names, self.model_params)
         for name, p in zip(self.names, self.params):
             if name not in param_state:
                 raise ValueError(f"the optimizer checkpoint has no state for parameter {name}")

@@ -47,6 +47,15 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="timeout of collective operations")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state over data-parallel ranks (ZeRO-1)")
+    g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
+                   choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
+                   help="what data-parallel ranks shard: nothing (DDP), the optimizer state (ZeRO-1, like "
+                        "--use-distributed-optimizer), also gradients (ZeRO-2) or also parameters (ZeRO-3); the last "
+                        "two run on torch FSDP2")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="Megatron's alias for --data-parallel-sharding-strategy optim_grads_params (ZeRO-3 on FSDP2)")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="keep the fp32 master weights and Adam moments on the CPU and run the update there")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="start each gradient bucket's data-parallel all-reduce during the backward")
     g.add_argument("--ddp-bucket-size", type=int, default=None,

@@ -107,4 +107,5 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
                            loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                            min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
                            hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
-                           post_validation=args.enable_optimizer_post_validation)
+                           post_validation=args.enable_optimizer_post_validation,
+                           optimizer_cpu_offload=args.optimizer_cpu_offload)

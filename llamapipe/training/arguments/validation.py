@@ -76,6 +76,7 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
         raise ArgumentError("--fp16 and --bf16 cannot be used together")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ArgumentError(f"--ddp-bucket-size must be a positive number of elements, got {args.ddp_bucket_size}")
+    strategy = data_parallel_sharding_strategy(args)
     limit = args.pipeline_memory_limit
     return ParallelConfig(world_size=world_size, tp_size=tp, pp_size=pp, vpp_size=vpp,
                           dp_size=world_size // (tp * pp), order=args.parallel_order,
@@ -89,8 +90,36 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
                           pipeline_layout=args.pipeline_model_parallel_layout,
                           distributed_timeout_minutes=args.distributed_timeout_minutes,
                           use_distributed_optimizer=args.use_distributed_optimizer,
+                          data_parallel_sharding_strategy=strategy,
                           overlap_grad_reduce=args.overlap_grad_reduce,
                           ddp_bucket_size=args.ddp_bucket_size or ParallelConfig.ddp_bucket_size)
+
+
+# flags whose code reads whole (unsharded) parameters or gradients, which ZeRO-2/3 keep only as shards
+_NOT_WITH_FSDP = ("log_params_norm", "log_num_zeros_in_grad", "enable_optimizer_post_validation", "compile")
+
+
+def data_parallel_sharding_strategy(args: argparse.Namespace) -> str:
+    """The effective --data-parallel-sharding-strategy; writes back --use-distributed-optimizer for optim."""
+    strategy = args.data_parallel_sharding_strategy
+    if args.use_torch_fsdp2:
+        if strategy not in ("no_shard", "optim_grads_params"):
+            raise ArgumentError(f"--use-torch-fsdp2 selects ZeRO-3 (optim_grads_params) and cannot be combined with "
+                                f"--data-parallel-sharding-strategy {strategy}")
+        strategy = "optim_grads_params"
+    if args.use_distributed_optimizer and strategy == "no_shard":
+        strategy = "optim"
+    if strategy == "optim":
+        args.use_distributed_optimizer = True      # optimizer_config reads it
+    if strategy in ("optim_grads", "optim_grads_params"):
+        if args.use_distributed_optimizer:
+            raise ArgumentError(f"--use-distributed-optimizer (ZeRO-1) cannot be combined with "
+                                f"--data-parallel-sharding-strategy {strategy}, which shards the optimizer itself")
+        for name in _NOT_WITH_FSDP:
+            if getattr(args, name, False):
+                raise ArgumentError(f"{_flag(name)} is not supported with --data-parallel-sharding-strategy "
+                                    f"{strategy} (parameters and gradients exist only as data-parallel shards)")
+    return strategy
 
 
 def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
