@@ -1,22 +1,27 @@
-"""Training-step throughput of our LlamaModel against HF transformers' LlamaForCausalLM (single process).
+"""Training-step throughput of our LlamaModel, eager and under --compile, against HF transformers'
+LlamaForCausalLM (single process).
 
 One step is forward + backward of the same small LLaMA with identical weights (converted with from_hf),
-HF with attn_implementation="sdpa". Runs with 1 thread and with all threads; steps of the two models are
-interleaved, so both see the same background load, and the median of `--repeats` timings is compared (the
-best-of ratio is reported too). Process CPU time per step is reported as well: on a shared, loaded machine
-the 1-thread CPU-time ratio is the trustworthy comparison.
-Prints a table of tokens/s and the ratio, and writes JSON.
+HF with attn_implementation="sdpa". The compiled model is ours after `llamapipe.model.compile.compile_chunks`
+(the --compile path: each decoder layer and the final norm compiled, linear layers eager); its compile time
+is reported. Runs with 1 thread and with all threads. Each repeat times one step of every model back to
+back, so a repeat's ratios compare models under the same background load; the table gives the median of
+those per-repeat (paired) ratios with their min-max spread, the median tokens/s, and the 1-minute load
+average before and after. Process CPU time per step is reported as well: on a shared, loaded machine the
+1-thread CPU-time ratio is the trustworthy comparison. Prints a table and writes JSON.
 
-    python benchmarks/bench_model.py --out benchmarks/results/bench_model.json
+    python -m benchmarks.bench_model --out benchmarks/results/bench_model.json
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -47,64 +52,103 @@ def time_steps(step, steps: int) -> tuple[float, float]:
     return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
 
-def measure(ours, hf, args: argparse.Namespace, threads: int) -> dict:
+def measure(models: dict, args: argparse.Namespace, threads: int) -> dict:
+    """Median step times of every model and paired ratios against HF, over `args.repeats` rounds."""
     torch.set_num_threads(threads)
     ids = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_length + 1))
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
-    def ours_step() -> None:
-        ours.zero_grad(set_to_none=True)
-        ours(inputs, labels=labels).mean().backward()
+    def ours_step(model) -> None:
+        model.zero_grad(set_to_none=True)
+        model(inputs, labels=labels).mean().backward()
 
-    def hf_step() -> None:
-        hf.zero_grad(set_to_none=True)
-        hf(input_ids=inputs, labels=inputs).loss.backward()
+    def hf_step(model) -> None:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=inputs, labels=inputs).loss.backward()
 
-    for step in (ours_step, hf_step):
+    steps = {name: partial(hf_step if name == "hf" else ours_step, model) for name, model in models.items()}
+    for step in steps.values():
         time_steps(step, args.warmup)
-    ours_times, hf_times = [], []
-    for _ in range(args.repeats):  # alternate so both models see the same background load
-        ours_times.append(time_steps(ours_step, args.steps))
-        hf_times.append(time_steps(hf_step, args.steps))
+    load_before = os.getloadavg()[0]
+    times = {name: [] for name in steps}
+    names = list(steps)
+    for r in range(args.repeats):  # one step of each per round, in a rotating order: the same load for all
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(time_steps(steps[name], args.steps))
     tokens = args.batch_size * args.seq_length
-    ours_wall, hf_wall = (statistics.median(t[0] for t in times) for times in (ours_times, hf_times))
-    ours_cpu, hf_cpu = (statistics.median(t[1] for t in times) for times in (ours_times, hf_times))
-    best_ratio = min(t[0] for t in hf_times) / min(t[0] for t in ours_times)
-    return {"threads": threads, "ours_tokens_per_s": tokens / ours_wall, "hf_tokens_per_s": tokens / hf_wall,
-            "ratio": hf_wall / ours_wall, "best_ratio": best_ratio, "cpu_time_ratio": hf_cpu / ours_cpu,
-            "ours_step_s": ours_wall, "hf_step_s": hf_wall, "ours_cpu_s": ours_cpu, "hf_cpu_s": hf_cpu,
-            "loadavg_1min": os.getloadavg()[0]}
+    row = {"threads": threads, "loadavg_1min_before": load_before, "loadavg_1min_after": os.getloadavg()[0]}
+    for name, runs in times.items():
+        row[f"{name}_tokens_per_s"] = tokens / statistics.median(t[0] for t in runs)
+        row[f"{name}_cpu_s"] = statistics.median(t[1] for t in runs)
+        row[f"{name}_rounds_s"] = [t[0] for t in runs]
+    for name in (n for n in times if n != "hf"):
+        ratios = [h[0] / o[0] for h, o in zip(times["hf"], times[name])]
+        row[f"{name}_vs_hf"] = statistics.median(ratios)
+        row[f"{name}_vs_hf_spread"] = [min(ratios), max(ratios)]
+        row[f"{name}_vs_hf_cpu_time"] = row["hf_cpu_s"] / row[f"{name}_cpu_s"]
+    if "compiled" in times:
+        ratios = [e[0] / c[0] for e, c in zip(times["eager"], times["compiled"])]
+        row["compiled_vs_eager"] = statistics.median(ratios)
+        row["compiled_vs_eager_spread"] = [min(ratios), max(ratios)]
+    return row
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_shape_args(p: argparse.ArgumentParser, num_layers: int) -> None:
+    """The benchmark model's shape (also benchmarks/bench_compile.py's)."""
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--ffn-hidden-size", type=int, default=688)
-    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-layers", type=int, default=num_layers)
     p.add_argument("--num-heads", type=int, default=8)
     p.add_argument("--num-groups", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--seq-length", type=int, default=256)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_shape_args(p, num_layers=4)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--no-compile", action="store_true", help="leave out the --compile rows")
     p.add_argument("--out", default="benchmarks/results/bench_model.json")
     return p.parse_args()
 
 
+def print_table(rows: list[dict], names: list[str]) -> None:
+    print(f"{'threads':>7} {'model':>9} {'tok/s':>7} {'vs HF (paired median, min-max)':>31} {'CPU-time':>8} "
+          f"{'load before/after':>17}")
+    for r in rows:
+        for name in names:
+            vs = (f"{r[name + '_vs_hf']:.2f} ({r[name + '_vs_hf_spread'][0]:.2f}-{r[name + '_vs_hf_spread'][1]:.2f})"
+                  if name != "hf" else "1.00")
+            cpu = f"{r[name + '_vs_hf_cpu_time']:.2f}" if name != "hf" else "1.00"
+            print(f"{r['threads']:>7} {name:>9} {r[name + '_tokens_per_s']:>7.0f} {vs:>31} {cpu:>8} "
+                  f"{r['loadavg_1min_before']:>8.1f}/{r['loadavg_1min_after']:<8.1f}")
+        if "compiled_vs_eager" in r:
+            lo, hi = r["compiled_vs_eager_spread"]
+            print(f"{r['threads']:>7} compiled / eager: {r['compiled_vs_eager']:.2f} (min-max {lo:.2f}-{hi:.2f})")
+
+
 def main() -> None:
     args = parse_args()
-    ours, hf = build_models(args)
+    eager, hf = build_models(args)
+    models = {"eager": eager}
+    compile_s = None
+    if not args.no_compile:
+        from llamapipe.model.compile import compile_chunks
+        compiled = copy.deepcopy(eager)
+        compile_s = compile_chunks([compiled], micro_batch_size=args.batch_size, seq_length=args.seq_length)
+        models["compiled"] = compiled
+    models["hf"] = hf
     all_threads = torch.get_num_threads()
-    rows = [measure(ours, hf, args, t) for t in sorted({1, all_threads})]
-    print(f"{'threads':>7} {'ours tok/s':>11} {'HF tok/s':>10} {'ours/HF':>8} {'best-of':>8} {'CPU-time ratio':>15} "
-          f"{'load':>5}")
-    for r in rows:
-        print(f"{r['threads']:>7} {r['ours_tokens_per_s']:>11.0f} {r['hf_tokens_per_s']:>10.0f} "
-              f"{r['ratio']:>8.2f} {r['best_ratio']:>8.2f} {r['cpu_time_ratio']:>15.2f} {r['loadavg_1min']:>5.1f}")
+    rows = [measure(models, args, t) for t in sorted({1, all_threads})]
+    print_table(rows, list(models))
+    if compile_s is not None:
+        print(f"compile time: {compile_s:.1f} s (inductor; a warm on-disk cache makes it seconds)")
     result = {"benchmark": "model_train_step", "config": vars(args), "torch": torch.__version__,
-              "platform": platform.platform(), "results": rows}
+              "platform": platform.platform(), "compile_s": compile_s, "results": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -68,7 +68,7 @@ class TrainingConfig:
     manual_gc: bool = False                     # --manual-gc: Python's gc only at chosen points
     manual_gc_interval: int = 0                 # iterations between manual collections (0: none in training)
     manual_gc_eval: bool = True                 # collect around evaluation (--no-manual-gc-eval to not)
-    compile: bool = False                       # --compile: torch.compile each decoder layer and the loss
+    compile: bool = False                       # --compile: torch.compile each decoder layer and the final norm
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,11 @@ checkpoints load without permuting q/k; with Megatron's --rotary-percent < 1 it 
 rotary_dim dims of each head (as Megatron and HF's partial_rotary_factor do). The head dim is Megatron's
 kv_channels, which may differ from hidden/heads. Attention is torch's scaled_dot_product_attention
 (causal), restricted to its FlashAttention kernel on CUDA under --use-flash-attn.
+
+RMSNorm and RoPE have hand-written backwards (measured faster in eager mode on CPU: RMSNorm forward +
+backward 1.3 ms against F.rms_norm's 1.9 ms at (256, 4, 256) fp32, 1 thread). Under torch.compile
+(`--compile`, llamapipe/model/compile.py) they use plain ops instead, which inductor fuses together with
+their neighbours and differentiates itself.
 """
 from __future__ import annotations
 
@@ -43,10 +48,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (..., h) -> (..., h)
-        if fused_rms_norm_affine is not None and x.is_cuda:
-            return fused_rms_norm_affine(x, self.weight, self.weight.shape, self.eps)
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return _RMSNormFunction.apply(x, self.weight, self.eps)
+        if not torch.compiler.is_compiling():  # compiled: inductor fuses F.rms_norm and derives its backward
+            if fused_rms_norm_affine is not None and x.is_cuda:
+                return fused_rms_norm_affine(x, self.weight, self.weight.shape, self.eps)
+            if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+                return _RMSNormFunction.apply(x, self.weight, self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -97,7 +103,16 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """HF LLaMA's rotate_half RoPE on (s, b, heads, d): x * cos + rotate_half(x) * sin on the first
     rotary_dim dims (the tables' width); the other dims pass unchanged."""
+    if torch.compiler.is_compiling():  # plain ops: inductor fuses them, forward and backward
+        return _rotate_plain(x, *rope)
     return _RotaryFunction.apply(x, *rope)
+
+
+def _rotate_plain(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1]
+    x1, x2 = x[..., :rot // 2], x[..., rot // 2:rot]
+    out = x[..., :rot] * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((out, x[..., rot:]), dim=-1) if rot < x.shape[-1] else out
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:

@@ -58,8 +58,12 @@ def chunk_stages(config: Config, ps: ParallelState) -> list[int]:
 
 def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState,
                        device: torch.device) -> tuple[list[torch.nn.Module], list[tuple[bool, bool]]]:
-    """This rank's model chunks and their (pre_process, post_process) roles."""
+    """This rank's model chunks and their (pre_process, post_process) roles; under --compile they are
+    compiled here, before training (llamapipe/model/compile.py)."""
     from llamapipe.model.llama import LlamaModel
+    if config.training.compile:
+        from llamapipe.model.compile import check_compiler
+        check_compiler(device)   # fail in one sentence before building anything
     num_stages = ps.pp_size * ps.vpp_size
     par = config.parallel
     ranges = stage_layer_ranges(model_cfg.num_layers, ps.pp_size, ps.vpp_size, par.first_stage_layers,
@@ -82,6 +86,10 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
                     "precision across microbatches; torch >= 2.10 accumulates them in fp32")
     from llamapipe.core.distributed.fsdp import apply_data_parallel_sharding
     apply_data_parallel_sharding(chunks, config.parallel.data_parallel_sharding_strategy, ps)   # ZeRO-2/3: FSDP2
+    if config.training.compile:
+        from llamapipe.model.compile import compile_chunks
+        compile_chunks(chunks, micro_batch_size=config.training.micro_batch_size,
+                       seq_length=config.training.seq_length, eval_too=config.training.eval_iters > 0)
     return chunks, roles
 
 

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from llamapipe.core.tensor_parallel.graph_breaks import eager
 from llamapipe.core.tensor_parallel.layers import tp_size_rank
 
 
@@ -60,6 +61,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
+@eager
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tensor, tp_group: Optional[Any],
                                  vocab_size: Optional[int] = None, *, inplace: bool = False) -> torch.Tensor:
     """Per-token losses (same shape as `labels`, fp32) from logits split along the last dimension.
@@ -67,5 +69,8 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tenso
     `vocab_size` excludes the padded columns (global index >= vocab_size); None keeps every column.
     The caller does the token-weighted reduction. `inplace=True` lets fp32 logits be overwritten (the caller
     never reads them again), which saves allocating and page-faulting a second (tokens, vocab/tp) buffer.
+    Under torch.compile it runs eagerly (a graph break): its collectives do not trace, and on CPU this
+    in-place kernel measured faster than inductor's fused logsumexp (forward + backward at (256, 4, 8064) fp32,
+    1 thread: about 35 ms against 50 ms).
     """
     return _VocabParallelCrossEntropy.apply(logits_shard, labels, tp_group, vocab_size, inplace)

@@ -4,7 +4,8 @@
 features, `VocabParallelEmbedding` the vocabulary rows. LLaMA has no biases, so there are none.
 Every linear product goes through ONE autograd function, `LinearWithDeferredWeightGrad`, whose backward
 computes the input gradient and hands the weight-gradient GEMM to the store its forward ran under
-(`weight_grad_store.current`), so the zero-bubble schedules (arXiv 2401.10241) can run it later.
+(`weight_grad_store.current`), so the zero-bubble schedules (arXiv 2401.10241) can run it later. Under
+`--compile` every linear call is a graph break (`graph_breaks.eager`): it runs eagerly between compiled regions.
 Parameters carry Megatron's attributes (`tensor_model_parallel`, `partition_dim`, and `vocab_padded` /
 `sequence_parallel` where they apply); a shard is a contiguous slice of the logical tensor along
 `partition_dim` in tp_rank order.
@@ -21,6 +22,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from llamapipe.core.pipeline_parallel import weight_grad_store
 from llamapipe.core.tensor_parallel import mappings
+from llamapipe.core.tensor_parallel.graph_breaks import eager
 
 # How a linear layer's input relates to the TP group (decides the input-gradient collective).
 INPUT_PARALLEL = "parallel"   # already split over TP (row-parallel): no collective
@@ -92,6 +94,7 @@ def grad_dtype(param: torch.Tensor) -> torch.dtype:
     return getattr(param, "grad_dtype", None) or param.dtype
 
 
+@eager  # under --compile: a graph break, so the weight gradient stays deferred to W
 def parallel_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], tp_group: Optional[Any],
                     input_mode: str) -> tuple[torch.Tensor, ...]:
     """Apply several weights to one input through the deferred-weight-gradient function."""
@@ -113,6 +116,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // tp_size, in_features, dtype=params_dtype))
         set_tensor_model_parallel_attributes(self.weight, 0)
 
+    @eager
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (s, b, in) or (s/tp, b, in) with sequence parallel -> (s, b, out/tp)
         return parallel_linear(x, [self.weight], self.tp_group, self.input_mode)[0]
@@ -130,9 +134,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size, dtype=params_dtype))
         set_tensor_model_parallel_attributes(self.weight, 1)
 
+    @eager  # the product and its reduction form one graph break under --compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (s, b, in/tp) -> (s, b, out), or (s/tp, b, out) with sequence parallel
-        partial = parallel_linear(x, [self.weight], self.tp_group, INPUT_PARALLEL)[0]
+        partial = LinearWithDeferredWeightGrad.apply(x, self.tp_group, INPUT_PARALLEL, self.weight)[0]
         if self.sequence_parallel:
             return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         return mappings.reduce_from_tensor_model_parallel_region(partial, self.tp_group)

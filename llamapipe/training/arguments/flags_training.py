@@ -46,7 +46,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-profile-iters", type=int, default=3,
                    help="auto and zb-h2 schedules: 1F1B iterations profiled before switching")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile each decoder layer and the loss (inductor); works under every schedule")
+                   help="torch.compile each decoder layer and the final norm (inductor); works under every schedule")
     g.add_argument("--release-host-memory", action="store_true",
                    help="CPU runs: let malloc return freed memory to the OS (glibc's default) instead of "
                         "keeping it for the next step")
