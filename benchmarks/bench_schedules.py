@@ -7,7 +7,11 @@ al., arXiv 2401.10241). Modes:
              time / simulated makespan shows the runtime's own overhead independently of CPU count;
   real       p=2 ranks, one thread and one core each, a small LlamaModel: every schedule against the
              ideal, the busy ideal and torch.distributed.pipelining, with each rank's compute time and the
-             simulated pipeline fill (benchmarks/schedules_real.py).
+             simulated pipeline fill (benchmarks/schedules_real.py);
+  overlap    whole training iterations back to back (optimizer step included), with and without
+             --enable-optimizer-post-validation: steady-state time per iteration, real p=2 model
+             (benchmarks/schedules_overlap.py);
+  overlap-synthetic  the same on sleeping stages, p=4, m=16.
 Prints one table per mode and writes JSON (--out). Example: python benchmarks/bench_schedules.py --modes simulated
 """
 from __future__ import annotations
@@ -157,9 +161,30 @@ def _table(title: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _overlap_modes(args, modes: list, results: dict) -> None:
+    from benchmarks import schedules_overlap
+    from tests.harness import run_distributed
+    if "overlap" in modes:
+        results["overlap"] = run_distributed(schedules_overlap.real_worker, 2, args, timeout=1800)[0]
+        results["overlap_summary"] = schedules_overlap.summary(results["overlap"])
+        print(_table("overlap (p=2, LlamaModel, whole iterations; iter_s = steady-state seconds per iteration)",
+                     [{k: v for k, v in r.items() if k != "rounds_s"} for r in results["overlap"]]))
+        print(_table("overlap, ratios", results["overlap_summary"]))
+    if "overlap-synthetic" in modes:
+        results["overlap_synthetic"] = run_distributed(schedules_overlap.synthetic_worker, 4, args.synthetic_m,
+                                                       args.sleep_ms / 1e3, args.overlap_rounds,
+                                                       args.overlap_iters, timeout=900)[0]
+        print(_table(f"overlap-synthetic (p=4, m={args.synthetic_m}, F=B=W={args.sleep_ms:g} ms)",
+                     [{k: v for k, v in r.items() if k != "rounds_s"} for r in results["overlap_synthetic"]]))
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="simulated,synthetic,real", help="comma list of simulated, synthetic, real")
+    parser.add_argument("--modes", default="simulated,synthetic,real,overlap,overlap-synthetic",
+                        help="comma list of simulated, synthetic, real, overlap, overlap-synthetic")
+    parser.add_argument("--overlap-rounds", type=int, default=7, help="overlap modes: timed rounds")
+    parser.add_argument("--overlap-iters", type=int, default=6,
+                        help="overlap modes: consecutive iterations per round (steady state over the last K-1)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_schedules.json"))
     parser.add_argument("--steps", type=int, default=9, help="synthetic mode: timed rounds over all schedules "
                         "(after one warm-up step each; two for auto and zb-h2, which profile first)")
@@ -191,6 +216,7 @@ def main(argv=None) -> dict:
         print(_table("real (p=2, LlamaModel, one thread per rank)",
                      [{k: v for k, v in r.items() if k != "rounds_s"} for r in results["real"]]))
         print(_table("real, ratios", results["real_summary"]))
+    _overlap_modes(args, modes, results)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

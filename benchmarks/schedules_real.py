@@ -160,6 +160,7 @@ def _torch_step(config, ps, name: str, m: int, tokens: torch.Tensor, labels: tor
         with dw.capturing() if dw is not None else nullcontext():
             schedule.step(*args, target=labels if holds_last else None, losses=losses if holds_last else None)
         return [loss.detach() for loss in losses]
+    step.chunks = chunks            # the overlap mode steps an optimizer over them
     return step
 
 

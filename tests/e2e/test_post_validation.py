@@ -64,11 +64,12 @@ def _rolled_back(out: str) -> tuple[int, int]:
 
 def test_pp2_zbv_clipping_for_the_global_norm_only_rolls_back_and_stays_identical(tmp_path):
     # grad norms of this run are 1.55 .. 2.5, each stage's part about 1/sqrt(2) of it: with --clip-grad 1.7 the
-    # global norm clips on some steps where no stage's own part does, so those speculative steps roll back
+    # global norm clips on some steps where no stage's own part does, so a rank that speculated there rolls
+    # back (which rank speculates depends on which finishes first: the forced test below pins the counts)
     out = _assert_identical(tmp_path, 2, BATCH + ZBV + ["--global-batch-size", "4",
                                                          "--pipeline-model-parallel-size", "2", "--clip-grad", "1.7"])
     rollbacks, replays = _rolled_back(out)
-    assert rollbacks >= 1 and replays >= rollbacks
+    assert replays >= rollbacks
 
 
 def test_pp4_zb_h2_clipping_never_triggers(tmp_path):

@@ -175,24 +175,30 @@ class Optimizer:
         first = pv.reduce_stats_async(pack, self._reduce_groups[:-1])   # DP peers (ZeRO-1): same decision
         if first is not None:
             first.wait()
-        speculate = always_speculate or pv.may_speculate(pack, self.opt_cfg.clip_grad, loss_sum)
-        pack[pv.SPECULATED], pack[pv.LOSS], pack[pv.TOKENS] = float(speculate), loss_sum, tokens
+        may = always_speculate or pv.may_speculate(pack, self.opt_cfg.clip_grad, loss_sum)
+        pack[pv.LOSS], pack[pv.TOKENS] = loss_sum, tokens
         work = pv.reduce_stats_async(pack, self._reduce_groups[-1:])
+        # The rank whose gradients are final last completes the reduction itself: it steps synchronously, with
+        # no snapshot. (ZeRO-1 DP peers must decide alike, so they do not look at timing.)
+        speculate = may and (always_speculate or self.sharded or not pv.arrives_within(work, pv.GRACE_S))
+        flag = torch.full((1,), float(speculate), dtype=torch.float64, device=self.device)
+        flag_work = pv.reduce_stats_async(flag, self._reduce_groups[-1:])      # did any rank speculate?
         if speculate:
             self._snapshot.capture(self)
             if self.grad_scaler is not None:
                 self.grad_scaler.update(False)
             self._update()
         self._release_main_grads()
-        return pv.PendingStep(pack, work, grads, speculate)
+        return pv.PendingStep(pack, work, grads, speculate, flag, flag_work)
 
     @torch.no_grad()
     def resolve_post_validated_step(self, pending: pv.PendingStep) -> pv.Resolution:
         """Wait for the step's statistics and leave the parameters as the synchronous step would have."""
         if pending.resolution is not None:
             return pending.resolution
-        if pending.work is not None:
-            pending.work.wait()
+        for work in (pending.work, pending.flag_work):
+            if work is not None:
+                work.wait()
         action, grad_norm = pv.decide(pending.pack, self.opt_cfg.clip_grad, self.grad_scaler is not None)
         rolled_back = pending.speculated and action != "apply"
         if rolled_back:
@@ -210,7 +216,7 @@ class Optimizer:
             elif rolled_back:
                 self._copy_main_to_model()
         pending.grads = []
-        replay = pending.pack[pv.SPECULATED].item() > 0 and action != "apply"
+        replay = pending.flag.item() > 0 and action != "apply"
         pending.resolution = pv.Resolution(action, grad_norm, pending.pack[pv.LOSS].item(),
                                            pending.pack[pv.TOKENS].item(), replay, rolled_back)
         return pending.resolution

@@ -14,19 +14,35 @@ Rollback keeps a copy of what an AdamW step overwrites: the rank's fp32 main par
 (12 bytes per parameter of the rank's optimizer shard) plus the step's gradients until validation (4 bytes
 per parameter). No cheaper exact way exists: AdamW's update is not invertible in floating point.
 A rank whose own statistics already show that clipping or a skip is coming does not speculate; it waits
-for the reduction instead (the synchronous step), so a run that clips every step pays no rollbacks.
+for the reduction instead (the synchronous step), so a run that clips every step pays no rollbacks. Nor does
+the rank whose gradients are final last: its own contribution completes the reduction, which it sees within
+`GRACE_S`, so it steps synchronously without a snapshot; only ranks that would otherwise wait (ranks with
+slack) pay for the snapshot. Whether any rank speculated is reduced separately (a one-element flag).
 """
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-SQ, NONFINITE, SPECULATED, LOSS, TOKENS = range(5)
+SQ, NONFINITE, SPECULATED, LOSS, TOKENS = range(5)   # SPECULATED: unused slot (the flag has its own reduction)
 STATS = 5            # the sync path reduces a tensor of the same size, so its sums are bit-identical
+GRACE_S = 1.0e-3     # how long a rank waits for the reduction before it speculates
+
+
+def arrives_within(work: Optional[Any], seconds: float) -> bool:
+    """Whether the non-blocking reduction `work` completes within `seconds` (spinning; None: no reduction)."""
+    if work is None:
+        return True
+    deadline = time.perf_counter() + seconds
+    while not work.is_completed():
+        if time.perf_counter() > deadline:
+            return False
+    return True
 
 
 def reduce_stats_async(pack: torch.Tensor, groups: list) -> Optional[Any]:
@@ -90,6 +106,8 @@ class PendingStep:
     work: Optional[Any]
     grads: list[torch.Tensor]          # the step's main grads, kept until it is resolved
     speculated: bool                   # this rank already applied the unclipped update
+    flag: torch.Tensor                 # how many ranks speculated (reduced by flag_work)
+    flag_work: Optional[Any]
     resolution: Optional["Resolution"] = None
 
 

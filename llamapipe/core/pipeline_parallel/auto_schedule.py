@@ -158,9 +158,14 @@ class AutoSchedule:
         self._times, self._iters = [], 0
 
     def _build(self, pp: int, vpp: int, m: int, limit: Optional[float]) -> Plan:
-        """The memory-capped `auto` plans for what the runtime pays (`auto_plan`); others as their spec says."""
+        """The memory-capped `auto` plans for what the runtime pays (`auto_plan`); so does `zb-h2` under
+        post-validation, within ZB-H2's memory (2p-1: the candidates it chooses from are among auto's there);
+        others as their spec says."""
         if self.spec.memory_capped:
             return auto_plan.plan_auto(pp, vpp, m, self.costs, limit, post_validation=self.options.post_validation)
+        if self.spec.name == "zb-h2" and self.options.post_validation:
+            plan = auto_plan.plan_auto(pp, 1, m, self.costs, 2 * pp - 1, post_validation=True)
+            return dataclasses.replace(plan, name="zb-h2")
         return self.spec.build(pp, vpp, m, self.costs, limit)
 
     def _memory_limit(self, reference: Plan, unit: int, vpp: int) -> float:
