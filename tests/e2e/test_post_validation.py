@@ -78,6 +78,11 @@ def test_pp4_zb_h2_clipping_never_triggers(tmp_path):
     assert _rolled_back(out) == (0, 0)
 
 
+def test_pp4_zbv_two_chunks_per_rank(tmp_path):
+    _assert_identical(tmp_path, 4, BATCH + ZBV + ["--global-batch-size", "8", "--pipeline-model-parallel-size", "4",
+                                                  "--clip-grad", "1.3"])
+
+
 def test_tp2_pp2_zbv_clipping_on_every_step(tmp_path):
     # every stage's own norm is above 1e-3, so no rank speculates: each step is the synchronous one
     out = _assert_identical(tmp_path, 4, BATCH + ZBV + ["--global-batch-size", "4", "--tensor-model-parallel-size", "2",
