@@ -7,10 +7,9 @@ test_pipeline_memory.py (saved-tensor hooks on equal-sized toy chunks, unit and 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.harness import run_distributed
-from tests.multiproc.test_pipeline_llama import _single_rank, llama_worker
+from tests.multiproc.test_pipeline_llama import assert_match_single_rank, llama_worker
 from tests.multiproc.test_pipeline_memory import memory_worker
 
 V_LAYOUTS = {  # (tp, pp, dp): [(schedule, vpp, m)]
@@ -25,15 +24,7 @@ V_LAYOUTS = {  # (tp, pp, dp): [(schedule, vpp, m)]
 def test_v_schedules_match_single_rank(tp, pp, dp):
     cases = V_LAYOUTS[(tp, pp, dp)]
     results = run_distributed(llama_worker, tp * pp * dp, tp, pp, cases, timeout=300)
-    for case in cases:
-        ref_losses, ref_grads = _single_rank(case[2], dp)
-        for r in results:
-            torch.testing.assert_close(torch.tensor(r[case][0]), torch.tensor(ref_losses), rtol=1e-5, atol=0,
-                                       msg=f"{case}: loss differs from the single-rank run")
-        grads = {n: torch.from_numpy(g) for r in results for n, g in r[case][1].items()}
-        assert set(grads) == set(ref_grads)
-        for name, ref in ref_grads.items():
-            torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=f"{case} {name}")
+    assert_match_single_rank(results, cases, dp)
 
 
 @pytest.mark.parametrize("pp,cases", [(2, [("v-half", 2, 6), ("v-min", 2, 6), ("zbv", 2, 6)]),
