@@ -10,7 +10,6 @@ the checkpoint is committed and verified. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -26,6 +25,7 @@ from llamapipe.model.config import LlamaConfig
 from llamapipe.model.llama import LlamaModel
 from llamapipe.training.checkpointing.save_load import finalize_async_save, save_checkpoint
 from llamapipe.training.config import Config
+from benchmarks.results_io import write_json
 
 CFG = LlamaConfig(num_layers=12, hidden_size=768, ffn_hidden_size=2048, num_attention_heads=12, num_query_groups=12,
                   vocab_size=32000, max_position_embeddings=256)
@@ -92,9 +92,7 @@ def main(argv=None) -> int:
     print(f"{'mode':<6} {'stall s':>8} {'committed s':>12} {'step s during save':>19}")
     for mode, m in summary.items():
         print(f"{mode:<6} {m['stall_s']:>8.2f} {m['committed_s']:>12.2f} {m['step_s_during_save']:>19.2f}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_json(args.out, result, indent=1)
     return 0
 
 

@@ -25,6 +25,7 @@ import sys
 import tempfile
 
 from benchmarks.bench_model import add_model_shape_args
+from benchmarks.results_io import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILED_RE = re.compile(r"--compile: compiled \d+ decoder layers .* in ([\d.]+) s")
@@ -105,10 +106,7 @@ def main() -> None:
     result = {"benchmark": "compile_zbv_p2", "config": vars(args), "platform": platform.platform(),
               "torch": importlib.metadata.version("torch"),
               "median_ratio": statistics.median(ratios), "spread": [min(ratios), max(ratios)], "rounds": rounds}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ from llamapipe.data.indexed_dataset import IndexedDataset
 from llamapipe.data.redpajama import iter_documents
 from llamapipe.data.tokenizer import build_tokenizer
 from llamapipe.tools import make_sample_corpus, preprocess_data, train_tokenizer
+from benchmarks.results_io import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,10 +116,7 @@ def main(argv=None) -> int:
                         "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
                         "torch_threads": torch.get_num_threads()}
     _print_table(results)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, results)
     return 0
 
 

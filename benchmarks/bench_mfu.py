@@ -8,8 +8,6 @@ and writes JSON. Needs CUDA; on a CPU-only machine it says so and exits 0 withou
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
@@ -19,6 +17,7 @@ import torch
 from llamapipe.training.log import device_peak_tflops, flops_per_token
 from llamapipe.model.config import LlamaConfig
 from llamapipe.model.llama import LlamaModel
+from benchmarks.results_io import write_json
 
 TINYLLAMA_1B = LlamaConfig(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32,
                            num_query_groups=4, vocab_size=32000, max_position_embeddings=4096)
@@ -63,9 +62,7 @@ def main(argv=None) -> int:
               "max_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
     for key, value in result.items():
         print(f"{key:>18}: {value}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
@@ -28,6 +27,7 @@ import torch
 
 from llamapipe.model.hf_checkpoint import from_hf
 from llamapipe.model.llama import LlamaModel
+from benchmarks.results_io import write_json
 
 
 def build_models(args: argparse.Namespace):
@@ -149,10 +149,7 @@ def main() -> None:
         print(f"compile time: {compile_s:.1f} s (inductor; a warm on-disk cache makes it seconds)")
     result = {"benchmark": "model_train_step", "config": vars(args), "torch": torch.__version__,
               "platform": platform.platform(), "compile_s": compile_s, "results": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import json
 import os
 import statistics
 import time
@@ -33,6 +32,7 @@ from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 from benchmarks.schedules_real import SCHEDULES, loss_step, placement, real_worker, summary, timed_rounds  # noqa: E501
+from benchmarks.results_io import write_json
 
 
 def chunk_costs(vpp: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> Costs:
@@ -217,10 +217,7 @@ def main(argv=None) -> dict:
                      [{k: v for k, v in r.items() if k != "rounds_s"} for r in results["real"]]))
         print(_table("real, ratios", results["real_summary"]))
     _overlap_modes(args, modes, results)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, results, indent=1)
     return results
 
 
