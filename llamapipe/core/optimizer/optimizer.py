@@ -121,7 +121,7 @@ class Optimizer:
         return grads
 
     def _local_stats(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """[squared norm of the counted grads, 0, 0, 0, 0]: the post-validation statistics layout, so that the
+        """[squared norm of the counted grads, 0, 0, 0]: the post-validation statistics layout, so that the
         synchronous and the post-validated norms come from the same reduction of the same-sized tensor."""
         pack = torch.zeros(pv.STATS, dtype=torch.float64, device=self.device)
         pack[pv.SQ] = local_squared_norm([g for g, c in zip(grads, self._counted) if c])

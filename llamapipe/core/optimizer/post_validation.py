@@ -2,7 +2,7 @@
 
 A synchronous step is a barrier over the whole pipeline: the global grad norm (clipping) and the global
 inf/NaN check need every stage's gradients. With post-validation each rank packs its own statistics
-(squared grad norm, non-finite flag, whether it speculated, and the loss sum and token count it holds) into
+(squared grad norm, non-finite flag, and the loss sum and token count it holds) into
 one small tensor, starts a *non-blocking* all-reduce of it over the model-parallel group, and, when its
 own statistics say the update cannot be clipped or skipped, applies the unclipped AdamW update at once
 ("speculates") and goes on to the next iteration. The reduced result is read later (`finish`): when the
@@ -29,8 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-SQ, NONFINITE, SPECULATED, LOSS, TOKENS = range(5)   # SPECULATED: unused slot (the flag has its own reduction)
-STATS = 5            # the sync path reduces a tensor of the same size, so its sums are bit-identical
+SQ, NONFINITE, LOSS, TOKENS = range(4)
+STATS = 4            # the sync path reduces a tensor of the same size, so its sums are bit-identical
 GRACE_S = 1.0e-3     # how long a rank waits for the reduction before it speculates
 
 
