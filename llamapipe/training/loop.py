@@ -166,6 +166,7 @@ class Trainer:
                  f"dp {self.ps.dp_size}), schedule {self.config.parallel.pipeline_schedule}, {per_step}")
         with manual_gc(cfg.manual_gc):
             status = self._train_loop()
+        self.exit_signal.settle()
         if self.pv is not None:
             log.info(self.pv.summary())
         if status is None:

@@ -40,6 +40,13 @@ class ExitSignal:
         previous[1].wait()
         return previous[0]
 
+    def settle(self) -> None:
+        """Wait for the agreement still in flight (every rank started the same ones): a gloo work left
+        pending at process exit can abort the process."""
+        if self._in_flight is not None:
+            self._in_flight[1].wait()
+            self._in_flight = None
+
 
 @contextlib.contextmanager
 def manual_gc(enabled: bool) -> Iterator[None]:
