@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import struct
+import time
 
 import pytest
 import torch
@@ -204,7 +205,11 @@ def test_wandb_offline_run_holds_the_records(tmp_path, monkeypatch):
     writer.write({"iteration": 3, "valid_lm_loss": 2.5, "valid_ppl": math.exp(2.5)})
     writer.close()
     (run_dir,) = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*"))
+    deadline = time.monotonic() + 15        # wandb's service process may still be flushing the run file
     run, config, history = read_wandb_run(run_dir)
+    while (not run or sorted(history) != [1, 2, 3]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        run, config, history = read_wandb_run(run_dir)
     assert run == {"project": "llamapipe-test", "name": "tiny"}
     assert config["training"]["global_batch_size"] == Config().training.global_batch_size
     assert sorted(history) == [1, 2, 3]
