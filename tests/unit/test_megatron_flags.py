@@ -163,9 +163,9 @@ def test_num_query_groups_only_with_group_query_attention(argv, groups):
     assert cfg(BASE + argv).model.num_query_groups == groups
 
 
-def test_a_gqa_preset_keeps_its_query_groups_and_an_ignored_flag_gets_a_notice(caplog):
+def test_a_gqa_preset_keeps_its_query_groups_and_an_ignored_flag_gets_a_notice(llamapipe_log):
     assert cfg(["--mock-data", "--model", "llama3-8b", "--num-attention-heads", "16"]).model.num_query_groups == 8
-    assert _notices(BASE + ["--num-query-groups", "2"], caplog) == [
+    assert _notices(BASE + ["--num-query-groups", "2"], llamapipe_log) == [
         "notice: --num-query-groups 2 is ignored without --group-query-attention (as in Megatron-LM): every head "
         "has its own keys and values"]
 
@@ -195,8 +195,8 @@ def test_recompute_activations_is_selective_recompute():
     rejects(BASE + ["--recompute-activations", "--recompute-method", "block"], "--recompute-method block")
 
 
-def test_use_flash_attn_is_a_notice_on_cpu_and_needs_half_precision_on_cuda(monkeypatch, caplog):
-    lines = _notices(BASE + ["--use-flash-attn"], caplog)
+def test_use_flash_attn_is_a_notice_on_cpu_and_needs_half_precision_on_cuda(monkeypatch, llamapipe_log):
+    lines = _notices(BASE + ["--use-flash-attn"], llamapipe_log)
     assert lines == ["notice: --use-flash-attn has no effect on CPU: SDPA's FlashAttention kernel is CUDA-only"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     rejects(BASE + ["--use-flash-attn", "--distributed-backend", "nccl"], "--use-flash-attn needs --bf16 or --fp16")
@@ -238,11 +238,11 @@ def test_rampup_batch_size_only_with_train_samples():
             "--rampup-batch-size 3 3 20", world=2)
 
 
-def test_eval_iters_minus_one_and_missing_validation_data(caplog):
+def test_eval_iters_minus_one_and_missing_validation_data(llamapipe_log):
     assert cfg(BASE + ["--eval-iters", "-1"]).training.eval_iters == 0
     rejects(BASE + ["--eval-iters", "-2"], "--eval-iters -2")
     rejects(BASE + ["--eval-iters", "0", "--eval-interval", "5"], "--eval-interval 5 needs --eval-iters > 0")
-    lines = _notices(BASE + ["--split", "100"], caplog)
+    lines = _notices(BASE + ["--split", "100"], llamapipe_log)
     assert lines == ["notice: no evaluation: --split 100,0,0 gives the validation set weight 0"]
     assert cfg(BASE + ["--split", "100"]).training.eval_iters == 0
     rejects(BASE + ["--split", "100", "--eval-interval", "5"], "--eval-interval 5 needs validation data")
@@ -293,17 +293,10 @@ def test_data_sources_per_split_paths_and_suffix_hint(tmp_path):
 
 # --- the compatibility tables ----------------------------------------------------------------------------
 
-def _notices(argv, caplog) -> list[str]:
-    from llamapipe.core.logger import get_logger
-    logger = get_logger()
-    logger.propagate = True
-    try:
-        with caplog.at_level("INFO", logger="llamapipe"):
-            caplog.clear()
-            cfg(argv)
-    finally:
-        logger.propagate = False
-    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("notice:")]
+def _notices(argv, log) -> list[str]:
+    log.clear()
+    cfg(argv)
+    return [line for line in log if line.startswith("notice:")]
 
 
 def _given(entry) -> list[str]:
@@ -313,8 +306,8 @@ def _given(entry) -> list[str]:
 
 
 @pytest.mark.parametrize("entry", NOTICES, ids=[e.flag for e in NOTICES])
-def test_a_flag_with_no_effect_gets_one_notice_line(entry, caplog):
-    assert _notices(BASE + _given(entry), caplog) == [f"notice: {' '.join(_given(entry))} has no effect here: "
+def test_a_flag_with_no_effect_gets_one_notice_line(entry, llamapipe_log):
+    assert _notices(BASE + _given(entry), llamapipe_log) == [f"notice: {' '.join(_given(entry))} has no effect here: "
                                                       f"{entry.why}"]
 
 
@@ -323,9 +316,9 @@ def test_a_refused_flag_stops_with_its_reason(entry):
     rejects(BASE + _given(entry), f"{' '.join(_given(entry))} is not supported: {entry.why}")
 
 
-def test_refused_flags_pass_at_the_value_that_means_off(caplog):
+def test_refused_flags_pass_at_the_value_that_means_off(llamapipe_log):
     assert _notices(BASE + ["--context-parallel-size", "1", "--expert-model-parallel-size", "1",
-                            "--num-experts", "0"], caplog) == []
+                            "--num-experts", "0"], llamapipe_log) == []
 
 
 # --- --use-checkpoint-args -------------------------------------------------------------------------------
