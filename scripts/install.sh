@@ -8,9 +8,32 @@
 # When the CPU index cannot be reached within a few seconds (a machine that reaches only a package
 # mirror), torch==2.13.0 comes from pip's configured index instead. An installed torch 2.5 or newer,
 # CPU or CUDA, is kept. The last line says which build is in use.
+#
+# A second run is quick: when this Python already has llamapipe installed editable from this checkout with the
+# same pyproject.toml (a stamp in its site-packages records that), nothing is reinstalled. FORCE_INSTALL=1
+# reinstalls anyway.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+STAMP_DIR=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+STAMP="$STAMP_DIR/llamapipe-install.stamp"
+WANT="$(pwd) $("$PY" -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest())")"
+
+report() {
+  "$PY" - <<'PY'
+import torch
+build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"
+gpus = torch.cuda.device_count() if torch.version.cuda else 0
+print(f"install: torch {torch.__version__} ({build}; {gpus} GPU(s) visible)")
+PY
+}
+
+if [ "${FORCE_INSTALL:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] \
+   && "$PY" -c "import llamapipe, torch, pytest" 2>/dev/null; then
+  echo "install: up to date (llamapipe installed from $(pwd), pyproject.toml unchanged; FORCE_INSTALL=1 reinstalls)"
+  report
+  exit 0
+fi
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 
@@ -35,9 +58,10 @@ if ! has_torch; then
   fi
 fi
 "$PY" -m pip install -q -e ".[test]"
+echo "$WANT" > "$STAMP"
 "$PY" - <<'PY'
-import torch
-build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"
-gpus = torch.cuda.device_count() if torch.version.cuda else 0
-print(f"install: torch {torch.__version__} ({build}; {gpus} GPU(s) visible)")
+from importlib.metadata import version
+names = ("pytest", "transformers", "datasets", "tokenizers", "sentencepiece", "numpy", "safetensors", "matplotlib")
+print("install: " + ", ".join(f"{n} {version(n)}" for n in names))
 PY
+report

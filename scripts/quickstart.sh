@@ -17,7 +17,7 @@ ITERS=${TRAIN_ITERS:-80}
 CKPT="$RUN/checkpoints"
 [ "${FRESH:-0}" = 1 ] && rm -rf "$RUN"
 mkdir -p "$RUN"
-[ "${SKIP_INSTALL:-0}" = 1 ] || bash scripts/install.sh
+[ "${SKIP_INSTALL:-0}" = 1 ] || bash scripts/install.sh   # quick when already installed from this checkout
 
 echo "== 1/4 sample corpus (real text from this machine, RedPajama format) -> $RUN/corpus"
 if [ -d "$RUN/corpus" ]; then echo "kept (FRESH=1 rebuilds)"; else
