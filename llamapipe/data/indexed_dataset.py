@@ -9,6 +9,8 @@ We write one sequence per document; readers of files with several sequences per 
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import struct
 from array import array
@@ -44,13 +46,19 @@ def index_file_path(prefix: str) -> str:
 
 
 class IndexedDatasetWriter:
-    """Streams tokens to `<prefix>.bin`; `finalize()` writes `<prefix>.idx`. Memory: 12 bytes per sequence."""
+    """Streams tokens to a temporary file beside `<prefix>.bin`; `finalize()` writes the index and renames both
+    into place (`.bin` first, `.idx` last), so an earlier `<prefix>.bin/.idx` stays whole until the new pair
+    is complete, and a failed run (`abort()`) leaves neither a partial file nor a stray temporary one.
+    `finish()` + `commit()` split `finalize()` for callers that write several datasets at once.
+    Memory: 12 bytes per sequence."""
 
     def __init__(self, prefix: str, dtype: type = np.uint16) -> None:
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
         dtype_code(self.dtype)
-        self._bin = open(data_file_path(prefix), "wb")
+        # the pid keeps two runs writing the same prefix from sharing a temporary file
+        self._tmp = {path: f"{path}.tmp{os.getpid()}" for path in (data_file_path(prefix), index_file_path(prefix))}
+        self._bin = open(self._tmp[data_file_path(prefix)], "wb")
         self._lengths = array("i")
         self._doc_idx = array("q", [0])
 
@@ -67,16 +75,38 @@ class IndexedDatasetWriter:
         self._doc_idx.extend(range(start + 1, start + len(lengths) + 1))
 
     def finalize(self) -> None:
+        self.finish()
+        self.commit()
+
+    def finish(self) -> None:
+        """Write the index beside the tokens, both still under their temporary names, and fsync both."""
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
         self._bin.close()
         lengths = np.frombuffer(self._lengths, dtype=np.int32) if self._lengths else np.zeros(0, np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.frombuffer(self._doc_idx, dtype=np.int64)
-        with open(index_file_path(self.prefix), "wb") as f:
+        with open(self._tmp[index_file_path(self.prefix)], "wb") as f:
             f.write(_HEADER.pack(MAGIC, VERSION, dtype_code(self.dtype), len(lengths), len(doc_idx)))
             f.write(lengths.tobytes())
             f.write(pointers.tobytes())
             f.write(doc_idx.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+
+    def commit(self) -> None:
+        """Rename the finished pair into place, the index last: a reader that sees the new index sees the
+        new tokens too (one that opens between the renames finds sizes that disagree and says so)."""
+        for path, tmp in self._tmp.items():
+            os.replace(tmp, path)
+
+    def abort(self) -> None:
+        """Close and delete the temporary files; any earlier `<prefix>.bin/.idx` is untouched."""
+        self._bin.close()
+        for tmp in self._tmp.values():
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
 class IndexedDataset:
@@ -129,3 +159,39 @@ class IndexedDataset:
         if length is None:
             length = int(self.sequence_lengths[i]) - offset
         return self._bin[start:start + length]
+
+
+_SCAN_CHUNK = 1 << 24   # tokens per np.max call: 32 MiB of uint16 at a time, whatever the file's size
+
+
+def max_token_id(indexed: IndexedDataset) -> int:
+    """The largest token id in the `.bin` (-1 when it holds none), one chunked pass over the mmap."""
+    tokens = indexed._bin
+    return max((int(tokens[i:i + _SCAN_CHUNK].max()) for i in range(0, len(tokens), _SCAN_CHUNK)), default=-1)
+
+
+def cached_max_token_id(indexed: IndexedDataset, cache_dir: str) -> int:
+    """`max_token_id`, kept in a small JSON sidecar under `cache_dir` (Megatron's `.idx` records no maximum).
+    The sidecar is keyed by the `.bin`'s absolute path, size and mtime, so a rewritten file is scanned again."""
+    bin_path = os.path.abspath(data_file_path(indexed.prefix))
+    stat = os.stat(bin_path)
+    key = {"bin": bin_path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    digest = hashlib.md5(bin_path.encode()).hexdigest()[:12]
+    sidecar = os.path.join(cache_dir, f"{os.path.basename(indexed.prefix)}_{digest}_max_token_id.json")
+    try:
+        with open(sidecar) as f:
+            saved = json.load(f)
+        if {k: saved.get(k) for k in key} == key and isinstance(saved.get("max_token_id"), int):
+            return saved["max_token_id"]
+    except (OSError, ValueError):
+        pass    # no sidecar yet, or a damaged one: scan
+    value = max_token_id(indexed)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{sidecar}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({**key, "max_token_id": value}, f)
+        os.replace(tmp, sidecar)
+    except OSError:
+        pass    # a read-only cache only costs the scan next time
+    return value

@@ -5,6 +5,11 @@ by small streaming readers here (memory does not grow with the file); a hub data
 `datasets.load_dataset(name, streaming=True)` only when the user names one. Bad records (invalid JSON or
 UTF-8, missing / non-string / empty text) are skipped and counted in `ReadStats`, which names the file:line
 of the first few; with `strict=True` the first bad record raises `ValueError` naming its file:line.
+
+A compressed file (.gz, .parquet) is read through once before any of its documents is used, because a
+damaged one fails only somewhere inside (a gzip CRC only at its end): a truncated, corrupt or mislabelled
+file is skipped whole and named in `ReadStats.bad_files` (or, when strict, raises `ValueError` naming it).
+The check costs a second decompression, small beside tokenizing.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import glob
 import gzip
 import json
 import os
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -34,6 +40,7 @@ class ReadStats:
     documents: int = 0
     skipped: Counter = field(default_factory=Counter)    # reason -> count
     examples: list[str] = field(default_factory=list)    # "file:line: reason" of the first few
+    bad_files: list[str] = field(default_factory=list)   # "file: reason" of every unreadable file, skipped whole
 
     @property
     def num_skipped(self) -> int:
@@ -45,11 +52,13 @@ class ReadStats:
             self.examples.append(f"{where}: {reason}")
 
     def summary(self) -> str:
+        files = (f"; {len(self.bad_files)} unreadable files skipped: {'; '.join(self.bad_files)}"
+                 if self.bad_files else "")
         if not self.skipped:
-            return f"{self.documents} documents read, no bad records"
+            return f"{self.documents} documents read, no bad records{files}"
         reasons = ", ".join(f"{n} {r}" for r, n in sorted(self.skipped.items()))
         return (f"{self.documents} documents read, {self.num_skipped} bad records skipped ({reasons}); "
-                f"first: {'; '.join(self.examples)}")
+                f"first: {'; '.join(self.examples)}{files}")
 
 
 def _looks_local(item: str) -> bool:
@@ -83,7 +92,13 @@ def iter_documents(inputs: Sequence[str], json_keys: Sequence[str] = ("text",), 
     """Valid documents of every input in order; bad ones are counted in `stats` (or raise when strict)."""
     stats = stats if stats is not None else ReadStats()
     for source in resolve_inputs(inputs):
-        for where, record in _records(source, hub_split):
+        for where, record in _guarded(source, _records(source, hub_split)):
+            if isinstance(record, UnreadableFile):
+                if strict:
+                    raise ValueError(f"unreadable input file {source}: {record.reason} "
+                                     "(drop --strict to skip unreadable files)")
+                stats.bad_files.append(f"{source}: {record.reason}")
+                continue
             doc_or_reason = _to_document(record, json_keys, where)
             if isinstance(doc_or_reason, Document):
                 stats.documents += 1
@@ -92,6 +107,61 @@ def iter_documents(inputs: Sequence[str], json_keys: Sequence[str] = ("text",), 
                 raise ValueError(f"bad record at {where}: {doc_or_reason} (drop --strict to skip bad records)")
             else:
                 stats.skip(where, doc_or_reason)
+
+
+@dataclass
+class UnreadableFile:
+    reason: str
+
+
+def _read_error(path: str, exc: BaseException) -> str:
+    """One phrase for why a file cannot be read (gzip, zlib and pyarrow say it in their own words)."""
+    if isinstance(exc, EOFError):
+        return "truncated gzip file (its data ends before the end-of-stream marker)"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, (gzip.BadGzipFile, zlib.error)):
+        return f"corrupt gzip file ({text})"
+    if path.endswith(".parquet"):
+        return f"corrupt parquet file ({text})"
+    return f"read error ({text})"
+
+
+def _read_errors() -> tuple[type, ...]:
+    errors: tuple[type, ...] = (OSError, EOFError, zlib.error)
+    try:
+        import pyarrow
+        errors += (pyarrow.ArrowException,)
+    except ImportError:
+        pass
+    return errors
+
+
+def _guarded(source: str, records: Iterator[tuple[str, Record]]) -> Iterator[tuple[str, Record]]:
+    """`records`, but a local file that cannot be read ends as one `UnreadableFile`; a compressed one is read
+    through first, so it yields either all its records or none."""
+    if not os.path.isfile(source):
+        yield from records     # a hub dataset: its own errors are the datasets library's
+        return
+    errors = _read_errors()
+    try:
+        if source.endswith((".gz", ".parquet")):
+            _read_through(source)
+        for item in records:
+            yield item
+    except errors as exc:
+        yield source, UnreadableFile(_read_error(source, exc))
+
+
+def _read_through(path: str) -> None:
+    """Decompress (and for parquet decode) the whole file, discarding it: raises where reading would."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        for _ in pq.ParquetFile(path).iter_batches(batch_size=4096):
+            pass
+        return
+    with gzip.open(path, "rb") as f:
+        while f.read(1 << 20):
+            pass
 
 
 def _records(source: str, hub_split: str) -> Iterator[tuple[str, Record]]:

@@ -15,6 +15,7 @@ import argparse
 import itertools
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -37,6 +38,7 @@ def output_prefix(prefix: str, key: str) -> str:
 
 
 def _init_worker(tokenizer_args: tuple, json_keys: Sequence[str], append_eod: bool, workers: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)    # the pool's terminate() must end a worker at once
     if workers > 1:
         # The pool is the parallelism; HF's encode_batch would otherwise start a thread per core in every worker.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -121,11 +123,31 @@ def preprocess(inputs: Sequence[str], prefix: str, model_path: Optional[str], wo
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     writers = {k: IndexedDatasetWriter(output_prefix(prefix, k), best_dtype(tokenizer.vocab_size))
                for k in json_keys}
-    stats, tokens, start = ReadStats(), 0, time.perf_counter()
-    where = InputProgress(files)
-    docs = iter_documents(files, json_keys, strict=strict, stats=stats)
+    stats, start = ReadStats(), time.perf_counter()
+    try:    # every output appears only once all are complete; a failure leaves the earlier ones as they were
+        docs = iter_documents(files, json_keys, strict=strict, stats=stats)
+        tokens = _tokenize(docs, InputProgress(files), writers, progress, batch_docs,
+                           ((model_path, tokenizer_type, vocab_size), tuple(json_keys), append_eod, workers))
+        for w in writers.values():
+            w.finish()
+        for w in writers.values():
+            w.commit()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    elapsed = time.perf_counter() - start
+    return {"documents": stats.documents, "tokens": tokens, "skipped": stats.num_skipped,
+            "bad_files": len(stats.bad_files), "seconds": elapsed,
+            "docs_per_s": stats.documents / elapsed, "tokens_per_s": tokens / elapsed,
+            "read_summary": stats.summary(), "outputs": [output_prefix(prefix, k) for k in json_keys]}
+
+
+def _tokenize(docs: Iterator[Document], where: InputProgress, writers: dict[str, IndexedDatasetWriter],
+              progress: bool, batch_docs: int, initargs: tuple) -> int:
+    """Encode `docs` in a process pool and append them to `writers`; returns the first json key's token count."""
+    json_keys, workers, tokens = initargs[1], initargs[3], 0
     pending: deque = deque()
-    initargs = ((model_path, tokenizer_type, vocab_size), tuple(json_keys), append_eod, workers)
     with _progress_bar(where.total, progress) as bar, \
             mp.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
         def drain(keep: int) -> None:
@@ -143,12 +165,7 @@ def preprocess(inputs: Sequence[str], prefix: str, model_path: Optional[str], wo
         drain(keep=0)
         if where.total is not None:   # the last file's tail (compressed, or quoting and meta) is read by now
             bar.update(where.total - bar.n)
-    for w in writers.values():
-        w.finalize()
-    elapsed = time.perf_counter() - start
-    return {"documents": stats.documents, "tokens": tokens, "skipped": stats.num_skipped, "seconds": elapsed,
-            "docs_per_s": stats.documents / elapsed, "tokens_per_s": tokens / elapsed,
-            "read_summary": stats.summary(), "outputs": [output_prefix(prefix, k) for k in json_keys]}
+    return tokens
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -172,6 +189,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.workers < 1 or args.batch_docs < 1:
         raise SystemExit(f"--workers {args.workers} and --batch-docs {args.batch_docs} must be at least 1")
+    # SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the temporary outputs are removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         s = preprocess(args.input, args.output_prefix, args.tokenizer_model, args.workers, args.json_keys,
                        args.append_eod, args.strict, args.batch_docs, not args.no_progress,
@@ -181,6 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log = get_logger()
     log.info(s["read_summary"])
     log.info(f"documents {s['documents']} | tokens {s['tokens']} | skipped records {s['skipped']} | "
+             f"unreadable files {s['bad_files']} | "
              f"{s['seconds']:.2f}s | {s['docs_per_s']:.0f} docs/s | {s['tokens_per_s']:.0f} tokens/s")
     log.info("wrote " + ", ".join(f"{o}.bin/.idx" for o in s["outputs"]))
     return 0
