@@ -6,7 +6,8 @@
 
 With --iterations K it runs K chained iterations (`simulator_iterations`): a barrier after each, or with
 --post-validation each rank going on to the next iteration as soon as it has stepped, so iterations
-interleave; it prints the steady-state time per iteration. `auto` is planned for what that costs
+interleave; it prints the steady-state time per iteration, and the table and picture cover every iteration.
+With --json and no --out it draws nothing. `auto` is planned for what that costs
 (`auto_plan`): the makespan, or with --post-validation the longest stage span.
 """
 from __future__ import annotations
@@ -81,14 +82,19 @@ def _build(args: argparse.Namespace, vpp: int, costs: Costs):
 
 
 def _report(plan, result, iters) -> str:
-    lines = [ascii_timeline(plan, iters.result, iters.iteration_of), "", rank_table(plan, result), "",
-             f"makespan {result.makespan:.2f}", bubble_text(result)]
+    """Timeline and table over every iteration drawn; the makespan and bubble figures of one iteration."""
+    lines = [ascii_timeline(plan, iters.result, iters.iteration_of), ""]
+    if iters.iterations > 1:
+        lines.append(f"per rank over all {iters.iterations} iterations drawn above:")
+    alone = "one iteration alone: " if iters.iterations > 1 else ""
+    lines += [rank_table(plan, iters.result), "", f"{alone}makespan {result.makespan:.2f}", alone + bubble_text(result)]
     return "\n".join(lines + ([iterations_text(iters)] if iters.iterations > 1 or iters.post_validation else []))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     vpp = args.vpp if args.vpp is not None else SPECS[args.schedule].default_chunks
+    draw = args.out is not None or not args.json   # --json alone is for scripts: no picture to wait for
     args.out = args.out or os.path.join("runs", f"schedule_{args.schedule}.png")
     if not args.out.endswith((".png", ".svg")):
         return _fail(f"--out {args.out} must end in .png or .svg")
@@ -99,12 +105,11 @@ def main(argv: list[str] | None = None) -> int:
                                     optimizer_step=args.optimizer_step)
     except ValueError as e:
         return _fail(str(e))
-    result = simulate(plan, costs)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    if args.iterations > 1:
-        plot_timeline(plan, iters.result, args.out, iterations=iters)
-    else:
-        plot_timeline(plan, result, args.out)
+    # one iteration from release time 0 is exactly `simulate`'s run: no need to run it twice
+    result = iters.result if args.iterations == 1 else simulate(plan, costs)
+    if draw:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        plot_timeline(plan, iters.result, args.out, iterations=iters if args.iterations > 1 else None)
     if args.json:
         data = {"schedule": args.schedule, "pp": args.pp, "vpp": vpp, "microbatches": args.microbatches,
                 "makespan": result.makespan, "bubble_rate": result.bubble_rate,

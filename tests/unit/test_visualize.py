@@ -10,7 +10,14 @@ from llamapipe.core.config import SCHEDULES
 from llamapipe.core.pipeline_parallel.builders import one_f_one_b, zbv
 from llamapipe.core.pipeline_parallel.schedule_specs import build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
-from llamapipe.core.pipeline_parallel.visualize import ascii_timeline, bubble_text, plot_timeline, rank_table
+from llamapipe.core.pipeline_parallel.simulator_iterations import simulate_iterations
+from llamapipe.core.pipeline_parallel.visualize import (
+    ascii_timeline,
+    bubble_text,
+    plot_timeline,
+    rank_table,
+    timeline_figure,
+)
 from llamapipe.tools import plot_schedule
 from tests.harness import ROOT
 
@@ -122,3 +129,114 @@ def test_committed_figures_are_small_pngs(name):
     with open(path, "rb") as f:
         data = f.read()
     assert data.startswith(b"\x89PNG") and len(data) < 100_000
+
+
+def _drawn(fig):
+    """Lay the figure out on an Agg canvas (as savefig does) and return its axes and renderer."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return fig.axes[0], canvas.get_renderer()
+
+
+@pytest.mark.parametrize("m,labelled", [(8, True), (64, False)])
+def test_artists_grow_with_looks_not_actions(m, labelled):
+    """ZB-H1 at p = 4 has three looks (F, B, W): three collections whatever m is, no per-action patch;
+    at m = 8 every box has room for its number, at m = 64 (boxes a few points wide) none has."""
+    plan = build("zb-h1", 4, 1, m)
+    ax, _ = _drawn(timeline_figure(plan, simulate(plan)))
+    assert len(ax.collections) == 3 and not ax.patches
+    actions = sum(len(row) for row in plan.actions)
+    assert actions == 4 * 3 * m
+    assert len(ax.texts) == (actions if labelled else 0)
+
+
+def test_labels_fit_inside_their_boxes():
+    """Unequal costs (W = 0.8 F): every drawn number lies inside its box on the rendered picture, and
+    whether a box is labelled depends only on its length (all boxes of one length alike)."""
+    costs = Costs(1, 1.5, 0.8, 0.1)
+    plan = build("auto", 4, 1, 16, costs=costs)
+    result = simulate(plan, costs)
+    ax, renderer = _drawn(timeline_figure(plan, result))
+    assert ax.texts
+    boxes = {(rank, round((s + e) / 2, 6)): (s, e, a) for rank, row in enumerate(result.timeline)
+             for s, e, a in row}
+    labelled = set()
+    for text in ax.texts:
+        x, y = text.get_position()
+        start, end, action = boxes[(round(y), round(x, 6))]
+        assert text.get_text() == str(action.microbatch)
+        left, right = (ax.transData.transform((t, 0))[0] for t in (start, end))
+        extent = text.get_window_extent(renderer)
+        assert left <= extent.x0 and extent.x1 <= right
+        labelled.add((round(y), round(x, 6)))
+    for length in {round(e - s, 6) for s, e, _ in boxes.values()}:
+        same = [key for key, (s, e, _) in boxes.items() if round(e - s, 6) == length]
+        assert len({key in labelled for key in same}) == 1, length
+
+
+def _legend(ax):
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+@pytest.mark.parametrize("optimizer_step", [0.0, 0.5])
+def test_two_iteration_legend_is_what_is_drawn(optimizer_step):
+    """Two post-validated ZB-H2 iterations: the legend has an optimizer step only when one is drawn
+    (a gold collection), and every legend colour is the face colour of some drawn collection."""
+    from matplotlib.colors import to_hex
+    costs = Costs(1, 1, 1, 0.1)
+    plan = build("zb-h2", 4, 1, 8, costs=costs)
+    iters = simulate_iterations(plan, costs, 2, post_validation=True, optimizer_step=optimizer_step)
+    ax, _ = _drawn(timeline_figure(plan, iters.result, iterations=iters))
+    expected = ["F", "B", "W", "odd iteration"] + (["optimizer step"] if optimizer_step else [])
+    assert _legend(ax) == expected
+    faces = {to_hex(c) for coll in ax.collections for c in coll.get_facecolor()}
+    for handle, label in zip(ax.get_legend().legend_handles, expected):
+        if label != "odd iteration":
+            assert to_hex(handle.get_facecolor()) in faces, label
+    assert ("#fec44f" in faces) == bool(optimizer_step)
+
+
+def test_hatching_stays_below_the_numbers():
+    """Odd iterations are hatched in a strip at the bottom of their boxes: no number's rendered extent
+    reaches into any hatched strip of its rank."""
+    plan = build("zbv", 2, 2, 4)
+    iters = simulate_iterations(plan, Costs(), 3, post_validation=True)
+    ax, renderer = _drawn(timeline_figure(plan, iters.result, iterations=iters))
+    hatched = [coll for coll in ax.collections if coll.get_hatch()]
+    assert hatched and ax.texts
+    strips = {}   # rank -> display y-range of its hatched strips
+    for coll in hatched:
+        for path in coll.get_paths():
+            ys = ax.transData.transform(path.vertices)[:, 1]
+            strips.setdefault(round(path.vertices[:, 1].mean()), set()).add((ys.min(), ys.max()))
+    for text in ax.texts:
+        extent = text.get_window_extent(renderer)
+        for low, high in strips[round(text.get_position()[1])]:
+            assert extent.y1 <= low or extent.y0 >= high
+
+
+def test_json_alone_draws_nothing(tmp_path, monkeypatch, capsys):
+    """--json without --out is for scripts: no figure, no runs/ folder; with --out it draws once."""
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    monkeypatch.setattr(plot_schedule, "plot_timeline", lambda *a, **k: calls.append(a))
+    assert plot_schedule.main(["--schedule", "zb-h1", "--pp", "2", "--microbatches", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["makespan"] > 0
+    assert calls == [] and os.listdir(tmp_path) == []
+    assert plot_schedule.main(["--schedule", "zb-h1", "--pp", "2", "--microbatches", "4", "--json",
+                               "--out", "x.png"]) == 0
+    assert len(calls) == 1 and calls[0][2] == "x.png"
+
+
+def test_table_covers_every_drawn_iteration(tmp_path, capsys):
+    """Two post-validated ZB-H2 iterations (p = 4, m = 8): the table's busy time is two iterations'
+    work, 2 x 8 x (F + B + W) = 48 per rank, and its makespan the end of the second iteration."""
+    assert plot_schedule.main(["--schedule", "zb-h2", "--pp", "4", "--microbatches", "8", "--iterations", "2",
+                               "--post-validation", "--costs", "1,1,1,0.1", "--out", str(tmp_path / "t.png")]) == 0
+    text = capsys.readouterr().out
+    assert "per rank over all 2 iterations drawn above:" in text
+    table = text[text.index(" rank     busy"):text.index("one iteration alone: makespan 27.30")]
+    rows = _table_rows(table.strip("\n"))
+    assert [rows[str(r)][0] for r in range(4)] == [48.0] * 4
+    assert rows["0"][4] == pytest.approx(27.3 + 24.8, abs=0.005)   # both iterations, as the README gives them
