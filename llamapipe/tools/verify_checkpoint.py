@@ -1,5 +1,6 @@
 """`llamapipe verify-checkpoint DIR`: check a checkpoint's files against the sizes and sha256 checksums in
-its metadata.json, offline (no processes, no model).
+its metadata.json, offline (no processes, no model). metadata.json itself is checked by the function the
+loader uses (`catalog.checked_metadata`: its own checksum, its fields), so what loading rejects, this rejects.
 
 DIR is one checkpoint (`.../iter_0000010`) or a --save directory, whose every checkpoint is checked. One
 line per checkpoint: `ok`, or each damaged file and what is wrong with it. Files are hashed in parallel
@@ -20,12 +21,9 @@ from llamapipe.training.checkpointing.integrity import file_defect
 
 def defects(ckpt_dir: str, workers: int = 4) -> list[str]:
     """Every defect of one checkpoint (empty: sound); metadata problems first."""
-    try:
-        meta = catalog.read_metadata(ckpt_dir)
-    except (OSError, ValueError):
-        return ["metadata.json is missing or unreadable"]
-    if meta.get("format_version") not in catalog.READABLE_VERSIONS:
-        return [f"format version {meta.get('format_version')} is not one of {catalog.READABLE_VERSIONS}"]
+    meta, defect = catalog.checked_metadata(ckpt_dir)     # the loader's own check of the metadata
+    if meta is None:
+        return [defect]
     found = []
     if meta["format_version"] < 2:
         found.append("written before checksums (format 1): only file sizes can be checked")

@@ -208,3 +208,52 @@ def test_changed_metadata_is_detected(tmp_path):
     assert catalog.incomplete_reason(str(tmp_path / "iter_0000002")) == \
         "metadata.json fails its sha256 checksum (its bytes changed after it was written)"
     assert load(tmp_path)[0] == LoadResult(1, 8)
+
+
+def _reseal(path, change) -> None:
+    """Edit metadata.json and give it a matching checksum, as a hand edit that knows the format would."""
+    meta = catalog.read_metadata(str(path.parent))
+    change(meta)
+    integrity.write_json(str(path), catalog.seal({k: v for k, v in meta.items() if k != "metadata_sha256"}))
+
+
+def _drop(key):
+    return lambda meta: meta.pop(key)
+
+
+def _unlisted_shard(meta):
+    entry = next(e for k, e in meta["tensors"].items() if k.startswith("model:"))
+    entry["shards"]["0"] = "model_tp01_pp000.safetensors"
+
+
+def _outside_file(meta):
+    meta["files"]["../" + FILES[0]] = meta["files"].pop(FILES[0])
+
+
+_ALTERATIONS = {
+    "edited value": lambda p: p.write_text(p.read_text().replace('"consumed_samples": 16', '"consumed_samples": 17')),
+    "checksum removed": lambda p: _reseal(p, lambda m: None) or p.write_text(
+        p.read_text().replace('"metadata_sha256"', '"metadata_sha257"')),
+    "cut short": lambda p: p.write_bytes(p.read_bytes()[:200]),
+    "future format": lambda p: _reseal(p, lambda m: m.update(format_version=9)),
+    "no tensor index": lambda p: _reseal(p, _drop("tensors")),
+    "no file list": lambda p: _reseal(p, _drop("files")),
+    "samples as text": lambda p: _reseal(p, lambda m: m.update(consumed_samples="16")),
+    "shard not listed": lambda p: _reseal(p, _unlisted_shard),
+    "file outside the checkpoint": lambda p: _reseal(p, _outside_file),
+}
+
+
+@pytest.mark.parametrize("alteration", list(_ALTERATIONS))
+def test_verify_checkpoint_rejects_every_metadata_the_loader_rejects(tmp_path, capsys, warnings, alteration):
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    _ALTERATIONS[alteration](tmp_path / "iter_0000002" / cio.METADATA)
+    assert load(tmp_path)[0] == LoadResult(1, 8), "the loader used the altered checkpoint"
+    text = " ".join(r.getMessage() for r in warnings)
+    assert "iter_0000002 (metadata.json " in text, text
+    capsys.readouterr()
+    assert verify_checkpoint.main([str(tmp_path / "iter_0000002")]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{tmp_path / 'iter_0000002'}: metadata.json "), lines
+    assert verify_checkpoint.main([str(tmp_path / "iter_0000001")]) == 0

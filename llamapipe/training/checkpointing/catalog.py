@@ -15,7 +15,7 @@ import json
 import os
 import re
 import shutil
-from typing import Optional
+from typing import Any, Optional
 
 from llamapipe.core.logger import get_logger
 
@@ -55,17 +55,65 @@ def seal(meta: dict) -> dict:
     return {**plain, "metadata_sha256": _digest(plain)}
 
 
-def incomplete_reason(ckpt_dir: str) -> Optional[str]:
-    """None when `ckpt_dir` is a complete checkpoint (sizes only, no checksums), else why not (one phrase)."""
-    from llamapipe.training.checkpointing.integrity import file_defect
+# What the loader reads from metadata.json, by type (beyond "files" and "tensors", checked in detail).
+_FIELDS = {"iteration": int, "consumed_samples": int, "model_config": dict, "layout": dict, "has_optimizer": bool,
+           "scheduler": (dict, type(None))}
+
+
+def checked_metadata(ckpt_dir: str) -> tuple[Optional[dict], Optional[str]]:
+    """(metadata, None) when metadata.json is one the loader can use, else (None, why not: one phrase naming
+    metadata.json). The one check of the metadata: loading and `llamapipe verify-checkpoint` both call it, so
+    they cannot disagree about a checkpoint."""
     try:
         meta = read_metadata(ckpt_dir)
     except (OSError, ValueError):
-        return "metadata.json is missing or unreadable"
-    if meta.get("format_version") not in READABLE_VERSIONS:
-        return f"format version {meta.get('format_version')} is not one of {READABLE_VERSIONS}"
+        return None, "metadata.json is missing or unreadable"
+    if not isinstance(meta, dict) or meta.get("format_version") not in READABLE_VERSIONS:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        return None, f"metadata.json has format version {version}, not one of {READABLE_VERSIONS}"
     if meta["format_version"] >= 2 and meta.get("metadata_sha256") != _digest(meta):
-        return "metadata.json fails its sha256 checksum (its bytes changed after it was written)"
+        return None, "metadata.json fails its sha256 checksum (its bytes changed after it was written)"
+    defect = _structure_defect(meta)
+    return (None, f"metadata.json {defect}") if defect else (meta, None)
+
+
+def _structure_defect(meta: dict) -> Optional[str]:
+    """What is missing or malformed in a sealed metadata.json (e.g. edited and re-sealed by hand), or None."""
+    for key, kind in {**_FIELDS, "files": dict, "tensors": dict}.items():
+        if not isinstance(meta.get(key), kind) or (kind is int and isinstance(meta[key], bool)):
+            return f"has no valid '{key}'"
+    for fname, record in meta["files"].items():
+        if os.path.basename(fname) != fname or fname in ("", ".", "..", METADATA):
+            return f"lists {fname!r}, which is not a file name inside the checkpoint"
+        if not _record_ok(record, checksummed=meta["format_version"] >= 2):
+            return f"has no valid size{' and sha256' if meta['format_version'] >= 2 else ''} for {fname}"
+    for key, entry in meta["tensors"].items():
+        shards = entry.get("shards") if isinstance(entry, dict) else None
+        if not isinstance(shards, dict) or not shards or not isinstance(entry.get("shape"), list):
+            return f"has no valid shards and shape for tensor {key}"
+        unlisted = sorted(set(shards.values()) - set(meta["files"]))
+        if unlisted:
+            return f"names {unlisted[0]} for tensor {key} but does not list that file (so it was never verified)"
+    return None
+
+
+def _record_ok(record: Any, checksummed: bool) -> bool:
+    """Format 2: {"size", "sha256", "rank"}; format 1: the size alone."""
+    if checksummed:
+        return isinstance(record, dict) and _is_count(record.get("size")) and isinstance(record.get("sha256"), str)
+    return _is_count(record)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def incomplete_reason(ckpt_dir: str) -> Optional[str]:
+    """None when `ckpt_dir` is a complete checkpoint (sizes only, no checksums), else why not (one phrase)."""
+    from llamapipe.training.checkpointing.integrity import file_defect
+    meta, defect = checked_metadata(ckpt_dir)
+    if meta is None:
+        return defect
     for fname, record in sorted(meta["files"].items()):
         defect = file_defect(ckpt_dir, fname, record, checksum=False)
         if defect is not None:
