@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import platform
 import re
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 
 from benchmarks.bench_model import add_model_shape_args
+from benchmarks.launch import read_metrics, torchrun
 from benchmarks.results_io import write_json
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILED_RE = re.compile(r"--compile: compiled \d+ decoder layers .* in ([\d.]+) s")
 
 
@@ -43,25 +39,15 @@ def cli_flags(args: argparse.Namespace) -> list[str]:
             "--pipeline-schedule", "zbv"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_once(args: argparse.Namespace, compiled: bool, workdir: str, tag: str) -> dict:
     """One training run; its median tokens/s after the first iteration, losses and compile seconds."""
     jsonl = os.path.join(workdir, f"{tag}.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "pretrain_llama.py", *cli_flags(args), "--metrics-jsonl", jsonl,
-           *(["--compile"] if compiled else [])]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, TORCHINDUCTOR_CACHE_DIR=args.cache_dir)
+    flags = [*cli_flags(args), "--metrics-jsonl", jsonl, *(["--compile"] if compiled else [])]
     load_before = os.getloadavg()[0]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    proc = torchrun(2, flags, timeout=1800, env={"TORCHINDUCTOR_CACHE_DIR": args.cache_dir})
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    with open(jsonl) as f:
-        records = [json.loads(line) for line in f if '"lm_loss"' in line]
+        raise RuntimeError(f"pretrain_llama.py {' '.join(flags)} failed:\n{proc.stderr[-3000:]}")
+    records = read_metrics(jsonl)
     timed = [r["tokens_per_sec"] for r in records if r.get("tokens_per_sec")]
     match = COMPILED_RE.search(proc.stdout + proc.stderr)
     return {"tokens_per_s": statistics.median(timed), "iterations_timed": len(timed),

@@ -1,23 +1,25 @@
 """Data-parallel sharding benchmark on the CPU: step time of each --data-parallel-sharding-strategy side by side.
 
-Runs pretrain_llama.py (through tests/scripts/fsdp_launch.py, which wires the sharding in until setup.py
-does) with torchrun on gloo for each strategy and DP size, and reports the median step time over the
-iterations after the first (warm-up), its ratio to no_shard at the same DP size, and the final loss (equal
-across strategies). A benchmark, not a test: CPU timings vary with the machine and its load.
+Runs pretrain_llama.py with torchrun on gloo (benchmarks/launch.py, one thread per rank) for each strategy and
+DP size, and reports the median step time over the iterations after the first (warm-up), its ratio to no_shard
+at the same DP size, and the final loss (equal across strategies). A benchmark, not a test: CPU timings vary
+with the machine and its load.
 
-    python benchmarks/bench_fsdp.py --dp 2 4 --iters 8 --out benchmarks/results/bench_fsdp.json
+    python -m benchmarks.bench_fsdp --dp 2 4 --iters 5 --out benchmarks/results/bench_fsdp.json
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.cli import read_metrics, torchrun  # noqa: E402
+import torch
+
+from benchmarks.launch import read_metrics, torchrun
+from benchmarks.results_io import write_json
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 MODEL = ["--mock-data", "--num-layers", "8", "--hidden-size", "256", "--ffn-hidden-size", "704",
@@ -31,7 +33,7 @@ def run(strategy: str, dp: int, iters: int, extra: list[str]) -> dict:
         jsonl = os.path.join(tmp, "m.jsonl")
         args = MODEL + ["--train-iters", str(iters), "--global-batch-size", str(4 * dp),
                         "--data-parallel-sharding-strategy", strategy, "--metrics-jsonl", jsonl] + extra
-        proc = torchrun(dp, args, script="tests/scripts/fsdp_launch.py", timeout=1200)
+        proc = torchrun(dp, args, timeout=1200)
         if proc.returncode != 0:
             return {"strategy": strategy, "dp": dp, "error": proc.stderr.strip().splitlines()[-1]}
         records = read_metrics(jsonl)
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", default="", help="more pretrain_llama.py flags, e.g. \"--optimizer-cpu-offload\"")
     p.add_argument("--out", default="benchmarks/results/bench_fsdp.json")
     args = p.parse_args(argv)
+    if args.iters < 2:
+        p.error(f"--iters {args.iters} is too few: the first iteration is warm-up and not timed, so at least 2")
     rows = [run(s, dp, args.iters, args.extra.split()) for dp in args.dp for s in STRATEGIES]
     print(f"{'dp':>3} {'strategy':<20} {'step s':>8} {'vs no_shard':>12} {'final loss':>12}")
     for row in rows:
@@ -57,9 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         row["vs_no_shard"] = row["step_s"] / base["step_s"] if "step_s" in base else None
         ratio = f"{row['vs_no_shard']:.2f}x" if row["vs_no_shard"] else "-"
         print(f"{row['dp']:>3} {row['strategy']:<20} {row['step_s']:>8.3f} {ratio:>12} {row['final_loss']:>12.6f}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"model": MODEL, "iters": args.iters, "rows": rows}, f, indent=1)
+    write_json(args.out, {"model": MODEL, "iters": args.iters, "extra": args.extra, "torch": torch.__version__,
+                          "platform": platform.platform(), "cpus": os.cpu_count(), "rows": rows}, indent=1)
     return 0
 
 

@@ -163,7 +163,7 @@ def _table(title: str, rows: list[dict]) -> str:
 
 def _overlap_modes(args, modes: list, results: dict) -> None:
     from benchmarks import schedules_overlap
-    from tests.harness import run_distributed
+    from benchmarks.launch import run_distributed
     if "overlap" in modes:
         results["overlap"] = run_distributed(schedules_overlap.real_worker, 2, args, timeout=1800)[0]
         results["overlap_summary"] = schedules_overlap.summary(results["overlap"])
@@ -200,7 +200,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
     args = parser.parse_args(argv)
-    from tests.harness import run_distributed
+    from benchmarks.launch import run_distributed
     modes, results = args.modes.split(","), {"args": vars(args)}
     if "simulated" in modes:
         results["simulated"] = simulated()
