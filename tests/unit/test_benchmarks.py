@@ -1,5 +1,11 @@
 """benchmarks/bench_schedules.py: the real-mode summary (the ratios the README reports), the pooling of
-runs and the synthetic mode end to end."""
+runs and the synthetic mode end to end; every benchmark's --help, and no benchmark imports from tests/."""
+import ast
+import glob
+import importlib
+import os
+import sys
+
 import pytest
 import torch
 
@@ -7,6 +13,7 @@ from benchmarks.pool_runs import bootstrap_median, pooled, round_ratios
 from benchmarks.schedules_real import _simulated_fill, check_same_losses, summary
 from llamapipe.core.pipeline_parallel.schedule_specs import build
 from llamapipe.core.pipeline_parallel.simulator import Costs
+from tests.harness import ROOT
 
 
 def _row(name, rounds, busy):
@@ -90,3 +97,29 @@ def test_synthetic_mode_times_every_schedule_round_robin():
         plan_actions = {"gpipe": 8, "1f1b": 8, "interleaved": 16, "zb-h1": 12, "zbv": 24}
         if r["schedule"] in plan_actions:
             assert r["actions_per_rank"] == plan_actions[r["schedule"]]
+
+
+BENCHMARKS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "benchmarks", "bench_*.py"))) \
+    + ["pool_runs"]      # the command that pools bench_schedules runs
+
+
+def test_benchmarks_import_nothing_from_tests():
+    """Benchmarks run from a checkout without the test suite; the launchers they share are benchmarks/launch.py."""
+    offenders = []
+    for path in glob.glob(os.path.join(ROOT, "benchmarks", "*.py")):
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{os.path.basename(path)}:{node.lineno}" for n in names if n.split(".")[0] == "tests"]
+    assert not offenders
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_benchmark_help(name, monkeypatch, capsys):
+    """`python -m benchmarks.<name> --help` prints its usage and exits 0 (its imports resolve)."""
+    assert len(BENCHMARKS) >= 9
+    module = importlib.import_module(f"benchmarks.{name}")
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--help"])
+    with pytest.raises(SystemExit) as info:
+        module.main()
+    assert info.value.code == 0 and "usage:" in capsys.readouterr().out
