@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
-
-import torch
 
 from benchmarks.launch import read_metrics, torchrun
 from benchmarks.results_io import write_json
@@ -61,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         row["vs_no_shard"] = row["step_s"] / base["step_s"] if "step_s" in base else None
         ratio = f"{row['vs_no_shard']:.2f}x" if row["vs_no_shard"] else "-"
         print(f"{row['dp']:>3} {row['strategy']:<20} {row['step_s']:>8.3f} {ratio:>12} {row['final_loss']:>12.6f}")
-    write_json(args.out, {"model": MODEL, "iters": args.iters, "extra": args.extra, "torch": torch.__version__,
-                          "platform": platform.platform(), "cpus": os.cpu_count(), "rows": rows}, indent=1)
+    write_json(args.out, {"model": MODEL, "iters": args.iters, "extra": args.extra, "rows": rows}, indent=1)
     return 0
 
 

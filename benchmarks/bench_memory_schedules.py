@@ -9,11 +9,11 @@ schedule timed round-robin) and keeps the four rows; prints a table and writes J
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from benchmarks import bench_schedules
+from benchmarks.results_io import write_json
 from llamapipe.core.pipeline_parallel.schedule_specs import build
 from llamapipe.core.pipeline_parallel.simulator import Costs, peak_memory
 
@@ -37,8 +37,7 @@ def main(argv=None) -> dict:
     for r in rows:
         print(f"{r['schedule']:<8} {r['m']:>3} {r['step_ms']:>9.1f} {r['step_ms'] / base[r['m']]:>8.3f} "
               f"{r['peak_mb_units']:>32.2f}")
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
+    write_json(args.out, {"rows": rows}, indent=1)
     return {"rows": rows}
 
 

@@ -3,6 +3,7 @@ runs and the synthetic mode end to end; every benchmark's --help, and no benchma
 import ast
 import glob
 import importlib
+import json
 import os
 import sys
 
@@ -123,3 +124,12 @@ def test_benchmark_help(name, monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         module.main()
     assert info.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_results_record_the_machine(tmp_path, capsys):
+    from benchmarks.results_io import write_json
+    out = tmp_path / "new" / "r.json"
+    write_json(str(out), {"rows": [1]})
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == [1] and saved["machine"]["torch"] == torch.__version__
+    assert saved["machine"]["cpus"] == os.cpu_count() and f"wrote {out}" in capsys.readouterr().out
