@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from llamapipe.core.pipeline_parallel.schedule_ir import Plan
+from llamapipe.core.pipeline_parallel.schedule_ir import KINDS, Plan
 from llamapipe.core.pipeline_parallel.simulator import Result
 from llamapipe.core.pipeline_parallel.simulator_iterations import IterationsResult
 
@@ -33,7 +33,6 @@ _COLOURS = {
     "BW": ("#99d8c9", "#41ae76", "#238b45", "#005824"),
 }
 _OPTIMIZER = "#fec44f"
-_KINDS = ["F", "B", "W", "BW"]
 _HATCH = "////"
 _STRIP_TOP = 0.12     # odd iterations: the hatched strip spans y in [rank + 0.12, rank + 0.4] (lower part)
 _MIN_FONT = 5.0       # smaller labels are not readable: leave the box unlabelled
@@ -109,7 +108,7 @@ def _styles(result: Result, iterations: IterationsResult | None) -> dict[tuple, 
         for i, (start, end, a) in enumerate(row):
             odd = bool(iterations is not None and iterations.iteration_of[rank][i] % 2)
             groups.setdefault((a.kind, min(a.chunk, 3), odd), []).append((rank, start, end, a))
-    return dict(sorted(groups.items(), key=lambda kv: (_KINDS.index(kv[0][0]), kv[0][1], kv[0][2])))
+    return dict(sorted(groups.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1], kv[0][2])))
 
 
 def _draw_boxes(ax, groups: dict[tuple, list], edge: float) -> None:
@@ -154,7 +153,7 @@ def _draw_labels(ax, groups: dict[tuple, list], makespan: float, digits: int, y_
 def _legend(ax, plan: Plan, groups: dict[tuple, list], optimizer_drawn: bool) -> None:
     """One entry per look drawn, nothing else."""
     from matplotlib.patches import Patch
-    looks = sorted({(kind, shade) for kind, shade, _ in groups}, key=lambda k: (_KINDS.index(k[0]), k[1]))
+    looks = sorted({(kind, shade) for kind, shade, _ in groups}, key=lambda k: (KINDS.index(k[0]), k[1]))
     chunk = {c: f" chunk {c}" for c in range(3)} | {3: " chunk 3+" if plan.vpp > 4 else " chunk 3"}
     handles = [Patch(facecolor=_COLOURS[k][c], edgecolor="black", label=k + (chunk[c] if plan.vpp > 1 else ""))
                for k, c in looks]
