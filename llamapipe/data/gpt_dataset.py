@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from llamapipe.core.logger import get_logger
-from llamapipe.data.indexed_dataset import IndexedDataset
+from llamapipe.data.indexed_dataset import IndexedDataset, cached_max_token_id, data_file_path
 
 SPLIT_NAMES = ("train", "valid", "test")
 _INDEX_VERSION = 1   # bump when the index construction changes so stale caches are not reused
@@ -209,13 +209,13 @@ def parse_blend(data_path: Sequence[str]) -> tuple[list[str], Optional[list[floa
 
 def build_gpt_datasets(data_path: Sequence[str], split: str, num_samples: Sequence[int], seq_length: int,
                        seed: int, cache_dir: Optional[str] = None, *,
-                       per_split_paths: Sequence[Sequence[str]] = ((), (), ())
+                       per_split_paths: Sequence[Sequence[str]] = ((), (), ()), vocab_size: Optional[int] = None
                        ) -> list[Optional[torch.utils.data.Dataset]]:
     """[train, valid, test] datasets with num_samples[i] samples each (None where 0), blended over prefixes.
 
     `data_path`'s documents are split by `split`; when any of `per_split_paths` (train, valid, test) is
     given, split i is instead the whole of the files of per_split_paths[i]. Unweighted prefixes are
-    weighted by their token counts.
+    weighted by their token counts. With `vocab_size`, every file's largest token id must be below it.
     """
     opened: dict[str, IndexedDataset] = {}
     out: list[Optional[torch.utils.data.Dataset]] = []
@@ -228,10 +228,22 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, num_samples: Sequen
         for prefix in prefixes:
             if prefix not in opened:
                 opened[prefix] = IndexedDataset(prefix)
+                if vocab_size is not None:
+                    check_token_ids(opened[prefix], vocab_size, cache_dir or default_cache_dir(prefix))
         indexed = [opened[prefix] for prefix in prefixes]
         ranges = [(0, len(ds)) if whole else split_ranges(split, len(ds))[s] for ds in indexed]
         out.append(_blend(name, prefixes, weights, indexed, ranges, n, seq_length, seed, cache_dir))
     return out
+
+
+def check_token_ids(indexed: IndexedDataset, vocab_size: int, cache_dir: str) -> None:
+    """Refuse a file holding an id the model has no row for: the vocabulary-parallel embedding would silently
+    zero it at tp > 1 and index out of range at tp 1."""
+    max_id = cached_max_token_id(indexed, cache_dir)
+    if max_id >= vocab_size:
+        raise ValueError(f"data file {data_file_path(indexed.prefix)} holds token id {max_id}, but the model's "
+                         f"vocabulary is {vocab_size} (ids 0..{vocab_size - 1}); train with the tokenizer that "
+                         f"preprocessed it (--tokenizer-model), or --vocab-size {max_id + 1} or more")
 
 
 def _blend(name: str, prefixes: list[str], weights: Optional[list[float]], indexed: list[IndexedDataset],

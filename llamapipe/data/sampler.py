@@ -86,7 +86,7 @@ def build_data_iterators(data_cfg: DataConfig, training_cfg: TrainingConfig, *, 
         datasets = [MockGPTDataset(n, training_cfg.seq_length, vocab_size, data_cfg.seed + 1000 * i) if n else None
                     for i, n in enumerate(num_samples)]
     else:
-        datasets = _build_on_rank0_first(data_cfg, training_cfg.seq_length, num_samples, needs_data)
+        datasets = _build_on_rank0_first(data_cfg, training_cfg.seq_length, num_samples, needs_data, vocab_size)
         if datasets is None:
             return None, None, None
     train = _loader(datasets[0], PretrainingSampler(num_samples[0], consumed_samples, mbs, dp_rank, dp_size),
@@ -96,16 +96,19 @@ def build_data_iterators(data_cfg: DataConfig, training_cfg: TrainingConfig, *, 
     return train, evals[0], evals[1]
 
 
-def _build_on_rank0_first(data_cfg: DataConfig, seq_length: int, num_samples: list[int], needs_data: bool):
+def _build_on_rank0_first(data_cfg: DataConfig, seq_length: int, num_samples: list[int], needs_data: bool,
+                          vocab_size: int):
     distributed = dist.is_available() and dist.is_initialized()
     rank0 = not distributed or dist.get_rank() == 0
     if distributed and not rank0:
         dist.barrier()      # wait until rank 0 has written the index caches
     datasets = None
-    if needs_data or rank0:
-        datasets = build_gpt_datasets(data_cfg.data_path, data_cfg.split, num_samples, seq_length,
-                                      data_cfg.seed, data_cfg.data_cache_path,
-                                      per_split_paths=data_cfg.per_split_paths)
-    if distributed and rank0:
-        dist.barrier()
+    try:
+        if needs_data or rank0:
+            datasets = build_gpt_datasets(data_cfg.data_path, data_cfg.split, num_samples, seq_length,
+                                          data_cfg.seed, data_cfg.data_cache_path,
+                                          per_split_paths=data_cfg.per_split_paths, vocab_size=vocab_size)
+    finally:
+        if distributed and rank0:
+            dist.barrier()   # also when rank 0's data is refused: the others then meet the same error
     return datasets if needs_data else None

@@ -4,8 +4,9 @@
 - HuggingFaceTokenizer: a local HF `tokenizer.json`, or a directory holding it (LLaMA 3).
 - NullTokenizer: text that is already token ids; needs `vocab_size`.
 
-All share `tokenizers.base.Tokenizer`. The model pads its vocabulary (Megatron: a multiple of
-make_vocab_size_divisible_by x TP); `check_vocab` verifies that padding still covers every token id.
+All share `tokenizers.base.Tokenizer`. `model_vocab_size` is the one rule for the model's vocabulary (the
+tokenizer's size, or --vocab-size when it says more); the model pads it for its tensors (Megatron: a multiple
+of make_vocab_size_divisible_by x TP, `LlamaConfig.padded_vocab_size`).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "Llama2Tokenizer", "GPTSentence
 TOKENIZER_TYPES = SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer", "NullTokenizer")
 
 __all__ = ["Tokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer", "TOKENIZER_TYPES",
-           "SENTENCEPIECE_TYPES", "build_tokenizer", "infer_tokenizer_type", "check_vocab"]
+           "SENTENCEPIECE_TYPES", "build_tokenizer", "infer_tokenizer_type", "model_vocab_size",
+           "check_special_ids"]
 
 
 def infer_tokenizer_type(model_path: str) -> str:
@@ -55,8 +57,21 @@ def build_tokenizer(model_path: Optional[str], tokenizer_type: Optional[str] = N
     return SentencePieceTokenizer(model_path)
 
 
-def check_vocab(tokenizer_vocab: int, padded_vocab: int) -> None:
-    """Raise when the model's (padded) vocabulary is smaller than the tokenizer's."""
-    if padded_vocab < tokenizer_vocab:
-        raise ValueError(f"the model's padded vocabulary ({padded_vocab}) is smaller than the tokenizer's "
-                         f"vocabulary ({tokenizer_vocab}); raise --vocab-size to at least {tokenizer_vocab}")
+def model_vocab_size(tokenizer: Optional[Tokenizer], vocab_size_flag: Optional[int], default: int) -> int:
+    """The model's true (unpadded) vocabulary: the tokenizer's size, or --vocab-size when it says more (room
+    for ids added later); without a tokenizer, --vocab-size or `default` (the preset's). NullTokenizer's size
+    is --vocab-size + 1 (its eod), as in Megatron."""
+    if tokenizer is None:
+        return vocab_size_flag if vocab_size_flag is not None else default
+    vocab = max(tokenizer.vocab_size, vocab_size_flag or 0)
+    check_special_ids(tokenizer, vocab)
+    return vocab
+
+
+def check_special_ids(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """Raise when a special id the data or generation uses (eod, bos, pad) has no row in the model."""
+    specials = {"eod": tokenizer.eos_id, "bos": tokenizer.bos_id, "pad": tokenizer.pad_id}
+    for name, token_id in specials.items():
+        if token_id is not None and not 0 <= token_id < vocab_size:
+            raise ValueError(f"the tokenizer's {name} id {token_id} is outside the model's vocabulary of "
+                             f"{vocab_size} (ids 0..{vocab_size - 1}); raise --vocab-size to at least {token_id + 1}")

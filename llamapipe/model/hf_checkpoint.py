@@ -8,7 +8,7 @@ Reading and writing files belongs to the checkpointing code.
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -65,8 +65,9 @@ def config_from_hf(hf_config: Union[Any, dict], make_vocab_size_divisible_by: in
                        init_method_std=hf.get("initializer_range", 0.02))
 
 
-def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
-    """config.json contents for transformers' LlamaForCausalLM."""
+def config_to_hf(config: LlamaConfig, token_ids: Optional[dict[str, Optional[int]]] = None) -> dict[str, Any]:
+    """config.json contents for transformers' LlamaForCausalLM; `token_ids` (bos/eos/pad_token_id from the
+    tokenizer) tell `generate` where to stop. The vocabulary is the model's true one, unpadded."""
     if config.rotary_dim != config.head_dim:
         raise ValueError(f"rotary_percent {config.rotary_percent}: HF LlamaForCausalLM rotates every head dim")
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
@@ -76,7 +77,7 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
             "vocab_size": config.vocab_size, "max_position_embeddings": config.max_position_embeddings,
             "rope_theta": config.rope_theta, "rope_scaling": None, "rms_norm_eps": config.norm_epsilon,
             "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
-            "initializer_range": config.init_method_std, "torch_dtype": "float32"}
+            "initializer_range": config.init_method_std, "torch_dtype": "float32", **(token_ids or {})}
 
 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: Union[Any, dict],
@@ -95,14 +96,17 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: Union[Any, dict],
     return config, state_dict
 
 
-def to_hf(config: LlamaConfig, state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-    """(LlamaForCausalLM state dict, config.json dict) from our full logical state dict."""
+def to_hf(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
+          token_ids: Optional[dict[str, Optional[int]]] = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(LlamaForCausalLM state dict, config.json dict) from our full logical state dict: every vocabulary row
+    of config.vocab_size (the padding rows dropped)."""
     hf_state_dict = {}
     for ours, hf in _name_map(config.num_layers, config.tie_word_embeddings).items():
         tensor = state_dict[ours]
         if ours in ("embedding.weight", "output.weight"):
+            assert tensor.shape[0] >= config.vocab_size, f"{ours} has {tensor.shape[0]} rows < {config.vocab_size}"
             tensor = tensor[:config.vocab_size]
         hf_state_dict[hf] = tensor
     if config.tie_word_embeddings:
         hf_state_dict["lm_head.weight"] = hf_state_dict["model.embed_tokens.weight"]
-    return hf_state_dict, config_to_hf(config)
+    return hf_state_dict, config_to_hf(config, token_ids)

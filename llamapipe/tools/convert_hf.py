@@ -2,11 +2,13 @@
 
   llamapipe convert-hf import --hf-dir D --save DIR [--tensor-model-parallel-size T
       --pipeline-model-parallel-size P --num-layers-per-virtual-pipeline-stage V]
-  llamapipe convert-hf export --load DIR --hf-dir D
+  llamapipe convert-hf export --load DIR --hf-dir D [--tokenizer-model PATH]
 
 Import writes iteration 0, model weights only (train from it with --finetune, or --no-load-optim).
 Export takes any checkpoint (any layout; DIR may be a save dir or one iter_XXXXXXX dir) and writes
-model.safetensors + config.json that transformers' LlamaForCausalLM.from_pretrained loads.
+model.safetensors + config.json that transformers' LlamaForCausalLM.from_pretrained loads, every vocabulary
+row the checkpoint records (gathered over its TP shards), and the run's tokenizer (recorded in the
+checkpoint's metadata.json, or --tokenizer-model) in the form AutoTokenizer.from_pretrained loads.
 Bad input ends with one plain error line and exit status 2.
 """
 from __future__ import annotations
@@ -26,6 +28,8 @@ from llamapipe.training.config import Config
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.training.checkpointing.resharding import TensorSpec, spec_of
 from llamapipe.model.config import LlamaConfig
+from llamapipe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from llamapipe.data.tokenizers.hf_export import special_token_ids, write_hf_tokenizer
 from llamapipe.model.hf_checkpoint import from_hf, to_hf
 
 
@@ -99,7 +103,9 @@ def import_hf(hf_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_s
                             progress=lambda grid: tqdm(grid, desc="writing shards", unit="shard"))
 
 
-def export_hf(load: str, hf_dir: str) -> str:
+def export_hf(load: str, hf_dir: str, tokenizer_model: str | None = None,
+              tokenizer_type: str | None = None) -> tuple[str, list[str]]:
+    """Write the checkpoint in `load` as an HF directory; returns (checkpoint dir, tokenizer files written)."""
     if os.path.isfile(os.path.join(load, cio.METADATA)):
         path = load
     else:
@@ -109,8 +115,13 @@ def export_hf(load: str, hf_dir: str) -> str:
         path = found[1]
     reader = cio.CheckpointReader(path)
     config = LlamaConfig(**reader.meta["model_config"])
-    full = {key: reader.logical(key) for key in reader.keys("model")}
-    hf_state_dict, hf_config = to_hf(config, full)
+    tokenizer = _run_tokenizer(reader.meta, path, tokenizer_model, tokenizer_type)
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but checkpoint {path} records a vocabulary "
+                         f"of {config.vocab_size}; give the --tokenizer-model it was trained with")
+    full = {key: reader.logical(key) for key in reader.keys("model")}   # every TP shard's rows, padding dropped
+    token_ids = special_token_ids(tokenizer) if tokenizer is not None else None
+    hf_state_dict, hf_config = to_hf(config, full, token_ids)
     if config.tie_word_embeddings:  # HF re-ties lm_head on load; safetensors refuses shared storage
         hf_state_dict.pop("lm_head.weight")
     os.makedirs(hf_dir, exist_ok=True)
@@ -118,23 +129,52 @@ def export_hf(load: str, hf_dir: str) -> str:
               metadata={"format": "pt"})
     with open(os.path.join(hf_dir, "config.json"), "w") as fh:
         json.dump(hf_config, fh, indent=2)
-    return path
+    written = write_hf_tokenizer(tokenizer, hf_dir, config.max_position_embeddings) if tokenizer else []
+    return path, written
+
+
+def _run_tokenizer(meta: dict, path: str, tokenizer_model: str | None, tokenizer_type: str | None):
+    """The tokenizer named on the command line, else the one the checkpoint records (None: none recorded,
+    e.g. an imported checkpoint)."""
+    if tokenizer_model is None and tokenizer_type is None:
+        recorded = meta.get("tokenizer")
+        if recorded is None:
+            return None
+        tokenizer_model, tokenizer_type = recorded["model"], recorded["type"]
+        if tokenizer_model is not None and not os.path.exists(tokenizer_model):
+            raise ValueError(f"checkpoint {path} was trained with tokenizer {tokenizer_model}, which does not "
+                             "exist any more; give --tokenizer-model")
+    if tokenizer_type == "NullTokenizer":
+        return None      # token ids without a text form: nothing to export
+    return build_tokenizer(tokenizer_model, tokenizer_type)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="llamapipe convert-hf", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="HF directory -> llamapipe checkpoint")
-    imp.add_argument("--hf-dir", required=True)
-    imp.add_argument("--save", required=True)
-    imp.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    imp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    imp.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    imp.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
-    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    exp = sub.add_parser("export", help="llamapipe checkpoint -> HF directory")
-    exp.add_argument("--load", required=True)
-    exp.add_argument("--hf-dir", required=True)
+    imp = sub.add_parser("import", help="HF directory -> llamapipe checkpoint",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    imp.add_argument("--hf-dir", required=True, help="HF model directory: config.json and model.safetensors, "
+                     "pytorch_model.bin or a sharded *.index.json")
+    imp.add_argument("--save", required=True, help="checkpoint directory to write (iteration 0, model weights only)")
+    imp.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size of the written layout")
+    imp.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size of the written layout")
+    imp.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                     help="layers per virtual stage (VPP), as training will use")
+    imp.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                     help="virtual stages per pipeline rank (newer Megatron's spelling of VPP)")
+    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                     help="vocabulary padding multiple (x TP), as training will use")
+    exp = sub.add_parser("export", help="llamapipe checkpoint -> HF directory (weights, config and tokenizer)",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    exp.add_argument("--load", required=True, help="a save directory (its newest complete checkpoint is taken) "
+                     "or one iter_XXXXXXX directory, any layout")
+    exp.add_argument("--hf-dir", required=True, help="output directory: model.safetensors, config.json and the "
+                     "tokenizer files, loadable by AutoTokenizer / LlamaForCausalLM.from_pretrained")
+    exp.add_argument("--tokenizer-model", default=None, help="tokenizer to export (a sentencepiece .model, or an "
+                     "HF tokenizer.json or its directory); default: the one the checkpoint was trained with")
+    exp.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                     help="kind of --tokenizer-model; default: guessed from the path")
     return parser.parse_args(argv)
 
 
@@ -150,8 +190,9 @@ def main(argv: list[str] | None = None) -> None:
                             args.make_vocab_size_divisible_by, args.num_virtual_stages_per_pipeline_rank)
             print(f"wrote {out}")
         else:
-            out = export_hf(args.load, args.hf_dir)
-            print(f"exported {out} to {args.hf_dir}")
+            out, tokenizer_files = export_hf(args.load, args.hf_dir, args.tokenizer_model, args.tokenizer_type)
+            print(f"exported {out} to {args.hf_dir}" + (f" with tokenizer files {', '.join(tokenizer_files)}"
+                  if tokenizer_files else " without a tokenizer (none recorded; give --tokenizer-model)"))
     except (ValueError, OSError, KeyError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"convert_hf.py: error: {message}", file=sys.stderr)

@@ -35,7 +35,7 @@ from llamapipe.training.log import MetricsWriter, check_wandb, num_zeros_in_grad
 from llamapipe.training.process_control import ExitSignal, collect_for_eval, manual_gc
 from llamapipe.training.progress import TrainingProgress
 from llamapipe.model.config import LlamaConfig
-from llamapipe.training.setup import build_model_chunks, build_iterators, forward_step, model_config_for_run
+from llamapipe.training.setup import build_model_chunks, build_iterators, forward_step
 
 log = get_logger()
 
@@ -73,7 +73,7 @@ def pretrain(config: Config) -> int:
     ps = initialize_model_parallel(par.tp_size, par.pp_size, par.vpp_size, par.order)
     set_seeds(config.training.seed, ps.tp_rank)
     try:
-        trainer = Trainer(config, model_config_for_run(config), ps, device)
+        trainer = Trainer(config, config.model, ps, device)
     except ValueError as err:  # user-caused (checkpoint/model mismatch, empty split): every rank meets it
         if dist.get_rank() == 0:
             sys.stderr.write(f"pretrain_llama.py: error: {err}\n")

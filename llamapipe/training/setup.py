@@ -28,20 +28,6 @@ from llamapipe.model.config import LlamaConfig
 log = get_logger()
 
 
-def model_config_for_run(config: Config) -> LlamaConfig:
-    """The model config with the tokenizer's vocabulary size when a tokenizer is given."""
-    model_cfg = config.model
-    if config.data.tokenizer_model:
-        from llamapipe.data.tokenizer import build_tokenizer, check_vocab
-        tokenizer = build_tokenizer(config.data.tokenizer_model, config.data.tokenizer_type)
-        check_vocab(tokenizer.vocab_size, model_cfg.replace(vocab_size=tokenizer.vocab_size)
-                    .padded_vocab_size(config.parallel.tp_size))
-        if tokenizer.vocab_size != model_cfg.vocab_size:
-            log.info(f"vocabulary size {tokenizer.vocab_size} from --tokenizer-model {config.data.tokenizer_model}")
-        model_cfg = model_cfg.replace(vocab_size=tokenizer.vocab_size)
-    return model_cfg
-
-
 def params_dtype(config: Config) -> torch.dtype:
     if config.optimizer.bf16:
         return torch.bfloat16

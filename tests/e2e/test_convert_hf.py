@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from llamapipe.model.config import LlamaConfig
 from llamapipe.training.checkpointing import io as cio
 from llamapipe.training.checkpointing.save_load import LoadResult, load_checkpoint
 from llamapipe.training.config import Config
@@ -120,3 +121,64 @@ def test_bad_input_is_one_line_and_exit_2(hf_model, tmp_path, capsys, argv, word
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1, err
+
+
+# --- a trained run exported whole: every vocabulary row, the tokenizer, generation (issue 33) -----------------
+
+RUN_SHAPE = ["--model", "tiny", "--num-layers", "2", "--seq-length", "64", "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--log-interval", "1",
+             "--split", "98,2,0", "--eval-iters", "0", "--num-workers", "0", "--seed", "1234"]
+
+
+@pytest.fixture(scope="module")
+def trained_tp2(tmp_path_factory):
+    """The tiny preset (vocabulary 1024) trained 2 iterations at tp 2 with a 2048-piece sentencepiece
+    tokenizer, as the quickstart does, and saved."""
+    from llamapipe.tools import make_sample_corpus, preprocess_data, train_tokenizer
+    from tests.cli import torchrun
+    tmp = tmp_path_factory.mktemp("run")
+    corpus, prefix, save = str(tmp / "corpus"), str(tmp / "data" / "c"), str(tmp / "ckpt")
+    assert make_sample_corpus.main(["--out", corpus, "--max-mb", "0.5"]) == 0
+    assert train_tokenizer.main(["--input", corpus, "--vocab-size", "2048", "--model-prefix", str(tmp / "tok")]) == 0
+    tok = str(tmp / "tok.model")
+    assert preprocess_data.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-model", tok,
+                                 "--workers", "1", "--append-eod", "--no-progress"]) == 0
+    proc = torchrun(2, RUN_SHAPE + ["--tensor-model-parallel-size", "2", "--data-path", prefix + "_text_document",
+                                    "--tokenizer-model", tok, "--save", save, "--save-interval", "2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tok, save
+
+
+def test_trained_tp2_run_exports_every_vocabulary_row_and_its_tokenizer(trained_tp2, tmp_path):
+    from llamapipe.data.tokenizer import build_tokenizer
+    from llamapipe.model.llama import LlamaModel
+    tok, save = trained_tp2
+    with open(os.path.join(save, "iter_0000002", "metadata.json")) as fh:
+        meta = json.load(fh)
+    assert meta["model_config"]["vocab_size"] == 2048 and meta["tensors"]["model:embedding.weight"]["shape"][0] == 2048
+    out = str(tmp_path / "hf")
+    proc = run_script("export", "--load", save, "--hf-dir", out)
+    assert proc.returncode == 0, proc.stderr
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    assert exported["model.embed_tokens.weight"].shape[0] == exported["lm_head.weight"].shape[0] == 2048
+    # the rows of tp rank 1 (ids 1024..2047) are the trained ones, not padding
+    assert exported["lm_head.weight"][1024:].abs().sum() > 0
+
+    ours_tok = build_tokenizer(tok)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)      # from the export directory alone
+    text = "def parse_args(argv):\n    return {'x': 1.5}  # Unicode: ü"
+    assert hf_tok(text).input_ids == ours_tok.encode(text)
+    model = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    config = LlamaConfig(**meta["model_config"])
+    ours = LlamaModel(config).eval()
+    load_checkpoint(save, model_chunks=[ours], optimizer=None, scheduler=None, parallel_state=None,
+                    config=Config(model=config), finetune=True)
+    tokens = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():   # the same weights in both: fp32 logits over all 2048 ids agree
+        torch.testing.assert_close(model(tokens).logits, ours(input_ids=tokens), rtol=1e-5, atol=1e-5)
+        prompt = hf_tok("import os\ndef main(", return_tensors="pt").input_ids
+        generated = model.generate(prompt, max_new_tokens=6, do_sample=False)
+        greedy = prompt       # the reference: greedy decoding with our model
+        for _ in range(generated.shape[1] - prompt.shape[1]):
+            greedy = torch.cat([greedy, ours(input_ids=greedy)[:, -1:].argmax(-1)], 1)
+    assert generated.shape[1] > prompt.shape[1] and torch.equal(generated, greedy)

@@ -159,6 +159,33 @@ CASES = [
      ("--pipeline-memory-limit caps the auto schedule's plan", "--pipeline-schedule 1f1b")),
     (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], 1,
      ("--recompute-method uniform",)),
+    # issue 32: absurd sizes, exits that stop at once, numbers torch would only fail on later
+    (["--global-batch-size", "100000000000"], 1,
+     ("--global-batch-size 100000000000 / (--micro-batch-size 1 x data-parallel size 1) = 100000000000 "
+      "microbatches per step, more than 1000000",)),
+    (["--global-batch-size", "4000004", "--micro-batch-size", "2"], 2, ("= 1000001 microbatches per step",)),
+    (["--exit-duration-in-mins", "-1"], 1, ("--exit-duration-in-mins -1.0 must be positive",)),
+    (["--exit-duration-in-mins", "0"], 1, ("--exit-duration-in-mins 0.0 must be positive",)),
+    (["--exit-interval", "0"], 1, ("--exit-interval 0 must be positive",)),
+    (["--exit-interval", "-5"], 1, ("--exit-interval -5 must be positive",)),
+    (["--lr", "nan"], 1, ("--lr nan is not a finite number",)),
+    (["--lr", "inf"], 1, ("--lr inf is not a finite number",)),
+    (["--lr=-1e-3"], 1, ("--lr -0.001 must be positive",)),
+    (["--min-lr", "nan"], 1, ("--min-lr nan is not a finite number",)),
+    (["--min-lr=-1e-5"], 1, ("--min-lr -1e-05 must not be negative",)),
+    (["--clip-grad=-inf"], 1, ("--clip-grad -inf is not a finite number",)),
+    (["--clip-grad", "-1"], 1, ("--clip-grad -1.0 must not be negative",)),
+    (["--weight-decay", "nan"], 1, ("--weight-decay nan is not a finite number",)),
+    (["--weight-decay", "-0.1"], 1, ("--weight-decay -0.1 must not be negative",)),
+    (["--adam-beta1", "1.0"], 1, ("--adam-beta1 1.0 must be in [0, 1)",)),
+    (["--adam-beta2", "-0.5"], 1, ("--adam-beta2 -0.5 must be in [0, 1)",)),
+    (["--adam-beta2", "nan"], 1, ("--adam-beta2 nan is not a finite number",)),
+    (["--adam-eps", "0"], 1, ("--adam-eps 0.0 must be positive",)),
+    (["--adam-eps=-1e-8"], 1, ("--adam-eps -1e-08 must be positive",)),
+    (["--init-method-std", "0"], 1, ("--init-method-std 0.0 must be positive",)),
+    (["--fp16", "--loss-scale", "0"], 1, ("--loss-scale 0.0 must be positive",)),
+    (["--rotary-base", "inf"], 1, ("--rotary-base inf is not a finite number",)),
+    (["--distributed-timeout-minutes", "nan"], 1, ("--distributed-timeout-minutes nan is not a finite number",)),
 ]
 
 
@@ -177,16 +204,12 @@ def test_missing_data_path_files_are_named(tmp_path):
         config_from_args(build_parser().parse_args([]), 1)
 
 
-def test_sequence_parallel_with_tp1_warns_and_turns_off(caplog):
-    from llamapipe.core.logger import get_logger
-    get_logger().propagate = True
-    try:
-        with caplog.at_level("WARNING", logger="llamapipe"):
-            c = cfg(["--sequence-parallel"])
-    finally:
-        get_logger().propagate = False
+def test_sequence_parallel_with_tp1_is_a_notice_and_turns_off(llamapipe_log):
+    c = cfg(["--sequence-parallel"])
     assert c.parallel.sequence_parallel is False
-    assert "--sequence-parallel" in caplog.text
+    assert [line for line in llamapipe_log if "--sequence-parallel" in line] == [
+        "notice: --sequence-parallel has no effect with --tensor-model-parallel-size 1: there is no other "
+        "tensor-parallel rank to split the sequence over (turned off)"]
 
 
 @pytest.mark.parametrize("text,units,nbytes", [("6", 6.0, None), ("1.5", 1.5, None), ("24GiB", None, 24 * 2 ** 30),

@@ -52,11 +52,11 @@ def test_sampler_slices_and_resume():
 @pytest.mark.parametrize("mock", [True, False])
 def test_iterators_resume_and_dp_union(tmp_path, mock):
     data, training = _configs(tmp_path, mock)
-    ref = _global_batches(build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=512)[0], 1, ITERS)
+    ref = _global_batches(build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=1000)[0], 1, ITERS)
     assert len({tuple(map(tuple, b)) for b in ref}) == ITERS
     for dp in (1, 2):
         for k in (0, 2):   # resume after k global batches
-            per_rank = [_global_batches(build_data_iterators(data, training, dp_rank=r, dp_size=dp, vocab_size=512,
+            per_rank = [_global_batches(build_data_iterators(data, training, dp_rank=r, dp_size=dp, vocab_size=1000,
                                                              consumed_samples=k * GBS)[0], dp, ITERS - k)
                         for r in range(dp)]
             for b in range(ITERS - k):
@@ -68,11 +68,11 @@ def test_iterators_resume_and_dp_union(tmp_path, mock):
 
 def test_eval_iterators_repeat_and_respect_split(tmp_path):
     data, training = _configs(tmp_path, mock=False)
-    train, valid, test = build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=512)
+    train, valid, test = build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=1000)
     assert test is None   # split share 0
     first, second = _global_batches(valid, 1, 2), _global_batches(valid, 1, 2)
     assert first == second   # every evaluation scores the same eval_iters global batches
-    assert build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=512, needs_data=False) == \
+    assert build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=1000, needs_data=False) == \
         (None, None, None)
 
 
@@ -81,9 +81,9 @@ def _distributed_body(rank, world_size, prefix, cache):
     training = TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, seq_length=SEQ, train_iters=ITERS,
                               eval_iters=1)
     # a middle pipeline stage (rank 1 here) joins only the barrier
-    first = build_data_iterators(data, training, dp_rank=rank, dp_size=2, vocab_size=512, needs_data=rank == 0)
+    first = build_data_iterators(data, training, dp_rank=rank, dp_size=2, vocab_size=1000, needs_data=rank == 0)
     assert (first[0] is not None) == (rank == 0)
-    train = build_data_iterators(data, training, dp_rank=rank, dp_size=2, vocab_size=512)[0]
+    train = build_data_iterators(data, training, dp_rank=rank, dp_size=2, vocab_size=1000)[0]
     return _global_batches(train, 2, ITERS)
 
 
@@ -95,10 +95,11 @@ def test_distributed_build_once_and_dp_union(tmp_path):
     data, training = DataConfig(data_path=(prefix,), split="90,10,0", data_cache_path=cache, seq_length=SEQ,
                                 seed=11), TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS,
                                                          seq_length=SEQ, train_iters=ITERS, eval_iters=1)
-    ref = _global_batches(build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=512)[0], 1, ITERS)
+    ref = _global_batches(build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=1000)[0], 1, ITERS)
     for b in range(ITERS):
         assert sorted(per_rank[0][b] + per_rank[1][b]) == sorted(ref[b])
-    assert len(list((tmp_path / "cache").iterdir())) == 6   # train + valid indices, built once, no temp files
+    # train + valid indices and the data file's max token id, built once, no temp files
+    assert len(list((tmp_path / "cache").iterdir())) == 7
 
 
 @pytest.mark.parametrize("mock", [True, False])
@@ -116,11 +117,11 @@ def test_first_and_last_stage_chunks_share_one_dataset(tmp_path, monkeypatch, mo
         real = getattr(sampler, name)
         monkeypatch.setattr(sampler, name, lambda *a, _real=real, **k: builds.append(1) or _real(*a, **k))
     consumed = 2 * GBS
-    ref_train, ref_valid, _ = build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=512,
+    ref_train, ref_valid, _ = build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=1000,
                                                    consumed_samples=consumed)
     one_build = len(builds)
     config = Config(data=data, training=training)
-    train, valid = build_iterators(config, config.model.replace(vocab_size=512), ParallelState(),
+    train, valid = build_iterators(config, config.model.replace(vocab_size=1000), ParallelState(),
                                    [(True, False), (False, True)], consumed)
     assert len(builds) == 2 * one_build   # the reference call above plus one build for both chunks
     num_mb, lead = (ITERS - 2) * GBS // MBS, 3
@@ -150,7 +151,7 @@ def test_rank_without_data_chunks_still_evaluates(tmp_path):
     for eval_iters in (2, 0):
         data, training = _configs(tmp_path, mock=True, eval_iters=eval_iters)
         config = Config(data=data, training=training)
-        train, valid = build_iterators(config, config.model.replace(vocab_size=512), ParallelState(),
+        train, valid = build_iterators(config, config.model.replace(vocab_size=1000), ParallelState(),
                                        [(False, False), (False, False)], 0)
         assert train == [None, None]
         assert valid == ([None, None] if eval_iters else None)

@@ -276,7 +276,7 @@ def _dataset(tmp_path, name):
 
 def test_data_sources_per_split_paths_and_suffix_hint(tmp_path):
     shape = [a for a in BASE if a != "--mock-data"]
-    tok = ["--tokenizer-model", str(tmp_path / "tok.model")]
+    tok = ["--tokenizer-type", "NullTokenizer"]     # a --tokenizer-model is read when the flags are parsed
     train, valid = _dataset(tmp_path, "a"), _dataset(tmp_path, "b")
     data = cfg(shape + tok + ["--train-data-path", train, "--valid-data-path", "2", valid]).data
     assert (data.train_data_path, data.valid_data_path, data.test_data_path) == ((train,), ("2", valid), ())

@@ -41,6 +41,10 @@ class SentencePieceTokenizer(Tokenizer):
     def pad_id(self) -> Optional[int]:
         return _optional(self._sp.pad_id())
 
+    @property
+    def unk_id(self) -> Optional[int]:
+        return _optional(self._sp.unk_id())
+
     def _encode_many(self, texts: list[str], num_threads: int) -> list[list[int]]:
         return self._sp.encode(texts, num_threads=num_threads)
 

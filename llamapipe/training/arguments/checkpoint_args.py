@@ -41,6 +41,10 @@ def apply_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> None:
         meta = json.load(fh)
     model = meta["model_config"]
     values = {flag: model.get(field) for field, flag in _FILLED.items() if getattr(args, flag) is None}
+    if args.vocab_size is None and (args.tokenizer_model is not None or args.tokenizer_type == "NullTokenizer"):
+        # with a tokenizer the vocabulary follows from it and the run's own --vocab-size (NullTokenizer's is
+        # one less than the model's), so the saved flag is taken, not the model's size
+        values["vocab_size"] = ((meta.get("config") or {}).get("data") or {}).get("vocab_size")
     if args.seq_length is None:
         values["seq_length"] = ((meta.get("config") or {}).get("training") or {}).get("seq_length")
     values.update({flag: model.get(field) for field, flag in _FORCED.items()})

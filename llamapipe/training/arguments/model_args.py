@@ -55,7 +55,7 @@ def _base_fields(args: argparse.Namespace, notices: list[str]) -> dict:
     if args.vocab_size is None and args.tokenizer_model is None:
         raise ArgumentError("--vocab-size is required without --tokenizer-model (or a --model preset)")
     fields = {"ffn_hidden_size": megatron_ffn_hidden_size(args.hidden_size, args.swiglu)}
-    if args.vocab_size is None:     # a placeholder: setup takes the tokenizer's vocabulary
+    if args.vocab_size is None:     # a placeholder: run_vocab_size takes the tokenizer's vocabulary
         fields["vocab_size"] = LlamaConfig.vocab_size
     return fields
 
@@ -99,6 +99,31 @@ def model_config(args: argparse.Namespace, notices: list[str]) -> LlamaConfig:
     if args.use_flash_attn:
         _check_flash_attn(args, notices)
     return LlamaConfig(**fields, rotary_percent=args.rotary_percent, use_flash_attn=args.use_flash_attn)
+
+
+def run_vocab_size(args: argparse.Namespace, model: LlamaConfig, notices: list[str]) -> LlamaConfig:
+    """`model` with the run's vocabulary (`data.tokenizer.model_vocab_size`, the one rule), which the model pads,
+    the checkpoint records and export writes. Needs the tokenizer, so it runs after data_config checked it."""
+    from llamapipe.data.tokenizer import build_tokenizer, model_vocab_size   # sentencepiece/tokenizers: only here
+    tokenizer = None
+    if args.tokenizer_model is not None or args.tokenizer_type == "NullTokenizer":
+        try:
+            tokenizer = build_tokenizer(args.tokenizer_model, args.tokenizer_type, vocab_size=args.vocab_size)
+        except ValueError as err:
+            raise ArgumentError(str(err)) from None
+    try:
+        vocab = model_vocab_size(tokenizer, args.vocab_size, model.vocab_size)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+    if tokenizer is not None:
+        source = (f"--tokenizer-model {args.tokenizer_model}" if args.tokenizer_model is not None else
+                  f"--tokenizer-type NullTokenizer (ids 0..{args.vocab_size - 1} and eod {tokenizer.eod})")
+        if vocab > tokenizer.vocab_size:
+            source = f"--vocab-size (larger than the {tokenizer.vocab_size} ids of {source})"
+        notices.append(f"vocabulary size {vocab} from {source}, padded to "
+                       f"{model.replace(vocab_size=vocab).padded_vocab_size(args.tensor_model_parallel_size)} "
+                       f"rows for --tensor-model-parallel-size {args.tensor_model_parallel_size}")
+    return model.replace(vocab_size=vocab)
 
 
 def _check_flash_attn(args: argparse.Namespace, notices: list[str]) -> None:

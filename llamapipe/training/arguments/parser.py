@@ -3,12 +3,15 @@
 The flags are defined by concern (flags_model, flags_training, flags_data) with Megatron's meanings and
 defaults; Megatron flags with no effect here or refused here are two tables (megatron_compat). Every
 inconsistent combination is rejected before any process group exists, as one plain sentence that names
-the flags and the numbers (docs/design.md section 2). As in Megatron, abbreviated flags are not accepted.
+the flags and the numbers (docs/design.md section 2). As in Megatron, abbreviated flags are not accepted; a
+mistyped flag gets one line with the closest flag instead of argparse's usage of every flag (about 150 lines).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import math
 import os
 import sys
 from typing import Optional, Sequence
@@ -21,6 +24,8 @@ from llamapipe.training.arguments.flags_data import add_checkpoint_flags, add_da
 from llamapipe.training.arguments.flags_model import add_model_flags, add_parallel_flags
 from llamapipe.training.arguments.flags_training import add_optimizer_flags, add_training_flags
 from llamapipe.training.arguments.megatron_compat import add_compat_flags, check_compat
+from llamapipe.training.arguments.memory import check_fits_memory, machine_memory_bytes
+from llamapipe.training.arguments.noop import noop_notices
 from llamapipe.training.arguments.model_args import check_model, model_config
 from llamapipe.training.arguments.pipeline import check_schedule
 from llamapipe.training.arguments.training_args import optimizer_config, training_config
@@ -30,9 +35,40 @@ from llamapipe.training.config import Config
 __all__ = ["ArgumentError", "build_parser", "config_from_args", "parse_args"]
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse with a one-line usage, "did you mean" for unknown flags, and errors printed by rank 0 only."""
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unrecognized(extras, self.option_strings()))
+        return namespace
+
+    def option_strings(self) -> list[str]:
+        return [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+
+    def error(self, message: str):
+        if int(os.environ.get("RANK", "0")) == 0:
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def unrecognized(extras: Sequence[str], known: Sequence[str]) -> str:
+    """'unrecognized argument --x; did you mean --y?' for each unknown flag (their values are not named)."""
+    flags = [e for e in extras if e.startswith("-")] or list(extras)
+    close = {flag: difflib.get_close_matches(flag.split("=", 1)[0], known, n=1, cutoff=0.6) for flag in flags}
+    if len(flags) == 1:
+        flag = flags[0]
+        return f"unrecognized argument {flag}" + (f"; did you mean {close[flag][0]}?" if close[flag] else "")
+    said = [f"{flag} (did you mean {close[flag][0]}?)" if close[flag] else flag for flag in flags]
+    return f"unrecognized arguments {', '.join(said)}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pretrain_llama.py", description="Pretrain LLaMA with TP/PP/VPP/DP.",
-                                allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = FlagParser(prog="pretrain_llama.py", description="Pretrain LLaMA with TP/PP/VPP/DP.",
+                   usage="%(prog)s [flags]   (--help lists every flag)",
+                   allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (add_parallel_flags, add_model_flags, add_training_flags, add_optimizer_flags, add_data_flags,
                 add_checkpoint_flags, add_logging_flags, add_compat_flags):
         add(p)
@@ -45,15 +81,17 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        return config_from_args(args, world_size)
+        return config_from_args(args, world_size, check_memory=True)
     except ArgumentError as err:
         if int(os.environ.get("RANK", "0")) == 0:
             sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
         raise SystemExit(2)
 
 
-def config_from_args(args: argparse.Namespace, world_size: int) -> Config:
-    """Build the frozen `Config`; raises `ArgumentError` on any inconsistent combination.
+def config_from_args(args: argparse.Namespace, world_size: int, check_memory: bool = False) -> Config:
+    """Build the frozen `Config`; raises `ArgumentError` on any inconsistent combination, and with
+    `check_memory` on sizes that cannot fit in this machine's memory (so the other checks, and the tests of
+    them, do not depend on the machine).
 
     The start-up notices (flags with no effect here, values taken from a checkpoint) are logged once the
     whole configuration is valid, so a refused run prints only its error line.
@@ -70,6 +108,11 @@ def config_from_args(args: argparse.Namespace, world_size: int) -> Config:
     check_schedule(args, parallel, training.num_microbatches, model.num_layers)
     data = data_config(args)
     training = _without_evaluation_if_no_validation_data(args, training, data, notices)
+    notices += noop_notices(args, parallel)
+    if check_memory:
+        check_fits_memory(model, parallel, training, args.bf16 or args.fp16,
+                          machine_memory_bytes(parallel.distributed_backend),
+                          int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     config = Config(model=model, parallel=parallel, training=training, optimizer=optimizer_config(args), data=data,
                     checkpoint=checkpoint_config(args), logging=logging_config(args))
     for line in notices:

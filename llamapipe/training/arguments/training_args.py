@@ -12,6 +12,9 @@ import argparse
 from llamapipe.core.config import ArgumentError, OptimizerConfig, ParallelConfig, TrainingConfig
 
 DEFAULT_TRAIN_ITERS = 10    # when neither --train-iters nor --train-samples is given (Megatron requires one)
+# The schedules build a plan with a few actions per microbatch and rank before the first step, so a mistyped
+# --global-batch-size (1e11) would grow memory for hours with no output; real runs use at most thousands.
+MAX_MICROBATCHES = 10 ** 6
 
 
 def _check_iteration_based(args: argparse.Namespace) -> None:
@@ -72,6 +75,10 @@ def training_config(args: argparse.Namespace, par: ParallelConfig) -> TrainingCo
     if gbs % (mbs * dp):
         raise ArgumentError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size ({mbs}) "
                             f"x data-parallel size ({dp})")
+    if gbs // (mbs * dp) > MAX_MICROBATCHES:
+        raise ArgumentError(f"--global-batch-size {gbs} / (--micro-batch-size {mbs} x data-parallel size {dp}) = "
+                            f"{gbs // (mbs * dp)} microbatches per step, more than {MAX_MICROBATCHES}; lower "
+                            "--global-batch-size or raise --micro-batch-size")
     train_iters = _train_iters(args, gbs, par)
     decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else train_iters
     if args.lr_warmup_iters > decay_iters:

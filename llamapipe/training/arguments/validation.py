@@ -8,17 +8,16 @@ them in order, and the first failing check is the one reported.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 import torch
 
 from llamapipe.core.config import SCHEDULES, ArgumentError, ParallelConfig
-from llamapipe.core.logger import get_logger
 from llamapipe.core.pipeline_parallel.activation_memory import MemoryBytes
 from llamapipe.training.arguments.pipeline import vpp_size
 from llamapipe.training.config import CheckpointConfig, LoggingConfig
 
-log = get_logger()
 
 _POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
              "num_virtual_stages_per_pipeline_rank",
@@ -27,7 +26,8 @@ _POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_
              "max_position_embeddings", "make_vocab_size_divisible_by", "log_interval", "save_interval",
              "eval_interval", "exit_interval", "loss_scale_window", "hysteresis", "keep_last_n",
              "recompute_num_layers", "pipeline_profile_iters", "distributed_timeout_minutes", "pipeline_memory_limit",
-             "rotary_base", "norm_epsilon", "lr_decay_iters", "lr_decay_samples")
+             "rotary_base", "norm_epsilon", "lr_decay_iters", "lr_decay_samples", "exit_duration_in_mins",
+             "adam_eps", "init_method_std", "loss_scale", "initial_loss_scale", "min_loss_scale")
 _NON_NEGATIVE = ("lr_warmup_iters", "lr_warmup_samples", "weight_decay", "clip_grad", "min_lr", "num_workers", "seed",
                  "manual_gc_interval")
 
@@ -36,9 +36,17 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def check_finite(args: argparse.Namespace) -> None:
+    """Every number flag parsed as a float: argparse's float() takes 'nan' and 'inf', which no flag means."""
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ArgumentError(f"{_flag(name)} {value} is not a finite number")
+
+
 def check_positive(args: argparse.Namespace, world_size: int) -> None:
     if world_size < 1:
         raise ArgumentError(f"WORLD_SIZE {world_size} must be positive")
+    check_finite(args)
     for name in _POSITIVE:
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -51,6 +59,10 @@ def check_positive(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(f"--lr {args.lr} must be positive")
     if args.min_lr > args.lr:
         raise ArgumentError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            raise ArgumentError(f"{_flag(name)} {getattr(args, name)} must be in [0, 1): Adam's moving averages "
+                                "would not decay")
 
 
 def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig:
@@ -61,10 +73,7 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
     axes = args.parallel_order.split("-")
     if sorted(axes) != ["dp", "pp", "tp"]:
         raise ArgumentError(f"--parallel-order {args.parallel_order} must name tp, dp and pp once each, e.g. tp-dp-pp")
-    sequence_parallel = args.sequence_parallel
-    if sequence_parallel and tp == 1:
-        log.warning("--sequence-parallel has no effect with --tensor-model-parallel-size 1; turning it off")
-        sequence_parallel = False
+    sequence_parallel = args.sequence_parallel and tp > 1     # at tp 1 a notice says so (noop.py)
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():
         raise ArgumentError("--distributed-backend nccl needs CUDA, which is not available; use gloo")

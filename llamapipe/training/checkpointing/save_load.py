@@ -84,10 +84,21 @@ def save_checkpoint(save_dir: str, iteration: int, *, model_chunks: list[nn.Modu
     has_optimizer = optimizer is not None
     fields = dict(iteration=iteration, consumed_samples=consumed_samples,
                   model_config=dataclasses.asdict(config.model), config=dataclasses.asdict(config),
-                  layout=_layout(ps), has_optimizer=has_optimizer,
+                  layout=_layout(ps), has_optimizer=has_optimizer, tokenizer=_tokenizer_record(config),
                   scheduler=scheduler.state_dict() if scheduler is not None else None)
     start(SaveJob(save_dir, iteration, ps.rank, ps.world_size, files, keep_last_n=keep_last_n, background=async_save,
                   meta=lambda records: cio.write_metadata(tmp, records, **fields)))
+
+
+def _tokenizer_record(config: Config) -> Optional[dict]:
+    """The run's tokenizer for `convert-hf export` (the path made absolute, so an export from another
+    directory finds it); None without one."""
+    data = config.data
+    if data.tokenizer_model is None:
+        return {"type": "NullTokenizer", "model": None} if data.tokenizer_type == "NullTokenizer" else None
+    from llamapipe.data.tokenizer import infer_tokenizer_type
+    return {"type": data.tokenizer_type or infer_tokenizer_type(data.tokenizer_model),
+            "model": os.path.abspath(data.tokenizer_model)}
 
 
 def _rank_files(model_chunks: list[nn.Module], optimizer: Any, ps: ParallelState, copy: bool) -> list[FileJob]:

@@ -1,0 +1,63 @@
+"""Write a run's tokenizer into an HF model directory, so `AutoTokenizer.from_pretrained(dir)` loads it offline.
+
+- SentencePiece `.model` -> `tokenizer.model` + a `tokenizer_config.json` naming `LlamaTokenizer` (transformers
+  converts it to its fast tokenizer on load; the `sentencepiece` and `protobuf` packages must be installed).
+- HF `tokenizer.json` -> copied as is, with the `tokenizer_config.json` / `special_tokens_map.json` beside it
+  when there are any, else a `tokenizer_config.json` naming its special tokens.
+- NullTokenizer has no text form, so nothing is written.
+
+The exported tokenizer encodes a text to the ids this package's tokenizer gives it: no bos is prepended,
+as the data was preprocessed (documents, then eod under --append-eod). Generation from a prompt needs no bos.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+from llamapipe.data.tokenizers.base import Tokenizer
+from llamapipe.data.tokenizers.huggingface_tokenizer import HuggingFaceTokenizer, tokenizer_file
+from llamapipe.data.tokenizers.null_tokenizer import NullTokenizer
+from llamapipe.data.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
+
+_HF_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def special_token_ids(tokenizer: Tokenizer) -> dict[str, Optional[int]]:
+    """config.json's bos/eos/pad ids, which `generate` reads (eos stops it)."""
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+
+
+def write_hf_tokenizer(tokenizer: Tokenizer, out_dir: str, model_max_length: int) -> list[str]:
+    """Write `tokenizer`'s HF files into `out_dir`; returns the file names written (none for NullTokenizer)."""
+    if isinstance(tokenizer, NullTokenizer):
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    specials = {f"{role}_token": tokenizer.id_to_piece(token_id) for role, token_id in
+                (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id), ("pad", tokenizer.pad_id))
+                if token_id is not None}
+    config = {"add_bos_token": False, "add_eos_token": False, "model_max_length": model_max_length, **specials}
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        shutil.copyfile(tokenizer.model_path, os.path.join(out_dir, "tokenizer.model"))
+        unk = tokenizer.unk_id
+        config.update(tokenizer_class="LlamaTokenizer", legacy=False,
+                      **({"unk_token": tokenizer.id_to_piece(unk)} if unk is not None else {}))
+        _write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
+        return ["tokenizer.model", "tokenizer_config.json"]
+    assert isinstance(tokenizer, HuggingFaceTokenizer), type(tokenizer)
+    source = tokenizer_file(tokenizer.model_path)
+    shutil.copyfile(source, os.path.join(out_dir, "tokenizer.json"))
+    beside = [name for name in _HF_CONFIG_FILES if os.path.isfile(os.path.join(os.path.dirname(source), name))]
+    for name in beside:
+        shutil.copyfile(os.path.join(os.path.dirname(source), name), os.path.join(out_dir, name))
+    if "tokenizer_config.json" not in beside:
+        _write_json(os.path.join(out_dir, "tokenizer_config.json"),
+                    {"tokenizer_class": "PreTrainedTokenizerFast", **config})
+        beside.append("tokenizer_config.json")
+    return ["tokenizer.json"] + beside
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)

@@ -1,0 +1,66 @@
+"""Sizes that cannot fit in this machine's memory at all, refused before any process group (issue 32).
+
+Two lower bounds, each far below what a run really needs: a rank's share of the weights (parameters /
+(tp x pp), / dp under ZeRO-3) in the parameter dtype, and one microbatch's logits on the last stage
+(micro-batch x seq-length x vocabulary / tp). On CPU the ranks of a node share its memory, so the weights
+count once per local rank; on GPU each rank has its device's memory. A run that passes may still run out
+of memory; one that fails could never start, and without this check would allocate for minutes first.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from llamapipe.core.config import ArgumentError, ParallelConfig, TrainingConfig
+from llamapipe.model.config import LlamaConfig
+
+
+def machine_memory_bytes(backend: str) -> Optional[int]:
+    """Memory one rank can use at most: its GPU's (nccl), else the host's physical memory; None if unknown."""
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def model_parameters(m: LlamaConfig, tp: int) -> int:
+    """Parameters of the whole model (embedding, decoder layers, final norm, untied output layer)."""
+    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
+    layer = 2 * h * q + 2 * h * kv + 3 * h * m.ffn_hidden_size + 2 * h
+    vocab = m.padded_vocab_size(tp) * h
+    return m.num_layers * layer + h + vocab * (1 if m.tie_word_embeddings else 2)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.1f} GiB"
+
+
+def check_fits_memory(m: LlamaConfig, par: ParallelConfig, training: TrainingConfig, half: bool,
+                      memory: Optional[int], local_ranks: int = 1) -> None:
+    """Raise ArgumentError when a lower bound of one rank's memory exceeds `memory` bytes (None: no check)."""
+    if memory is None:
+        return
+    where = "its GPU's" if par.distributed_backend == "nccl" else "this machine's"
+    ranks = 1 if par.distributed_backend == "nccl" else max(local_ranks, 1)
+    dtype, width = ("bf16/fp16", 2) if half else ("fp32", 4)
+    zero3 = par.data_parallel_sharding_strategy == "optim_grads_params"
+    shards = par.tp_size * par.pp_size * (par.dp_size if zero3 else 1)
+    params = model_parameters(m, par.tp_size)
+    weights = params / shards * width
+    if weights * ranks > memory:
+        split = f"tp {par.tp_size} x pp {par.pp_size}" + (f" x dp {par.dp_size} (ZeRO-3)" if zero3 else "")
+        on = f", x {ranks} ranks on this machine" if ranks > 1 else ""
+        raise ArgumentError(f"the weights alone need {_gib(weights)} per rank ({params / 1e9:.2f} billion "
+                            f"parameters in {dtype} / ({split}){on}), more than {where} {_gib(memory)} of memory; "
+                            "use a larger --tensor-model-parallel-size or --pipeline-model-parallel-size, or a "
+                            "smaller model")
+    logits = training.micro_batch_size * training.seq_length * m.padded_vocab_size(par.tp_size) / par.tp_size * 4
+    if logits > memory:
+        raise ArgumentError(f"one microbatch's logits need {_gib(logits)} (--micro-batch-size "
+                            f"{training.micro_batch_size} x --seq-length {training.seq_length} x vocabulary "
+                            f"{m.padded_vocab_size(par.tp_size)} / tp {par.tp_size} in fp32), more than {where} "
+                            f"{_gib(memory)} of memory; lower --micro-batch-size or --seq-length")
