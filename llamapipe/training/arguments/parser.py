@@ -26,7 +26,7 @@ from llamapipe.training.arguments.flags_training import add_optimizer_flags, add
 from llamapipe.training.arguments.megatron_compat import add_compat_flags, check_compat
 from llamapipe.training.arguments.memory import check_fits_memory, machine_memory_bytes
 from llamapipe.training.arguments.noop import noop_notices
-from llamapipe.training.arguments.model_args import check_model, model_config
+from llamapipe.training.arguments.model_args import check_model, model_config, run_vocab_size
 from llamapipe.training.arguments.pipeline import check_schedule
 from llamapipe.training.arguments.training_args import optimizer_config, training_config
 from llamapipe.training.arguments.validation import check_positive, checkpoint_config, logging_config, parallel_config
@@ -107,6 +107,7 @@ def config_from_args(args: argparse.Namespace, world_size: int, check_memory: bo
     training = training_config(args, parallel)
     check_schedule(args, parallel, training.num_microbatches, model.num_layers)
     data = data_config(args)
+    model = run_vocab_size(args, model, notices)
     training = _without_evaluation_if_no_validation_data(args, training, data, notices)
     notices += noop_notices(args, parallel)
     if check_memory:
