@@ -16,11 +16,11 @@ import dataclasses
 import sys
 from typing import Optional
 
-from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
 from llamapipe.model.config import PRESETS, LlamaConfig
 from llamapipe.tools.parallel_estimate import DEVICES, GIB, Estimate, Layout, estimate
 
-SCHEDULES = [name for name, spec in SPECS.items() if not spec.profiled and name != "gpipe"]
+SCHEDULES = [name for name, spec in SPECS.items() if spec.planned and not spec.profiled]
 RECOMPUTE_FLAGS = {"none": [], "selective": ["--recompute-activations"],
                    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform"]}
 
@@ -81,7 +81,7 @@ def layouts(m: LlamaConfig, gpus: int, global_batch: int, max_mbs: int) -> list[
 
 def _schedules(num_layers: int, pp: int) -> list[tuple[str, int]]:
     if pp == 1:
-        return [("1f1b", 1)]
+        return [(default_schedule(1), 1)]
     out = []
     for name in SCHEDULES:
         spec = SPECS[name]

@@ -18,7 +18,6 @@ import os
 import sys
 
 from llamapipe.core.config import SCHEDULES
-from llamapipe.core.pipeline_parallel.auto_plan import plan_auto
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 from llamapipe.core.pipeline_parallel.simulator_iterations import simulate_iterations
@@ -75,10 +74,8 @@ def _costs(text: str) -> Costs:
 
 def _build(args: argparse.Namespace, vpp: int, costs: Costs):
     """The plan as the runtime builds it: `auto` for what an iteration costs with or without post-validation."""
-    if SPECS[args.schedule].memory_capped:
-        SPECS[args.schedule].check_chunks(vpp)
-        return plan_auto(args.pp, vpp, args.microbatches, costs, args.mem_limit, post_validation=args.post_validation)
-    return build(args.schedule, args.pp, vpp, args.microbatches, costs=costs, mem_limit=args.mem_limit)
+    return build(args.schedule, args.pp, vpp, args.microbatches, costs=costs, mem_limit=args.mem_limit,
+                 post_validation=args.post_validation)
 
 
 def _report(plan, result, iters) -> str:

@@ -8,7 +8,7 @@ activation memory in microbatches: 1F1B p, V-Min (p+4)//3, V-Half (p+2)//2.
 import pytest
 
 from llamapipe.core.pipeline_parallel import builders
-from llamapipe.core.pipeline_parallel.builders_v import PERIOD, block_offsets, v_half, v_min
+from llamapipe.core.pipeline_parallel.builders_v import PERIOD, v_half, v_half_offsets, v_min, v_min_offsets
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, peak_memory, simulate
 
@@ -38,7 +38,7 @@ def test_plans_verify_for_many_sizes(name, pp):
 def test_block_slots_respect_every_dependency(name, pp):
     """Independent of the simulator: in the block, each action's slot is later than its producer's, and a
     rank's four slots differ modulo the period (so two microbatches never share a slot)."""
-    off = block_offsets(name, pp)       # (F c0, F c1, B c1, B c0) per rank
+    off = {"v-half": v_half_offsets, "v-min": v_min_offsets}[name](pp)       # (F c0, F c1, B c1, B c0) per rank
     for r in range(pp):
         assert len({o % PERIOD for o in off[r]}) == 4
         if r:

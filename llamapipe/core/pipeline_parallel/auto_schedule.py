@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 from llamapipe.core.logger import get_logger
-from llamapipe.core.pipeline_parallel import auto_plan, builders, executor
+from llamapipe.core.pipeline_parallel import builders, executor
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
 from llamapipe.core.pipeline_parallel.p2p_communication import measure_latency
-from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+from llamapipe.core.pipeline_parallel.schedule_ir import KIND_SPECS, PASSES, Action, Plan
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, schedule_spec
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 
@@ -48,8 +48,7 @@ class AutoOptions:
 
 def split_bw(plan: Plan) -> Plan:
     """The same plan with every fused BW replaced by B immediately followed by W."""
-    actions = tuple(tuple(x for a in rank for x in ((Action("B", a.chunk, a.microbatch),
-                                                     Action("W", a.chunk, a.microbatch)) if a.kind == "BW" else (a,)))
+    actions = tuple(tuple(Action(part, a.chunk, a.microbatch) for a in rank for part in KIND_SPECS[a.kind].parts)
                     for rank in plan.actions)
     return Plan(plan.name + "-split", plan.pp, plan.vpp, plan.num_microbatches, plan.placement, actions)
 
@@ -61,8 +60,8 @@ def profiling_plan(pp: int, vpp: int, m: int) -> Plan:
 
 def measured_costs(action_times: list, group: Any = None) -> Costs:
     """Median F, B, W seconds of this rank, then the MAX over `group` (the slowest stage bounds the step)."""
-    by_kind = {k: [t for a, t in action_times if a.kind == k] for k in "FBW"}
-    local = torch.tensor([statistics.median(by_kind[k]) if by_kind[k] else 0.0 for k in "FBW"],
+    by_kind = {k: [t for a, t in action_times if a.kind == k] for k in PASSES}
+    local = torch.tensor([statistics.median(by_kind[k]) if by_kind[k] else 0.0 for k in PASSES],
                          dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
@@ -158,15 +157,9 @@ class AutoSchedule:
         self._times, self._iters = [], 0
 
     def _build(self, pp: int, vpp: int, m: int, limit: Optional[float]) -> Plan:
-        """The memory-capped `auto` plans for what the runtime pays (`auto_plan`); so does `zb-h2` under
-        post-validation, within ZB-H2's memory (2p-1: the candidates it chooses from are among auto's there);
-        others as their spec says."""
-        if self.spec.memory_capped:
-            return auto_plan.plan_auto(pp, vpp, m, self.costs, limit, post_validation=self.options.post_validation)
-        if self.spec.name == "zb-h2" and self.options.post_validation:
-            plan = auto_plan.plan_auto(pp, 1, m, self.costs, 2 * pp - 1, post_validation=True)
-            return dataclasses.replace(plan, name="zb-h2")
-        return self.spec.build(pp, vpp, m, self.costs, limit)
+        """The plan fitted to the measured costs; the memory-capped `auto` within `limit`, and both profiled
+        schedules for what the runtime pays (the longest stage span under post-validation)."""
+        return self.spec.build(pp, vpp, m, self.costs, limit, post_validation=self.options.post_validation)
 
     def _memory_limit(self, reference: Plan, unit: int, vpp: int) -> float:
         """The cap in units: a byte cap converted, the units given, or what the profiling plan needs."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from llamapipe.core.pipeline_parallel.builders_zb import greedy_plan, zb_h2
-from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+from llamapipe.core.pipeline_parallel.schedule_ir import PASSES, Action, Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 
 __all__ = ["gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "zb_h2_fitted", "zbv", "auto"]
@@ -111,7 +111,7 @@ def zbv(pp: int, m: int) -> Plan:
     actions = []
     for rank in range(pp):
         acts: list[Action] = []
-        done = {kind: [0, 0] for kind in "FBW"}
+        done = {kind: [0, 0] for kind in PASSES}
 
         def add(kind: str, chunk: int) -> None:
             acts.append(Action(kind, chunk, done[kind][chunk]))
@@ -145,12 +145,17 @@ def _fastest(name: str, candidates: list[Plan], costs: Costs, limit: float) -> P
     return dataclasses.replace(best[1], name=name)
 
 
-def zb_h2_fitted(pp: int, m: int, costs: Costs) -> Plan:
+def zb_h2_fitted(pp: int, m: int, costs: Costs, *, post_validation: bool = False) -> Plan:
     """ZB-H2 for measured costs: the paper's heuristic run on `costs` under ZB-H2's cap of 2p-1
     microbatches, or the unit-cost ZB-H2, ZB-H1 or 1F1B if one of those simulates faster. The unit-cost
-    plan relies on F = B = W; with B about 2W it can be slower than 1F1B (1.05x at p=2, m=8)."""
+    plan relies on F = B = W; with B about 2W it can be slower than 1F1B (1.05x at p=2, m=8). Under
+    post-validation iterations overlap, so it plans for the longest stage span within the same cap, as
+    `auto` does (the candidates above are among auto's there)."""
     _check_sizes("zb-h2", pp, 1, m)
     limit = 2 * pp - 1
+    if post_validation:
+        from llamapipe.core.pipeline_parallel.auto_plan import plan_auto
+        return dataclasses.replace(plan_auto(pp, 1, m, costs, limit, post_validation=True), name="zb-h2")
     candidates = [greedy_plan("zb-h2", pp, 1, m, "interleaved", costs, limit), zb_h2(pp, m), zb_h1(pp, m),
                   one_f_one_b(pp, m)]
     return _fastest("zb-h2", candidates, costs, limit)

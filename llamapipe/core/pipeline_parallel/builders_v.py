@@ -22,21 +22,22 @@ from collections import deque
 
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
 
-__all__ = ["v_half", "v_min", "block_offsets", "PERIOD"]
+__all__ = ["v_half", "v_min", "v_half_offsets", "v_min_offsets", "PERIOD"]
 
 PERIOD = 6                          # slots per microbatch and rank: F, B of two chunks and two W's
 _SLOTS = (("F", 0), ("F", 1), ("B", 1), ("B", 0))   # what the four offsets of a rank's block start
 
 
-def block_offsets(name: str, pp: int) -> list[tuple[int, int, int, int]]:
-    """Slot of (F chunk 0, F chunk 1, B chunk 1, B chunk 0) of microbatch 0 on each rank.
+def v_min_offsets(pp: int) -> list[tuple[int, int, int, int]]:
+    """Slot of (F chunk 0, F chunk 1, B chunk 1, B chunk 0) of microbatch 0 on each rank for V-Min:
+    consecutive ranks' chunk-0 forwards one slot apart; the shift (2 when 3 | p) keeps a rank's four slots
+    distinct modulo the period."""
+    shift = 2 if pp % 3 == 0 else 0
+    return [(r, 2 * pp - r - 1, 2 * pp + shift + r, 4 * pp + shift - r - 1) for r in range(pp)]
 
-    V-Min puts consecutive ranks' chunk-0 forwards one slot apart, V-Half two; the shift (2 for
-    V-Min when 3 | p, 3 for V-Half when 2 | p) keeps a rank's four slots distinct modulo the period."""
-    if name == "v-min":
-        shift = 2 if pp % 3 == 0 else 0
-        return [(r, 2 * pp - r - 1, 2 * pp + shift + r, 4 * pp + shift - r - 1) for r in range(pp)]
-    assert name == "v-half", name
+
+def v_half_offsets(pp: int) -> list[tuple[int, int, int, int]]:
+    """The same for V-Half: chunk-0 forwards two slots apart, shift 3 when 2 | p."""
     shift = 3 if pp % 2 == 0 else 0
     return [(2 * r, 3 * pp - r - 2, 3 * pp + shift + 2 * r - 1, 6 * pp + shift - r - 2) for r in range(pp)]
 
@@ -61,19 +62,18 @@ def _rank_order(offsets: tuple[int, ...], m: int) -> tuple[Action, ...]:
     return tuple(actions)
 
 
-def _from_blocks(name: str, pp: int, m: int) -> Plan:
+def _from_blocks(name: str, offsets: list[tuple[int, int, int, int]], pp: int, m: int) -> Plan:
     if pp < 1 or m < 1:
         raise ValueError(f"--pipeline-schedule {name} needs pipeline size ({pp}) and microbatches ({m}) "
                          "of at least 1")
-    actions = tuple(_rank_order(offsets, m) for offsets in block_offsets(name, pp))
-    return Plan(name, pp, 2, m, "v", actions)
+    return Plan(name, pp, 2, m, "v", tuple(_rank_order(rank_offsets, m) for rank_offsets in offsets))
 
 
 def v_half(pp: int, m: int) -> Plan:
     """V-Half: two chunks per rank on the V placement, B/W split, about half of 1F1B's peak memory."""
-    return _from_blocks("v-half", pp, m)
+    return _from_blocks("v-half", v_half_offsets(pp), pp, m)
 
 
 def v_min(pp: int, m: int) -> Plan:
     """V-Min: two chunks per rank on the V placement, B/W split, about a third of 1F1B's peak memory."""
-    return _from_blocks("v-min", pp, m)
+    return _from_blocks("v-min", v_min_offsets(pp), pp, m)

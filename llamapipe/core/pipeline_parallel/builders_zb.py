@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from llamapipe.core.pipeline_parallel.schedule_ir import (
     Action,
     Plan,
+    needs,
     rank_chunk_of,
+    sends,
     stage_of,
 )
 from llamapipe.core.pipeline_parallel.simulator import Costs
@@ -47,8 +49,7 @@ class _Greedy:
         self.costs, self.mem_limit = costs, mem_limit
         self.last = pp * vpp - 1
         self.ranks = [_Rank([0] * vpp, [0] * vpp) for _ in range(pp)]
-        self.f_end: dict = {}
-        self.b_end: dict = {}
+        self.sent: dict = {}        # (payload, src stage, mb) -> when it was sent
         # per-rank caches, valid until the rank or a neighbour (the only producers of its inputs) emits: the
         # next F/B candidates, and until when a rank that could not act cannot (its next known arrival)
         self._cands: list[dict | None] = [None] * pp
@@ -56,13 +57,13 @@ class _Greedy:
 
     def _arrival(self, rank: int, stage: int, kind: str, mb: int) -> float | None:
         """When the input of F/B (stage, mb) is on `rank`; None while its producer has not run."""
-        if (kind == "F" and stage == 0) or (kind == "B" and stage == self.last):
+        hop = needs(kind, stage, self.last + 1)
+        if hop is None:
             return 0.0
-        src = stage - 1 if kind == "F" else stage + 1
-        end = (self.f_end if kind == "F" else self.b_end).get((src, mb))
+        end = self.sent.get((hop.payload, hop.src, mb))
         if end is None:
             return None
-        return end + (self.costs.comm if rank_chunk_of(src, self.pp, self.placement)[0] != rank else 0.0)
+        return end + (self.costs.comm if rank_chunk_of(hop.src, self.pp, self.placement)[0] != rank else 0.0)
 
     def _candidates(self, rank: int, kind: str) -> list[tuple[float | None, int, int, int, bool]]:
         """(arrival, mb, -stage, chunk, fits in memory) of the next F or B of each chunk on `rank`."""
@@ -87,12 +88,13 @@ class _Greedy:
         st.mem += costs.mem_delta(action.kind)
         st.actions.append(action)
         stage, mb = stage_of(rank, action.chunk, self.pp, self.placement), action.microbatch
+        hop = sends(action.kind, stage, self.last + 1)
+        if hop is not None:
+            self.sent[(hop.payload, stage, mb)] = st.clock
         if action.kind == "F":
             st.next_f[action.chunk] += 1
-            self.f_end[(stage, mb)] = st.clock
         elif action.kind == "B":
             st.next_b[action.chunk] += 1
-            self.b_end[(stage, mb)] = st.clock
             st.pending_w.append((action.chunk, mb))
 
     def _try_act(self, rank: int) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from llamapipe.core.pipeline_parallel.p2p_communication import Message, P2PCommunicator, needs_and_sends
-from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+from llamapipe.core.pipeline_parallel.schedule_ir import BACKWARD_KINDS, Action, Plan
 from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
 
 
@@ -134,7 +134,7 @@ class _Step:
     def execute(self, action: Action) -> None:
         if action.kind == "F":
             self.forward(action)
-        elif action.kind in ("B", "BW"):
+        elif action.kind in BACKWARD_KINDS:
             self.backward(action)
         else:
             self.store.run((action.chunk, action.microbatch))
@@ -195,7 +195,7 @@ def _last_backward_actions(actions: tuple) -> tuple[dict, dict]:
     """Per chunk: the index of its last B/BW, and of its last B/BW/W (after which its grads are final)."""
     last_b, last_any = {}, {}
     for i, a in enumerate(actions):
-        if a.kind in ("B", "BW"):
+        if a.kind in BACKWARD_KINDS:
             last_b[a.chunk] = i
         if a.kind != "F":
             last_any[a.chunk] = i

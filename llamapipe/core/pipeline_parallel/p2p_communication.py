@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+from llamapipe.core.pipeline_parallel.schedule_ir import Action, Hop, Plan, needs, sends
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
 _MAX_DIMS = 8
@@ -42,24 +42,17 @@ class Message(NamedTuple):
 
 
 def needs_and_sends(plan: Plan, pp_rank: int, action: Action) -> tuple[Optional[Message], Optional[Message]]:
-    """(message this action consumes, message it produces); None where there is none."""
+    """(message this action consumes, message it produces); None where there is none (`schedule_ir.needs`/`sends`)."""
     stage = plan.stage_of(pp_rank, action.chunk)
-    last = plan.num_stages - 1
-    mb = action.microbatch
 
-    def msg(kind: str, src_stage: int, dst_stage: int) -> Message:
-        consumer = dst_stage
-        return Message(kind, consumer, mb, plan.rank_chunk_of(src_stage)[0], plan.rank_chunk_of(dst_stage)[0])
+    def message(hop: Optional[Hop]) -> Optional[Message]:
+        if hop is None:
+            return None
+        return Message(hop.payload, hop.dst, action.microbatch, plan.rank_chunk_of(hop.src)[0],
+                       plan.rank_chunk_of(hop.dst)[0])
 
-    if action.kind == "F":
-        need = msg("act", stage - 1, stage) if stage > 0 else None
-        send = msg("act", stage, stage + 1) if stage < last else None
-    elif action.kind in ("B", "BW"):
-        need = msg("grad", stage + 1, stage) if stage < last else None
-        send = msg("grad", stage, stage - 1) if stage > 0 else None
-    else:
-        need = send = None
-    return need, send
+    return (message(needs(action.kind, stage, plan.num_stages)),
+            message(sends(action.kind, stage, plan.num_stages)))
 
 
 def receive_order(plan: Plan, pp_rank: int, actions_of=None) -> dict[int, list[Message]]:

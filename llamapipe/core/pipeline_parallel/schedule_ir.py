@@ -5,17 +5,60 @@ the *local* model-chunk index on that rank (0..vpp-1); the placement maps (rank,
 stage it holds. Virtual stage v (0..pp*vpp-1) owns a contiguous range of layers, stage 0 the embedding
 and the last stage the head and loss.
 
-Kinds: F forward; B input-gradient backward; W weight-gradient backward; BW = B and W fused.
+Kinds (`KIND_SPECS`, the one action vocabulary): F forward; B input-gradient backward; W weight-gradient
+backward; BW = B and W fused. Which message an action consumes and which it sends follows from its kind
+alone (`needs`, `sends`): the executor's p2p, the simulator, the builders and the heuristic all ask these.
 Placements: "interleaved" (Megatron, arXiv 2104.04473): stage v on rank v % pp, chunk v // pp.
 "v" (ZB-V, arXiv 2401.10241): chunk 0 of rank r is stage r, chunk 1 is stage 2*pp-1-r.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
-KINDS = ("F", "B", "W", "BW")
 PLACEMENTS = ("interleaved", "v")
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """What one action kind does: the passes it runs and how data flows through it between stages."""
+    name: str
+    parts: tuple            # the passes it runs, in order (BW runs B then W)
+    flow: int               # +1: consumes stage-1's output, sends to stage+1; -1: gradients the other way; 0: local
+    payload: Optional[str]  # what travels: "act" (forward output) or "grad" (input gradient); None when flow is 0
+
+
+KIND_SPECS: dict[str, KindSpec] = {spec.name: spec for spec in (
+    KindSpec("F", ("F",), +1, "act"),
+    KindSpec("B", ("B",), -1, "grad"),
+    KindSpec("W", ("W",), 0, None),
+    KindSpec("BW", ("B", "W"), -1, "grad"),
+)}
+KINDS = tuple(KIND_SPECS)
+PASSES = ("F", "B", "W")                                  # what every (chunk, microbatch) gets exactly once
+BACKWARD_KINDS = tuple(k for k, spec in KIND_SPECS.items() if "B" in spec.parts)   # compute an input gradient
+PRODUCER = {"act": "F", "grad": "B"}                     # the pass whose result each payload is
+
+
+class Hop(NamedTuple):
+    """One message between virtual stages: `payload` from `src` to `dst` (the consumer)."""
+    payload: str
+    src: int
+    dst: int
+
+
+def needs(kind: str, stage: int, num_stages: int) -> Optional[Hop]:
+    """The message an action of `kind` on virtual `stage` consumes, or None (data loader, own earlier pass)."""
+    spec = KIND_SPECS[kind]
+    src = stage - spec.flow
+    return Hop(spec.payload, src, stage) if spec.flow and 0 <= src < num_stages else None
+
+
+def sends(kind: str, stage: int, num_stages: int) -> Optional[Hop]:
+    """The message an action of `kind` on virtual `stage` produces, or None (first/last stage, W)."""
+    spec = KIND_SPECS[kind]
+    dst = stage + spec.flow
+    return Hop(spec.payload, stage, dst) if spec.flow and 0 <= dst < num_stages else None
 
 
 class Action(NamedTuple):

@@ -16,8 +16,9 @@ from llamapipe.core.pipeline_parallel import builders, builders_v
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs
 
-# (pp, vpp, m, costs or None, memory limit in activation units or None) -> Plan
-Builder = Callable[[int, int, int, Optional[Costs], Optional[float]], Plan]
+# (pp, vpp, m, costs or None, memory limit in activation units or None, post-validation) -> Plan. Everything
+# that changes a plan is an argument here, so no code outside this table branches on a schedule's name.
+Builder = Callable[[int, int, int, Optional[Costs], Optional[float], bool], Plan]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class ScheduleSpec:
     zero_bubble: bool = False           # backward split into B (input gradient) and W (weight gradient)
     profiled: bool = False              # profiles F/B/W for the first iterations, then fits its plan to them
     memory_capped: bool = False         # --pipeline-memory-limit caps its plan
+    planned: bool = True                # `llamapipe plan` ranks it (GPipe: 1F1B does the same work in less memory)
 
     def accepts(self, vpp: int) -> bool:
         return vpp >= self.min_chunks and (self.max_chunks is None or vpp <= self.max_chunks)
@@ -63,31 +65,40 @@ class ScheduleSpec:
         return "v" if self.v_placement and vpp == 2 else "interleaved"
 
     def build(self, pp: int, vpp: int, m: int, costs: Optional[Costs] = None,
-              mem_limit: Optional[float] = None) -> Plan:
-        """This schedule's plan for pp ranks, vpp chunks per rank and m microbatches."""
+              mem_limit: Optional[float] = None, *, post_validation: bool = False) -> Plan:
+        """This schedule's plan for pp ranks, vpp chunks per rank and m microbatches; the profiled schedules
+        plan for the longest stage span when `post_validation` lets iterations overlap."""
         self.check_chunks(vpp)
-        return self.builder(pp, vpp, m, costs, mem_limit)
+        return self.builder(pp, vpp, m, costs, mem_limit, post_validation)
 
 
 def _one_chunk(fn: Callable[[int, int], Plan]) -> Builder:
-    return lambda pp, vpp, m, costs, mem_limit: fn(pp, m)
+    return lambda pp, vpp, m, costs, mem_limit, post_validation: fn(pp, m)
 
 
-def _zb_h2(pp: int, vpp: int, m: int, costs: Optional[Costs], mem_limit: Optional[float]) -> Plan:
+def _zb_h2(pp: int, vpp: int, m: int, costs: Optional[Costs], mem_limit: Optional[float],
+           post_validation: bool) -> Plan:
     """The unit-cost ZB-H2, or with measured `costs` the plan fitted to them (ZB-H2's own cap: 2p-1)."""
-    return builders.zb_h2(pp, m) if costs is None else builders.zb_h2_fitted(pp, m, costs)
+    if costs is None:
+        return builders.zb_h2(pp, m)
+    return builders.zb_h2_fitted(pp, m, costs, post_validation=post_validation)
+
+
+def _auto(pp: int, vpp: int, m: int, costs: Optional[Costs], mem_limit: Optional[float],
+          post_validation: bool) -> Plan:
+    return builders.auto(pp, vpp, m, costs, mem_limit, post_validation=post_validation)
 
 
 SPECS: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
     ScheduleSpec("1f1b", _one_chunk(builders.one_f_one_b), 1, 1, 1),
-    ScheduleSpec("interleaved", lambda pp, vpp, m, costs, mem_limit: builders.interleaved(pp, vpp, m), 2, None, 2),
-    ScheduleSpec("gpipe", _one_chunk(builders.gpipe), 1, 1, 1),
+    ScheduleSpec("interleaved", lambda pp, vpp, m, *_: builders.interleaved(pp, vpp, m), 2, None, 2),
+    ScheduleSpec("gpipe", _one_chunk(builders.gpipe), 1, 1, 1, planned=False),
     ScheduleSpec("zb-h1", _one_chunk(builders.zb_h1), 1, 1, 1, zero_bubble=True),
     ScheduleSpec("zb-h2", _zb_h2, 1, 1, 1, zero_bubble=True, profiled=True),
     ScheduleSpec("zbv", _one_chunk(builders.zbv), 2, 2, 2, v_placement=True, zero_bubble=True),
     ScheduleSpec("v-half", _one_chunk(builders_v.v_half), 2, 2, 2, v_placement=True, zero_bubble=True),
     ScheduleSpec("v-min", _one_chunk(builders_v.v_min), 2, 2, 2, v_placement=True, zero_bubble=True),
-    ScheduleSpec("auto", builders.auto, 1, 2, 1, v_placement=True, zero_bubble=True, profiled=True,
+    ScheduleSpec("auto", _auto, 1, 2, 1, v_placement=True, zero_bubble=True, profiled=True,
                  memory_capped=True),
 )}
 
@@ -100,7 +111,13 @@ def schedule_spec(name: str) -> ScheduleSpec:
 
 
 def build(schedule: str, pp: int, vpp: int, m: int, costs: Optional[Costs] = None,
-          mem_limit: Optional[float] = None) -> Plan:
+          mem_limit: Optional[float] = None, *, post_validation: bool = False) -> Plan:
     """Plan for a --pipeline-schedule name; `costs` are used by the profiled schedules (auto and zb-h2: fitted
-    to them when given, else the unit-cost plan), `mem_limit` by the memory-capped one (auto)."""
-    return schedule_spec(schedule).build(pp, vpp, m, costs, mem_limit)
+    to them when given, else the unit-cost plan), `mem_limit` by the memory-capped one (auto), and
+    `post_validation` by both profiled ones (they plan for the longest stage span then)."""
+    return schedule_spec(schedule).build(pp, vpp, m, costs, mem_limit, post_validation=post_validation)
+
+
+def default_schedule(vpp: int) -> str:
+    """Megatron's schedule when none is named: interleaved with several chunks per rank, else 1F1B."""
+    return "interleaved" if vpp > 1 else "1f1b"

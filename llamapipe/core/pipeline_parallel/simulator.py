@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llamapipe.core.pipeline_parallel.schedule_ir import KINDS, Action, Plan
+from llamapipe.core.pipeline_parallel.schedule_ir import KIND_SPECS, KINDS, PASSES, PRODUCER, Action, Plan, needs, sends
 
 
 class PlanError(ValueError):
@@ -76,46 +76,41 @@ def _check_ranges(plan: Plan) -> None:
 
 def _check_rank_order(plan: Plan, rank: int) -> None:
     """Each (chunk, mb) gets F, B, W once and in that order; same-rank stage hand-offs in order too."""
-    done: dict[str, set] = {"F": set(), "B": set(), "W": set()}
-    last = plan.num_stages - 1
+    done: dict[str, set] = {part: set() for part in PASSES}
     for i, a in enumerate(plan.actions[rank]):
         key, where = (a.chunk, a.microbatch), f"rank {rank} action #{i} {a}"
-        stage = plan.stage_of(rank, a.chunk)
-        for part in ("B", "W") if a.kind == "BW" else (a.kind,):
+        for part in KIND_SPECS[a.kind].parts:
             if key in done[part]:
                 raise PlanError(f"{where}: duplicated {part} for chunk {a.chunk} microbatch {a.microbatch}")
+            before = PASSES[PASSES.index(part) - 1] if part != PASSES[0] else None
+            if before is not None and key not in done[before]:
+                raise PlanError(f"{where}: {part} before its {before}")
             done[part].add(key)
-        if a.kind in ("B", "BW") and key not in done["F"]:
-            raise PlanError(f"{where}: B before its F")
-        if a.kind == "W" and key not in done["B"]:
-            raise PlanError(f"{where}: W before its B")
-        if a.kind == "F" and stage > 0:
-            prev_rank, prev_chunk = plan.rank_chunk_of(stage - 1)
-            if prev_rank == rank and (prev_chunk, a.microbatch) not in done["F"]:
-                raise PlanError(f"{where}: F before the previous stage's F on the same rank")
-        if a.kind in ("B", "BW") and stage < last:
-            next_rank, next_chunk = plan.rank_chunk_of(stage + 1)
-            if next_rank == rank and (next_chunk, a.microbatch) not in done["B"]:
-                raise PlanError(f"{where}: B before the next stage's B on the same rank")
-    for part in ("F", "B", "W"):
+        hop = needs(a.kind, plan.stage_of(rank, a.chunk), plan.num_stages)
+        if hop is not None:
+            src_rank, src_chunk = plan.rank_chunk_of(hop.src)
+            producer = PRODUCER[hop.payload]
+            if src_rank == rank and (src_chunk, a.microbatch) not in done[producer]:
+                neighbour = "previous" if hop.payload == "act" else "next"
+                raise PlanError(f"{where}: {producer} before the {neighbour} stage's {producer} on the same rank")
+    for part in PASSES:
         for chunk in range(plan.vpp):
             for mb in range(plan.num_microbatches):
                 if (chunk, mb) not in done[part]:
                     raise PlanError(f"rank {rank}: missing {part} for chunk {chunk} microbatch {mb}")
 
 
-def _stage_order(plan: Plan, stage: int, backward: bool) -> list[tuple[int, Action]]:
+def _stage_order(plan: Plan, stage: int, payload: str) -> list[tuple[int, Action]]:
+    """The actions of `stage` that send or consume `payload`, in its rank's order."""
     rank, chunk = plan.rank_chunk_of(stage)
-    kinds = ("B", "BW") if backward else ("F",)
-    return [(i, a) for i, a in enumerate(plan.actions[rank]) if a.chunk == chunk and a.kind in kinds]
+    return [(i, a) for i, a in enumerate(plan.actions[rank]) if a.chunk == chunk and KIND_SPECS[a.kind].payload == payload]
 
 
 def _check_streams(plan: Plan) -> None:
     """Messages on one stream (activations s->s+1, gradients s+1->s) are consumed in the order sent."""
     for stage in range(plan.num_stages - 1):
-        for backward in (False, True):
-            src, dst = (stage + 1, stage) if backward else (stage, stage + 1)
-            sent, received = _stage_order(plan, src, backward), _stage_order(plan, dst, backward)
+        for payload, (src, dst) in (("act", (stage, stage + 1)), ("grad", (stage + 1, stage))):
+            sent, received = _stage_order(plan, src, payload), _stage_order(plan, dst, payload)
             for (_, s), (i, r) in zip(sent, received):
                 if s.microbatch != r.microbatch:
                     rank, src_rank = plan.rank_chunk_of(dst)[0], plan.rank_chunk_of(src)[0]
@@ -131,19 +126,16 @@ def verify(plan: Plan) -> None:
     _check_streams(plan)
 
 
-def _arrival(plan: Plan, rank: int, a: Action, costs: Costs, f_end: dict, b_end: dict) -> float | None:
-    """Time the inputs of `a` are on `rank`, or None while the producer has not run."""
-    stage = plan.stage_of(rank, a.chunk)
-    if a.kind == "F" and stage > 0:
-        src, ends = stage - 1, f_end
-    elif a.kind in ("B", "BW") and stage < plan.num_stages - 1:
-        src, ends = stage + 1, b_end
-    else:
+def _arrival(plan: Plan, rank: int, a: Action, costs: Costs, sent: dict) -> float | None:
+    """Time the inputs of `a` are on `rank`, or None while the producer has not run. `sent` maps
+    (payload, src stage, microbatch) to the time the producer sent it."""
+    hop = needs(a.kind, plan.stage_of(rank, a.chunk), plan.num_stages)
+    if hop is None:
         return 0.0   # own earlier action (checked statically) or data from the loader
-    end = ends.get((src, a.microbatch))
+    end = sent.get((hop.payload, hop.src, a.microbatch))
     if end is None:
         return None
-    return end + (costs.comm if plan.rank_chunk_of(src)[0] != rank else 0.0)
+    return end + (costs.comm if plan.rank_chunk_of(hop.src)[0] != rank else 0.0)
 
 
 def _deadlock_message(plan: Plan, pos: list[int]) -> str:
@@ -151,11 +143,10 @@ def _deadlock_message(plan: Plan, pos: list[int]) -> str:
     for rank, i in enumerate(pos):
         if i < len(plan.actions[rank]):
             a = plan.actions[rank][i]
-            stage = plan.stage_of(rank, a.chunk)
-            src = stage - 1 if a.kind == "F" else stage + 1
-            kind = "F" if a.kind == "F" else "B"
-            stuck.append(f"rank {rank} action #{i} {a} waits for {kind} of stage {src} microbatch "
-                         f"{a.microbatch} from rank {plan.rank_chunk_of(src)[0]}")
+            hop = needs(a.kind, plan.stage_of(rank, a.chunk), plan.num_stages)
+            producer = PRODUCER[hop.payload]
+            stuck.append(f"rank {rank} action #{i} {a} waits for {producer} of stage {hop.src} microbatch "
+                         f"{a.microbatch} from rank {plan.rank_chunk_of(hop.src)[0]}")
     return "deadlock: " + "; ".join(stuck)
 
 
@@ -164,8 +155,7 @@ def run_timeline(plan: Plan, costs: Costs, early_send: bool = True,
     """Start and end of every action of a verified plan; rank r starts no earlier than `release[r]` (default 0).
     Event order does not matter: each start is max(rank clock, input arrival)."""
     pos, clock = [0] * plan.pp, list(release) if release is not None else [0.0] * plan.pp
-    f_end: dict = {}
-    b_end: dict = {}
+    sent: dict = {}
     timeline: list[list] = [[] for _ in range(plan.pp)]
     progressed = True
     while progressed:
@@ -173,18 +163,17 @@ def run_timeline(plan: Plan, costs: Costs, early_send: bool = True,
         for rank, acts in enumerate(plan.actions):
             while pos[rank] < len(acts):
                 a = acts[pos[rank]]
-                ready = _arrival(plan, rank, a, costs, f_end, b_end)
+                ready = _arrival(plan, rank, a, costs, sent)
                 if ready is None:
                     break
                 start = max(clock[rank], ready)
                 clock[rank] = end = start + costs.duration(a.kind)
-                stage = plan.stage_of(rank, a.chunk)
-                if a.kind == "F":
-                    f_end[(stage, a.microbatch)] = end
-                elif a.kind == "B":
-                    b_end[(stage, a.microbatch)] = end
-                elif a.kind == "BW":      # the executor sends a BW's input gradient before its W part
-                    b_end[(stage, a.microbatch)] = start + costs.b if early_send else end
+                hop = sends(a.kind, plan.stage_of(rank, a.chunk), plan.num_stages)
+                if hop is not None:       # the executor sends a BW's input gradient before its W part
+                    parts = KIND_SPECS[a.kind].parts
+                    upto = parts[:parts.index(PRODUCER[hop.payload]) + 1]
+                    sent[(hop.payload, hop.src, a.microbatch)] = (
+                        start + sum(costs.duration(part) for part in upto) if early_send else end)
                 timeline[rank].append((start, end, a))
                 pos[rank] += 1
                 progressed = True

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 
-from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+from llamapipe.core.pipeline_parallel.schedule_ir import PASSES, PRODUCER, Action, Plan, needs
 from llamapipe.core.pipeline_parallel.simulator import Costs
 
 _EPS = 1e-9
@@ -35,22 +35,19 @@ class _Heuristic:
                  w_in_small_gaps: bool):
         self.pp, self.m, self.costs, self.limit = pp, m, costs, mem_limit
         self.delay_first_b, self.skip_f, self.w_in_small_gaps = delay_first_b, skip_f, w_in_small_gaps
-        self.count = {kind: [0] * pp for kind in "FBW"}
+        self.count = {kind: [0] * pp for kind in PASSES}
         self.clock, self.mem, self.bubble = [0.0] * pp, [0.0] * pp, [0.0] * pp
-        self.end = {kind: [[0.0] * m for _ in range(pp)] for kind in "FB"}
+        self.end = {kind: [[0.0] * m for _ in range(pp)] for kind in PRODUCER.values()}
         self.actions: list[list[Action]] = [[] for _ in range(pp)]
 
     def _arrival(self, stage: int, kind: str, mb: int) -> float:
-        """When the input of F/B `mb` on `stage` is there (0 for the loader's data or the loss)."""
-        if kind == "F" and stage > 0:
-            return self.end["F"][stage - 1][mb] + self.costs.comm
-        if kind == "B" and stage < self.pp - 1:
-            return self.end["B"][stage + 1][mb] + self.costs.comm
-        return 0.0
+        """When the input of `kind` `mb` on `stage` is there (0 for the loader's data, the loss, or a W)."""
+        hop = needs(kind, stage, self.pp)
+        return 0.0 if hop is None else self.end[PRODUCER[hop.payload]][hop.src][mb] + self.costs.comm
 
     def _put(self, stage: int, kind: str) -> None:
         mb, duration = self.count[kind][stage], self.costs.duration(kind)
-        start = max(self.clock[stage], self._arrival(stage, kind, mb) if kind != "W" else 0.0)
+        start = max(self.clock[stage], self._arrival(stage, kind, mb))
         if self.count["F"][stage]:      # idle before the first F is the pipeline's fill, not a bubble
             self.bubble[stage] += start - self.clock[stage]
         self.clock[stage] = start + duration

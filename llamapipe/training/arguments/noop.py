@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from llamapipe.core.config import ParallelConfig
-from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
 from llamapipe.training.arguments.pipeline import virtual_stage_flag
 
 _PROFILE_ITERS_DEFAULT = 3      # flags_training's default: a different value was given on purpose

@@ -15,6 +15,7 @@ import torch
 
 from llamapipe.core.config import SCHEDULES, ArgumentError, ParallelConfig
 from llamapipe.core.pipeline_parallel.activation_memory import MemoryBytes
+from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule
 from llamapipe.training.arguments.pipeline import vpp_size
 from llamapipe.training.config import CheckpointConfig, LoggingConfig
 
@@ -78,7 +79,7 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
     if backend == "nccl" and not torch.cuda.is_available():
         raise ArgumentError("--distributed-backend nccl needs CUDA, which is not available; use gloo")
     vpp = vpp_size(args)
-    schedule = args.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
+    schedule = args.pipeline_schedule or default_schedule(vpp)
     if schedule not in SCHEDULES:
         raise ArgumentError(f"--pipeline-schedule {schedule} is unknown; choose one of {', '.join(SCHEDULES)}")
     if args.fp16 and args.bf16:
