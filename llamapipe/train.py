@@ -13,6 +13,8 @@ from llamapipe.training.arguments import parse_args
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)  # exits 2 with one plain line on any inconsistent flag combination
+    from llamapipe.training.startup import log_startup
+    log_startup(config)
     from llamapipe.training.loop import pretrain
     return pretrain(config)
 
