@@ -159,11 +159,7 @@ class Trainer:
 
     def train(self) -> int:
         cfg, st = self.config.training, self.state
-        per_step = ("microbatches per step growing with --rampup-batch-size" if cfg.rampup_batch_size else
-                    f"{cfg.num_microbatches} microbatches per step")
-        log.info(f"training {cfg.train_iters} iterations from iteration {st.iteration}: "
-                 f"{self.ps.world_size} ranks (tp {self.ps.tp_size}, pp {self.ps.pp_size}, vpp {self.ps.vpp_size}, "
-                 f"dp {self.ps.dp_size}), schedule {self.config.parallel.pipeline_schedule}, {per_step}")
+        log.info(f"training {cfg.train_iters} iterations from iteration {st.iteration}")   # layout: "run:" lines
         with manual_gc(cfg.manual_gc):
             status = self._train_loop()
         self.exit_signal.settle()
@@ -307,14 +303,18 @@ class Trainer:
         cfg = self.config.training
         if not cfg.eval_iters or self.valid_iters is None:
             return None
+        from llamapipe.training.validation_progress import ValidationProgress
         loss_sum = tokens = 0.0
+        progress = ValidationProgress(cfg.eval_iters)
         with torch.no_grad(), collect_for_eval(cfg.manual_gc and cfg.manual_gc_eval):
-            for _ in range(cfg.eval_iters):
+            for done in range(1, cfg.eval_iters + 1):
                 batch_loss, batch_tokens = self._run_schedule(self.valid_iters, forward_only=True,
                                                               num_microbatches=cfg.num_microbatches)
                 loss_sum, tokens = loss_sum + batch_loss, tokens + batch_tokens
+                progress.step(done)
         loss = loss_sum / max(tokens, 1.0)
         ppl = math.exp(min(loss, 20.0))
-        log.info(f"validation loss at iteration {self.state.iteration}: lm loss {loss:.6E} | lm loss PPL {ppl:.6E}")
+        log.info(f"validation loss at iteration {self.state.iteration}: lm loss {loss:.6E} | lm loss PPL {ppl:.6E} "
+                 f"| {progress.summary()}")
         self.metrics.write({"iteration": self.state.iteration, "valid_lm_loss": loss, "valid_ppl": ppl})
         return loss
