@@ -3,17 +3,21 @@ detected and the previous checkpoint resumes the uninterrupted losses; every che
 run (exit 2, one line naming each, nothing trained, nothing pruned); an LR-schedule mismatch is one error
 line unless an override flag says which schedule wins; --async-save writes the same bytes as a sync save
 and resumes bit for bit; a worker SIGKILLed during an async save, or a full disk during a save, leaves the
-previous checkpoint as the one that loads."""
+previous checkpoint as the one that loads; a second run on a --save directory in use is refused in one line
+naming the first, which then finishes and resumes as usual, and a dead run's lock is taken over."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from llamapipe.training.checkpointing import catalog
+from llamapipe.training.checkpointing import catalog, save_lock
 from llamapipe.training.checkpointing.selection import scan
 from llamapipe.tools import verify_checkpoint
 from tests.cli import ROOT, TINY, read_metrics, torchrun, train
@@ -177,3 +181,66 @@ def test_verify_checkpoint_command(run4, tmp_path):
     assert proc.returncode == 1
     assert f"iter_0000002: {FILES[2]} fails its sha256 checksum" in proc.stdout
     assert "iter_0000004: ok" in proc.stdout
+
+
+_GATED = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from llamapipe.training import loop
+real = loop.Trainer.train
+def train(self):
+    deadline = time.time() + 120     # holds the --save lock until the test lets it train
+    while not os.path.exists({go!r}) and time.time() < deadline:
+        time.sleep(0.05)
+    return real(self)
+loop.Trainer.train = train
+from llamapipe.train import main
+sys.exit(main())
+"""
+
+
+def test_second_run_on_one_save_directory_is_refused_and_the_first_resumes(run4, tmp_path):
+    save, go = tmp_path / "ckpt", tmp_path / "go"
+    script = tmp_path / "gated_pretrain.py"
+    script.write_text(_GATED.format(root=ROOT, go=str(go)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    first = subprocess.Popen([sys.executable, str(script), *TINY, *FLAGS, "--train-iters", "4", "--save", str(save),
+                              "--save-interval", "2", "--exit-interval", "2"], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lock = save / save_lock.LOCK_FILE
+        for _ in range(1200):
+            if lock.exists() and lock.read_text().strip() or first.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert first.poll() is None and lock.exists(), "the first run did not take the lock"
+        line = fails(single(["--train-iters", "4", "--save", str(save)]))
+        assert f"--save {save} is in use by another run (host {socket.gethostname()}, pid {first.pid}, since " \
+               in line, line
+    finally:
+        go.touch()
+        out, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, out[-3000:]
+    assert not lock.exists(), "the lock outlived its run"
+    assert catalog.list_iterations(str(save)) == [2]
+    resumed = train(1, FLAGS + ["--train-iters", "4", "--load", str(save), "--save", str(save)],
+                    str(tmp_path / "r.jsonl"))
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    for got, want in zip(resumed, run4[1][2:]):
+        assert (got["lm_loss"], got["lr"]) == (want["lm_loss"], want["lr"]), got["iteration"]
+    assert catalog.list_iterations(str(save)) == [2, 4] and not lock.exists()
+    assert verify_checkpoint.main([str(save)]) == 0
+
+
+def test_stale_lock_of_a_dead_run_is_taken_over(tmp_path):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (save / save_lock.LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid,
+                                                        "since": "2020-01-01 00:00:00 UTC"}))
+    proc = single(["--train-iters", "1", "--save", str(save)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"taking over the lock on --save {save} left by a run that is gone (host {socket.gethostname()}, " \
+           f"pid {dead.pid}" in proc.stdout + proc.stderr
+    assert catalog.list_iterations(str(save)) == [1] and not (save / save_lock.LOCK_FILE).exists()

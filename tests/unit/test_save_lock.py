@@ -1,0 +1,118 @@
+"""The --save directory lock: a second process is refused in one line naming the holder (host, pid, since); a
+lock left by a dead process on this host is taken over with a notice; one from another host is refused with
+the file to remove; SIGTERM and a normal release remove the file; checkpoint listing, verification, pruning
+and loading of a locked directory work as without the lock."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from llamapipe.training.checkpointing import catalog, save_lock
+from llamapipe.tools import verify_checkpoint
+from tests.harness import ROOT
+from tests.unit.test_checkpoint_integrity import load, save
+
+_HOLD = """
+import sys, time
+from llamapipe.training.checkpointing import save_lock
+save_lock.acquire(sys.argv[1])
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def _holder(directory) -> subprocess.Popen:
+    """Another process holding the lock on `directory` (until killed)."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(directory)], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def notices():
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("llamapipe").addHandler(handler)
+    yield records
+    logging.getLogger("llamapipe").removeHandler(handler)
+
+
+def test_second_process_is_refused_naming_the_first_and_release_frees_it(tmp_path):
+    holder = _holder(tmp_path)
+    try:
+        record = json.loads((tmp_path / save_lock.LOCK_FILE).read_text())
+        assert (record["host"], record["pid"]) == (socket.gethostname(), holder.pid) and record["since"]
+        with pytest.raises(ValueError) as info:
+            save_lock.acquire(str(tmp_path))
+        message = str(info.value)
+        assert "\n" not in message
+        assert message.startswith(f"--save {tmp_path} is in use by another run (host {socket.gethostname()}, "
+                                  f"pid {holder.pid}, since {record['since']}; lock file "), message
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = save_lock.acquire(str(tmp_path))     # SIGKILL dropped the flock: taken over
+    assert json.loads((tmp_path / save_lock.LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / save_lock.LOCK_FILE).exists()
+    lock.release()      # idempotent
+
+
+def test_lock_of_a_dead_pid_on_this_host_is_taken_over_with_a_notice(tmp_path, notices):
+    stale = {"host": socket.gethostname(), "pid": _dead_pid(), "since": "2020-01-01 00:00:00 UTC"}
+    (tmp_path / save_lock.LOCK_FILE).write_text(json.dumps(stale))
+    lock = save_lock.acquire(str(tmp_path))
+    try:
+        text = " ".join(r.getMessage() for r in notices)
+        assert f"taking over the lock on --save {tmp_path} left by a run that is gone (host " \
+               f"{stale['host']}, pid {stale['pid']}, since 2020-01-01" in text, text
+        assert json.loads((tmp_path / save_lock.LOCK_FILE).read_text())["pid"] == os.getpid()
+    finally:
+        lock.release()
+
+
+def test_lock_from_another_host_is_refused_with_the_file_to_remove(tmp_path):
+    other = {"host": "node-that-is-not-" + socket.gethostname(), "pid": 4242, "since": "2020-01-01 00:00:00 UTC"}
+    (tmp_path / save_lock.LOCK_FILE).write_text(json.dumps(other))
+    with pytest.raises(ValueError, match=f"locked by a run on another host \\(host {other['host']}, pid 4242, "
+                                         f"since 2020-01-01 00:00:00 UTC\\), which cannot be checked from here; "
+                                         f"if that run is gone, remove {tmp_path / save_lock.LOCK_FILE}"):
+        save_lock.acquire(str(tmp_path))
+    assert json.loads((tmp_path / save_lock.LOCK_FILE).read_text()) == other, "the refusal changed the file"
+
+
+def test_sigterm_releases_the_lock(tmp_path):
+    holder = _holder(tmp_path)
+    holder.send_signal(signal.SIGTERM)
+    assert holder.wait(timeout=30) == -signal.SIGTERM, "it must still end as SIGTERM ends it"
+    assert not (tmp_path / save_lock.LOCK_FILE).exists()
+
+
+def test_locked_directory_lists_verifies_prunes_and_loads_as_usual(tmp_path):
+    lock = save_lock.acquire(str(tmp_path))
+    try:
+        save(tmp_path, 1)
+        save(tmp_path, 2)
+        save(tmp_path, 3, keep_last_n=2)
+        assert catalog.list_iterations(str(tmp_path)) == [2, 3]
+        assert verify_checkpoint.main([str(tmp_path)]) == 0
+        assert catalog.latest_checkpoint(str(tmp_path))[0] == 3
+        assert load(tmp_path)[0].iteration == 3
+        assert (tmp_path / save_lock.LOCK_FILE).exists()
+    finally:
+        lock.release()
