@@ -34,7 +34,8 @@ def test_unknown_flag_gets_the_closest_known_one():
         "unrecognized argument --pipeline-parallel-size; did you mean --pipeline-model-parallel-size?"
     assert unrecognized(["--sequence-paralel", "--qqqqqq", "3"], known) == \
         "unrecognized arguments --sequence-paralel (did you mean --sequence-parallel?), --qqqqqq"
-    assert unrecognized(["--lr-warmup=5"], known) == "unrecognized argument --lr-warmup=5; did you mean --lr-warmup-iters?"
+    assert unrecognized(["--lr-warmup=5"], known) == \
+        "unrecognized argument --lr-warmup=5; did you mean --lr-warmup-iters?"
     assert unrecognized(["stray"], known) == "unrecognized argument stray"
 
 
