@@ -93,6 +93,7 @@ def pretrain(config: Config) -> int:
         status = 1
     finally:
         trainer.metrics.close()  # no collective here: a rank-local failure must exit, not wait in a barrier
+        trainer.save_lock.release()     # after the last save is finalized; errors before this: atexit
     dist.barrier()
     dist.destroy_process_group()
     return status
@@ -104,6 +105,8 @@ class Trainer:
     def __init__(self, config: Config, model_cfg: LlamaConfig, ps: ParallelState, device: torch.device) -> None:
         from llamapipe.core.optimizer import OptimizerParamScheduler, build_optimizer
         from llamapipe.training.setup import build_forward_backward_func
+        from llamapipe.training.checkpointing.save_lock import hold_save_dir
+        self.save_lock = hold_save_dir(config.checkpoint.save)    # one run per --save directory, before any work
         self.config, self.model_cfg, self.ps, self.device = config, model_cfg, ps, device
         self.chunks, self.roles = build_model_chunks(config, model_cfg, ps, device)
         self.optimizer = build_optimizer(self.chunks, config.optimizer, ps)
