@@ -163,7 +163,9 @@ def _alive(pid: int) -> bool:
 def _release_on_sigterm(lock: SaveDirLock) -> None:
     """Without --exit-signal-handler SIGTERM ends the process at once: release first, then end as it would.
     The flag's handler, installed later by the trainer, replaces this one (that path exits normally)."""
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():     # only the main thread may set handlers
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return
 
     def handler(signum: int, frame: Any) -> None:
