@@ -6,8 +6,11 @@
   when there are any, else a `tokenizer_config.json` naming its special tokens.
 - NullTokenizer has no text form, so nothing is written.
 
-The exported tokenizer encodes a text to the ids this package's tokenizer gives it: no bos is prepended,
-as the data was preprocessed (documents, then eod under --append-eod). Generation from a prompt needs no bos.
+An exported sentencepiece model encodes a text to the ids this package's tokenizer gives it, with no bos
+prepended, as the data was preprocessed (documents, then eod under --append-eod); this holds for models trained
+with LLaMA's settings (`llamapipe train-tokenizer`), as transformers' conversion does not reproduce every
+sentencepiece normaliser (e.g. collapsing repeated spaces). A tokenizer.json keeps its own post-processor (LLaMA 3's
+prepends bos), as transformers applies it.
 """
 from __future__ import annotations
 
