@@ -19,9 +19,9 @@ tests/multiproc/test_planner_memory.py, docs/planner.md):
   recompute. The schedule's plan is walked action by action with these per-chunk bytes (F adds M_B, B swaps it
   for M_W, W frees M_W), so uneven layouts and the V placement's two different chunks are exact.
 
-Time: a step's FLOPs (6 x parameters x tokens plus attention, plus one forward again under full recompute) at
-`efficiency` x the device's peak, per-action costs fed to the simulator for the pipeline makespan, plus TP
-all-reduces on the links and the DP gradient all-reduce.
+Time: a step's FLOPs (llamapipe.model.counts: 6 x matmul weights x tokens plus attention, plus one forward
+again under full recompute) at `efficiency` x the device's peak, per-action costs fed to the simulator for
+the pipeline makespan, plus TP all-reduces on the links and the DP gradient all-reduce.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 from llamapipe.model.config import LlamaConfig
+from llamapipe.model.counts import flops_per_token, layer_matmul_parameters
 
 GIB = 2 ** 30
 PARAM_BYTES = {"bf16": 2, "fp32": 4}
@@ -95,11 +96,6 @@ class Estimate:
         return self.params + self.grads + self.optimizer + self.activations
 
 
-def layer_params(m: LlamaConfig) -> int:
-    h, kv = m.hidden_size, m.num_query_groups * m.head_dim
-    return h * m.num_attention_heads * m.head_dim * 2 + 2 * h * kv + 3 * h * m.ffn_hidden_size + 2 * h
-
-
 def layer_act_bytes(m: LlamaConfig, seq: int, mbs: int, recompute: str, precision: str = "bf16",
                     tp: int = 1) -> tuple[float, float]:
     """(bytes held from F to B, bytes held from B to W) by one decoder layer for one microbatch on one tp rank."""
@@ -133,7 +129,7 @@ def _stage_layers(m: LlamaConfig, lay: Layout) -> list[int]:
 def _rank_params(m: LlamaConfig, lay: Layout) -> list[float]:
     """Parameters on each pipeline rank (per tp shard; the norms are whole on every tp rank)."""
     h, stages = m.hidden_size, lay.pp * lay.vpp
-    layer = (layer_params(m) - 2 * h) / lay.tp + 2 * h
+    layer = layer_matmul_parameters(m) / lay.tp + 2 * h
     vocab = m.padded_vocab_size(lay.tp) * h / lay.tp
     params = [0.0] * lay.pp
     for stage, (rank, layers) in enumerate(zip(stage_ranks(lay), _stage_layers(m, lay))):
@@ -197,7 +193,7 @@ def estimate(m: LlamaConfig, lay: Layout, seq: int, global_batch: int, dev: Devi
     ranks = rank_memory(m, lay, seq, global_batch)
     best = max(ranks, key=lambda r: r.total)
     step = _step_seconds(m, lay, seq, micro, dev, max(r.params for r in ranks) / PARAM_BYTES[lay.precision])
-    model_flops = _flops_per_token(m, seq, full_recompute=False) * global_batch * seq
+    model_flops = flops_per_token(m, seq, lay.tp) * global_batch * seq
     mfu = model_flops / (step * lay.tp * lay.pp * lay.dp * dev.tflops * 1e12)
     return Estimate(best.params, best.grads, best.optimizer, best.activations, step_s=step, mfu=mfu,
                     peak_units=best.peak_units)
@@ -207,17 +203,9 @@ def _allreduce_s(nbytes: float, ranks: int, gbps: float) -> float:
     return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes * 8 / (gbps * 1e9)
 
 
-def _flops_per_token(m: LlamaConfig, seq: int, full_recompute: bool) -> float:
-    """Training FLOPs per token: 6 per weight (forward 2, backward 4) plus causal attention, 8 with full recompute."""
-    per_weight = 8 if full_recompute else 6
-    dense = m.num_layers * layer_params(m) + m.padded_vocab_size() * m.hidden_size
-    attention = m.num_layers * 2 * seq * m.num_attention_heads * m.head_dim    # QK^T and AV, causal half
-    return per_weight * dense + per_weight * attention
-
-
 def _step_seconds(m: LlamaConfig, lay: Layout, seq: int, micro: int, dev: Device, rank_params: float) -> float:
     tokens = seq * lay.micro_batch
-    flops = _flops_per_token(m, seq, lay.recompute == "full") * tokens / (lay.tp * lay.pp * lay.vpp)
+    flops = flops_per_token(m, seq, lay.tp, lay.recompute == "full") * tokens / (lay.tp * lay.pp * lay.vpp)
     chunk = flops / (dev.tflops * 1e12 * dev.efficiency)          # F + B + W of one microbatch on one chunk
     tp_gbps = dev.link_gbps if lay.tp <= dev.gpus_per_node else dev.internode_gbps
     tp_comm = 4 * (m.num_layers / (lay.pp * lay.vpp)) * _allreduce_s(2 * tokens * m.hidden_size, lay.tp, tp_gbps)

@@ -15,6 +15,7 @@ import torch
 
 from llamapipe.core.config import ArgumentError, ParallelConfig, TrainingConfig
 from llamapipe.model.config import LlamaConfig
+from llamapipe.model.counts import model_parameters
 
 
 def machine_memory_bytes(backend: str) -> Optional[int]:
@@ -25,14 +26,6 @@ def machine_memory_bytes(backend: str) -> Optional[int]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def model_parameters(m: LlamaConfig, tp: int) -> int:
-    """Parameters of the whole model (embedding, decoder layers, final norm, untied output layer)."""
-    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
-    layer = 2 * h * q + 2 * h * kv + 3 * h * m.ffn_hidden_size + 2 * h
-    vocab = m.padded_vocab_size(tp) * h
-    return m.num_layers * layer + h + vocab * (1 if m.tie_word_embeddings else 2)
 
 
 def _gib(n: float) -> str:
