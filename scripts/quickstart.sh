@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # README command one: install, build a real-text sample corpus, train a tokenizer, preprocess it, then
 # pretrain a tiny LLaMA on 4 CPU processes with tp=2, pp=2, two virtual stages per rank and the ZB-V
-# zero-bubble schedule. A few minutes on 2 cores; the loss visibly falls.
+# zero-bubble schedule, and export it to HF transformers, which generates text from the export alone.
+# About a minute on 2 cores once installed; the loss visibly falls.
 #
 # Run it again to resume: the corpus, tokenizer and .bin/.idx already built are kept, training continues
 # from the newest checkpoint in $RUN_DIR/checkpoints (--load) up to TRAIN_ITERS, metrics.jsonl grows, and
@@ -19,15 +20,15 @@ CKPT="$RUN/checkpoints"
 mkdir -p "$RUN"
 [ "${SKIP_INSTALL:-0}" = 1 ] || bash scripts/install.sh   # quick when already installed from this checkout
 
-echo "== 1/4 sample corpus (real text from this machine, RedPajama format) -> $RUN/corpus"
+echo "== 1/5 sample corpus (real text from this machine, RedPajama format) -> $RUN/corpus"
 if [ -d "$RUN/corpus" ]; then echo "kept (FRESH=1 rebuilds)"; else
   "$PY" -m llamapipe make-sample-corpus --out "$RUN/corpus" --max-mb 4
 fi
-echo "== 2/4 sentencepiece tokenizer -> $RUN/tokenizer.model"
+echo "== 2/5 sentencepiece tokenizer -> $RUN/tokenizer.model"
 if [ -f "$RUN/tokenizer.model" ]; then echo "kept"; else
   "$PY" -m llamapipe train-tokenizer --input "$RUN/corpus" --vocab-size 2048 --model-prefix "$RUN/tokenizer"
 fi
-echo "== 3/4 preprocess to Megatron .bin/.idx -> $RUN/data/corpus_text_document"
+echo "== 3/5 preprocess to Megatron .bin/.idx -> $RUN/data/corpus_text_document"
 if [ -f "$RUN/data/corpus_text_document.idx" ]; then echo "kept"; else
   "$PY" -m llamapipe preprocess --input "$RUN/corpus" --output-prefix "$RUN/data/corpus" \
     --tokenizer-model "$RUN/tokenizer.model" --workers 2 --append-eod
@@ -40,9 +41,9 @@ if [ -f "$CKPT/latest_checkpointed_iteration.txt" ]; then
   LOAD=(--load "$CKPT" --override-opt_param-scheduler)   # the schedule follows the new TRAIN_ITERS
 fi
 if [ "$DONE" -ge "$ITERS" ]; then
-  echo "== 4/4 pretrain: the checkpoint in $CKPT is at iteration $DONE, nothing to train (raise TRAIN_ITERS, or FRESH=1)"
+  echo "== 4/5 pretrain: the checkpoint in $CKPT is at iteration $DONE, nothing to train (raise TRAIN_ITERS, or FRESH=1)"
 else
-  echo "== 4/4 pretrain: torchrun, 4 processes, tp=2 pp=2 vpp=2, zbv schedule, iterations $((DONE + 1))-$ITERS"
+  echo "== 4/5 pretrain: torchrun, 4 processes, tp=2 pp=2 vpp=2, zbv schedule, iterations $((DONE + 1))-$ITERS"
   [ "$DONE" -gt 0 ] && echo "resuming from the checkpoint at iteration $DONE in $CKPT"
   [ "$DONE" -gt 0 ] || rm -f "$RUN/metrics.jsonl"
   # Every value the run relies on is given, so changes of the defaults do not change the quickstart.
@@ -78,6 +79,17 @@ print(f"quickstart: mean lm loss {before:.3f} over iterations {first[0]}-{first[
       f"iterations {last[0]}-{last[-1]} ({'falling' if after < before else 'NOT falling'})")
 sys.exit(0 if after < before else 1)
 PY
+echo "== 5/5 export to HF transformers (weights, config, tokenizer) -> $RUN/hf, then generate from it alone"
+"$PY" -m llamapipe convert-hf export --load "$CKPT" --hf-dir "$RUN/hf"
+"$PY" - "$RUN/hf" <<'PY'
+import sys
+from transformers import AutoTokenizer, LlamaForCausalLM
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+model = LlamaForCausalLM.from_pretrained(sys.argv[1])
+out = model.generate(**tok("def main(", return_tensors="pt"), max_new_tokens=24, do_sample=False)
+print("quickstart: transformers generates from the export:", repr(tok.decode(out[0], skip_special_tokens=True)))
+PY
 echo "metrics:     $RUN/metrics.jsonl"
 echo "tensorboard: tensorboard --logdir $RUN/tensorboard   (one directory per run)"
 echo "checkpoints: $CKPT   (run again with a larger TRAIN_ITERS to resume)"
+echo "HF export:   $RUN/hf   (AutoTokenizer / LlamaForCausalLM.from_pretrained)"
