@@ -13,6 +13,7 @@ Only the first and last pipeline stages read data; all TP ranks of a DP rank rea
 """
 from __future__ import annotations
 
+import signal
 from typing import Iterator, Optional
 
 import torch
@@ -56,9 +57,18 @@ class EvalSampler(PretrainingSampler):
             yield from super().__iter__()
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader worker_init_fn: SIGTERM/SIGINT are the training process's to act on. torchrun (and SLURM)
+    signal a rank's whole process group, workers included; a worker that died of it would take the rank down
+    before --exit-signal-handler could save. The worker still exits when its rank does (it watches it)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _loader(dataset, sampler, num_workers: int) -> Iterator[dict]:
     return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                            persistent_workers=num_workers > 0))
+                                            persistent_workers=num_workers > 0,
+                                            worker_init_fn=ignore_stop_signals if num_workers > 0 else None))
 
 
 def build_data_iterators(data_cfg: DataConfig, training_cfg: TrainingConfig, *, dp_rank: int, dp_size: int,

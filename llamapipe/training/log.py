@@ -7,6 +7,7 @@ matmuls plus 12 x layers x seq x hidden x tokens for attention scores), so MFU i
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -119,7 +120,11 @@ def _line(record: dict, train_iters: int, throughput: bool) -> str:
 
 
 class MetricsWriter:
-    """Writes stdout lines, TensorBoard scalars, W&B and JSONL records on global rank 0."""
+    """Writes stdout lines, TensorBoard scalars, W&B and JSONL records on global rank 0.
+
+    A sink that fails (a full disk: ENOSPC, a vanished directory, a W&B service that died) warns once, naming
+    the file and the error, and is written no more; training goes on, because metrics are never worth a lost
+    run or the checkpoint its exit would have saved."""
 
     def __init__(self, cfg: LoggingConfig, enabled: bool, *, run_config: Optional[Any] = None,
                  save_dir: Optional[str] = None) -> None:
@@ -129,12 +134,29 @@ class MetricsWriter:
             return
         if cfg.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(log_dir=cfg.tensorboard_dir)
+            self._tb = self._guard("_tb", lambda _: SummaryWriter(log_dir=cfg.tensorboard_dir), True)
         if cfg.metrics_jsonl:
-            os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics_jsonl)), exist_ok=True)
-            self._jsonl = open(cfg.metrics_jsonl, "a", buffering=1)
+            self._jsonl = self._guard("_jsonl", lambda _: _open_jsonl(cfg.metrics_jsonl), True)
         if cfg.wandb_project:
-            self._wandb = _open_wandb(cfg, run_config, save_dir)
+            self._wandb = self._guard("_wandb", lambda _: _open_wandb(cfg, run_config, save_dir), True)
+
+    def _guard(self, sink: str, action: Any, opening: bool = False) -> Any:
+        """`action(the sink)`; on a write error, one warning and the sink is dropped (None)."""
+        errors = Exception if sink == "_wandb" else OSError     # wandb wraps its I/O errors in its own types
+        broken = None if opening else getattr(self, sink)
+        try:
+            return action(broken)
+        except errors as err:
+            setattr(self, sink, None)
+            if sink != "_wandb" and broken is not None:
+                with contextlib.suppress(Exception):   # else the unwritable buffer fails again at exit, loudly
+                    broken.close()
+            target = {"_tb": f"--tensorboard-dir {self.cfg.tensorboard_dir}",
+                      "_jsonl": f"--metrics-jsonl {self.cfg.metrics_jsonl}",
+                      "_wandb": f"--wandb-project {self.cfg.wandb_project}"}[sink]
+            log.warning(f"{target}: cannot write ({type(err).__name__}: {err}); no more metrics go there, "
+                        "training goes on")
+            return None
 
     def iteration(self, record: dict, train_iters: int) -> None:
         """The console line of a (log-interval averaged) training record."""
@@ -146,19 +168,21 @@ class MetricsWriter:
         if not self.enabled:
             return
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
+            self._guard("_jsonl", lambda f: f.write(json.dumps(record) + "\n"))
         scalars = {k: v for k, v in record.items()
                    if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
-            for key, value in scalars.items():
-                self._tb.add_scalar(key, value, record["iteration"])
+            self._guard("_tb", lambda tb: [tb.add_scalar(k, v, record["iteration"]) for k, v in scalars.items()])
         if self._wandb is not None:
-            self._wandb.log(scalars, step=record["iteration"])
+            self._guard("_wandb", lambda run: run.log(scalars, step=record["iteration"]))
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-        if self._jsonl is not None:
-            self._jsonl.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        for sink, method in (("_tb", "close"), ("_jsonl", "close"), ("_wandb", "finish")):
+            if getattr(self, sink) is not None:
+                self._guard(sink, lambda obj: getattr(obj, method)())
+                setattr(self, sink, None)
+
+
+def _open_jsonl(path: str) -> Any:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return open(path, "a", buffering=1)    # line-buffered: each record reaches the file when it is written

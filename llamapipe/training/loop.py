@@ -32,7 +32,7 @@ from llamapipe.core.logger import get_logger
 from llamapipe.core.num_microbatches_calculator import build_num_microbatches_calculator
 from llamapipe.core.parallel_state import ParallelState, initialize_model_parallel
 from llamapipe.training.log import MetricsWriter, check_wandb, num_zeros_in_grad, params_norm
-from llamapipe.training.process_control import ExitSignal, collect_for_eval, manual_gc
+from llamapipe.training.process_control import ExitSignal, collect_for_eval, manual_gc, run_as_one_job
 from llamapipe.training.progress import TrainingProgress
 from llamapipe.model.config import LlamaConfig
 from llamapipe.training.setup import build_model_chunks, build_iterators, forward_step
@@ -69,15 +69,15 @@ def pretrain(config: Config) -> int:
         log.info("CPU memory: what a training step frees stays in this process for the next step, which makes "
                  "steps faster but keeps the process's memory use at its peak (malloc keeps freed memory; "
                  "--release-host-memory returns it to the system instead)")
+    return run_as_one_job(lambda: _build_and_train(config, device))
+
+
+def _build_and_train(config: Config, device: torch.device) -> int:
+    """Setup and training on this rank; an error raised here ends the whole job (`run_as_one_job`)."""
     par = config.parallel
     ps = initialize_model_parallel(par.tp_size, par.pp_size, par.vpp_size, par.order)
     set_seeds(config.training.seed, ps.tp_rank)
-    try:
-        trainer = Trainer(config, config.model, ps, device)
-    except ValueError as err:  # user-caused (checkpoint/model mismatch, empty split): every rank meets it
-        if dist.get_rank() == 0:
-            sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
-        return 2
+    trainer = Trainer(config, config.model, ps, device)
     from llamapipe.core.pipeline_parallel.auto_schedule import MemoryLimitError
     from llamapipe.training.checkpointing.save_load import CheckpointSaveError, finalize_async_save
     try:
@@ -263,7 +263,7 @@ class Trainer:
                 log.error(f"iteration {st.iteration}: lm loss is {loss}; stopping before applying the update "
                           "(pass --skip-nonfinite-steps to skip such steps instead)")
                 return 1
-            return self._skip(f"lm loss is {loss}")
+            return self._skip(f"lm loss is {loss}", global_batch_size, time.perf_counter() - start)
         finalize_model_grads(self.chunks, self.ps, None, global_tokens=tokens,    # overlap: grad_sync
                              bucket_size=self.config.parallel.ddp_bucket_size, grad_sync=self.grad_sync)
         if self.grad_sync is not None and not self._overlap_logged:
@@ -278,7 +278,8 @@ class Trainer:
                 log.error(f"iteration {st.iteration}: gradient norm is not finite; the update was not applied "
                           "(pass --skip-nonfinite-steps to skip such steps instead)")
                 return 1
-            return self._skip(f"inf/nan in gradients (loss scale now {self.optimizer.get_loss_scale():g})")
+            return self._skip(f"inf/nan in gradients (loss scale now {self.optimizer.get_loss_scale():g})",
+                              global_batch_size, time.perf_counter() - start)
         self.scheduler.step(global_batch_size if self.scheduler.counts_samples else 1)
         self.log_iteration(st.iteration, st.consumed_samples, global_batch_size, time.perf_counter() - start,
                            loss, result.grad_norm, extra)
@@ -293,13 +294,22 @@ class Trainer:
                                 lr=self.scheduler.get_lr(), loss=loss, loss_scale=self.optimizer.get_loss_scale(),
                                 grad_norm=grad_norm, skipped_iterations=self.state.skipped_iterations, extra=extra)
 
-    def _skip(self, why: str) -> None:
+    def _skip(self, why: str, global_batch_size: int, seconds: float) -> None:
         if self.grad_sync is not None:
             self.grad_sync.discard()    # buckets started during the backward: wait, then drop them
-        self.state.skipped_iterations += 1
         self.optimizer.zero_grad()
-        log.warning(f"skipped iteration {self.state.iteration}: {why}")
+        self.record_skip(self.state.iteration, self.state.consumed_samples, global_batch_size, seconds, why)
         return None
+
+    def record_skip(self, iteration: int, consumed_samples: int, global_batch_size: int, seconds: float,
+                    why: str) -> None:
+        """A step whose update was not applied: counted, warned about, and its own metrics record."""
+        self.state.skipped_iterations += 1
+        log.warning(f"skipped iteration {iteration}: {why}")
+        self.progress.skipped(iteration=iteration, consumed_samples=consumed_samples,
+                              global_batch_size=global_batch_size, seconds=seconds, lr=self.scheduler.get_lr(),
+                              loss_scale=self.optimizer.get_loss_scale(),
+                              skipped_iterations=self.state.skipped_iterations, reason=why)
 
     def evaluate(self) -> Optional[float]:
         """Validation loss and perplexity over --eval-iters global batches."""

@@ -150,9 +150,8 @@ class PostValidatedSteps:
         if not result.update_successful:
             why = {"nonfinite_loss": f"lm loss is {result.loss}",
                    "found_inf": f"inf/nan in gradients (loss scale now {t.optimizer.get_loss_scale():g})"}
-            t.state.skipped_iterations += 1
-            log.warning(f"skipped iteration {step.iteration}: "
-                        f"{why.get(result.action, 'inf/nan in gradients')}")
+            t.record_skip(step.iteration, step.consumed_samples, step.global_batch_size, step.seconds,
+                          why.get(result.action, "inf/nan in gradients"))
             return None
         t.scheduler.step(step.global_batch_size if t.scheduler.counts_samples else 1)
         t.log_iteration(step.iteration, step.consumed_samples, step.global_batch_size, step.seconds,

@@ -2,7 +2,9 @@
 end-of-training summary.
 
 Every iteration gets its own JSONL/TensorBoard/W&B record, whatever --log-interval says (tests and plots
-read them). The console line, as in Megatron-LM, averages the loss and the time per iteration over the
+read them), also one whose update was skipped (fp16 overflow, --skip-nonfinite-steps): `"skipped": true` and
+its `skip_reason`, without `lm_loss` and `grad_norm`, so readers that select records by `lm_loss` see the
+applied steps only. The console line, as in Megatron-LM, averages the loss and the time per iteration over the
 iterations since the previous line. Throughput (tokens/s, TFLOP/s per GPU, MFU) leaves out the first
 iteration of a run, which also pays for warm-up (allocations, profiling, first-touch of memory). A single
 iteration's loss is noisy, so the summary compares the mean loss of the first and the last (up to) ten
@@ -49,7 +51,7 @@ class TrainingProgress:
         record = {"iteration": iteration, "consumed_samples": consumed_samples,
                   "global_batch_size": global_batch_size, "elapsed_ms": seconds * 1000.0, "lr": lr,
                   "lm_loss": loss, "loss_scale": loss_scale, "grad_norm": float(grad_norm),
-                  "skipped_iterations": skipped_iterations,
+                  "skipped_iterations": skipped_iterations, "skipped": False,
                   **({"tokens_per_sec": None, "tflops_per_device": None, "mfu": None} if first else
                      self._throughput(tokens, seconds)),
                   "max_memory_gib": max_memory_gib(), **(extra or {})}
@@ -60,6 +62,17 @@ class TrainingProgress:
         self.metrics.write(record)
         self._interval.append(record)
         if iteration % self.log_interval == 0:
+            self.metrics.iteration(self._averaged(), self.train_iters)
+            self._interval = []
+
+    def skipped(self, *, iteration: int, consumed_samples: int, global_batch_size: int, seconds: float, lr: float,
+                loss_scale: float, skipped_iterations: int, reason: str) -> None:
+        """Record an iteration whose update was not applied; it ends a console interval like any other."""
+        self.metrics.write({"iteration": iteration, "consumed_samples": consumed_samples,
+                            "global_batch_size": global_batch_size, "elapsed_ms": seconds * 1000.0, "lr": lr,
+                            "loss_scale": loss_scale, "skipped_iterations": skipped_iterations, "skipped": True,
+                            "skip_reason": reason})
+        if iteration % self.log_interval == 0 and self._interval:
             self.metrics.iteration(self._averaged(), self.train_iters)
             self._interval = []
 

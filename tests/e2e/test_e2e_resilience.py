@@ -1,10 +1,13 @@
-"""Never lose work: SIGTERM on one rank, a killed worker under torchrun --max-restarts, non-finite loss.
+"""Never lose work: SIGTERM on one rank, on the launcher or on every process of the job (with data-loader
+workers), a killed worker under torchrun --max-restarts, a failure on one rank, a full disk under the metrics,
+non-finite loss.
 
 All through the CLI (torchrun subprocesses, gloo, fp32). The learning rate is constant so a run's losses
 do not depend on --train-iters and interrupted runs can be compared with an uninterrupted reference.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -38,8 +41,9 @@ def _children(pid: int) -> list[int]:
 def _launch(args: list[str], extra: list[str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), *(extra or []), "pretrain_llama.py", *TINY, *args]
+    # Its own session, so a test can signal the launcher's process group as SLURM does.
     return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _wait_for_iteration(jsonl: str, iteration: int, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -98,6 +102,83 @@ def test_sigterm_to_torchrun_itself_saves_before_workers_are_killed(tmp_path):
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == str(stopped_at)
 
 
+LOADER = ["--num-workers", "2"]     # Megatron's default: data-loader worker processes in each rank's group
+
+
+@pytest.fixture(scope="module")
+def reference_16(tmp_path_factory) -> list[dict]:
+    """The uninterrupted run's losses (constant LR: they do not depend on --train-iters)."""
+    return train(2, FLAGS + ["--train-iters", "16"], str(tmp_path_factory.mktemp("ref") / "reference.jsonl"))
+
+
+def _no_traceback_from_ranks(out: str) -> None:
+    """torchrun prints its own SignalException/ChildFailedError traceback; the ranks print none."""
+    assert f'File "{os.path.join(ROOT, "llamapipe")}' not in out and "DataLoader worker" not in out, out[-4000:]
+
+
+@pytest.mark.parametrize("target", ["launcher", "every-process"])
+def test_sigterm_with_loader_workers_saves_and_resumes_to_the_uninterrupted_losses(tmp_path, reference_16, target):
+    """torchrun forwards SIGTERM to each rank's process group (data-loader workers included) and SIGKILLs what
+    is left after --shutdown-timeout (30 s); SLURM signals every process of the job. The workers ignore it,
+    the ranks agree, save and exit 0 (torchrun itself still exits 1, re-raising the signal it got)."""
+    save, jsonl = str(tmp_path / "ckpt"), str(tmp_path / "run.jsonl")
+    proc = _launch(FLAGS + LOADER + ["--train-iters", "1000", "--exit-signal-handler", "--save", save,
+                                     "--metrics-jsonl", jsonl])
+    _wait_for_iteration(jsonl, 2, proc)      # mid-run: 2 of 1000 iterations logged, loader workers busy
+    if target == "launcher":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        for group in [proc.pid] + _workers(proc):  # torchrun starts each rank in its own session
+            os.killpg(group, signal.SIGTERM)
+    out = proc.communicate(timeout=180)[0]
+    _no_traceback_from_ranks(out)
+    stopped_at = read_metrics(jsonl)[-1]["iteration"]
+    assert 2 <= stopped_at <= 14, out[-3000:]
+    assert f"exiting at iteration {stopped_at}" in out
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == str(stopped_at)
+    resumed = train(2, FLAGS + LOADER + ["--train-iters", str(stopped_at + 2), "--load", save],
+                    str(tmp_path / "resumed.jsonl"))
+    assert [r["iteration"] for r in resumed] == [stopped_at + 1, stopped_at + 2]
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in reference_16[stopped_at:stopped_at + 2]]
+
+
+@pytest.mark.parametrize("rank,where,message", [
+    (0, "data", "--data-path shard /data/shard_07.bin: cannot read it on this node (injected)"),
+    (1, "train", "[Errno 5] reading /data/shard_07.bin: Input/output error (injected)")], ids=["rank0-data", "rank1-train"])
+def test_a_failure_on_one_rank_stops_the_others_with_one_line_each(tmp_path, rank, where, message):
+    """The failing rank's one-line error; every other rank one line naming it, within seconds, no traceback
+    (before: a silent rank 1, or a gloo traceback on the rank that waited for it)."""
+    start = time.monotonic()
+    proc = torchrun(2, ["--fail-rank", str(rank), "--fail-in", where, "--"] + TINY + FLAGS + ["--train-iters", "5"],
+                    script="tests/scripts/fail_on_rank.py", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    _no_traceback_from_ranks(out)
+    prefix = "pretrain_llama.py: error: " + ("" if rank == 0 else f"rank {rank}: ")
+    assert [line for line in out.splitlines() if line.startswith("pretrain_llama.py: error:")] == [prefix + message]
+    assert f"rank {1 - rank}: stopping: rank {rank} failed (its error is above)" in out, out[-3000:]
+    assert time.monotonic() - start < 60
+
+
+def test_full_disk_under_metrics_and_tensorboard_warns_once_each_and_still_saves(tmp_path):
+    """--metrics-jsonl on a full disk (/dev/full) and an unwritable --tensorboard-dir: one warning each, the
+    run trains to the end and saves (before: tracebacks on both ranks, nothing saved)."""
+    pytest.importorskip("tensorboard")
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs Linux's /dev/full")
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    save = str(tmp_path / "ckpt")
+    proc = torchrun(2, TINY + FLAGS + ["--train-iters", "3", "--save", save, "--metrics-jsonl", "/dev/full",
+                                       "--tensorboard-dir", str(blocker / "tb")])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    for flag in ("--metrics-jsonl /dev/full", f"--tensorboard-dir {blocker / 'tb'}"):
+        assert len(re.findall(rf"\] {re.escape(flag)}: cannot write", out)) == 1, out[-4000:]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "3"
+
+
 def test_torchrun_max_restarts_resumes_a_killed_worker_to_the_same_final_loss(tmp_path):
     ckpt, jsonl = str(tmp_path / "ckpt"), str(tmp_path / "run.jsonl")
     args = FLAGS + ["--train-iters", "10", "--save", ckpt, "--load", ckpt, "--save-interval", "2",
@@ -140,3 +221,19 @@ def test_skip_nonfinite_steps_skips_and_goes_on(tmp_path):
     assert "skipped iteration 2" in proc.stdout + proc.stderr
     assert [r["iteration"] for r in rows] == [1, 3, 4]
     assert all(math.isfinite(r["lm_loss"]) for r in rows) and rows[-1]["skipped_iterations"] == 1
+    records = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    assert [(r["iteration"], r["skipped"]) for r in records] == [(1, False), (2, True), (3, False), (4, False)]
+    assert records[1]["skip_reason"] == "lm loss is inf" and "lm_loss" not in records[1]
+
+
+def test_all_skipped_fp16_run_writes_one_record_per_iteration(tmp_path):
+    """An initial loss scale of 1e30 overflows the fp16 gradients at every step (halving it three times does
+    not help): every step is skipped (before: an empty JSONL)."""
+    jsonl = tmp_path / "m.jsonl"
+    args = FLAGS + ["--train-iters", "3", "--fp16", "--initial-loss-scale", "1e30", "--metrics-jsonl", str(jsonl)]
+    proc = torchrun(2, TINY + args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in open(jsonl)]
+    assert [(r["iteration"], r["skipped"], r["skipped_iterations"]) for r in records] == \
+        [(1, True, 1), (2, True, 2), (3, True, 3)]
+    assert all(r["skip_reason"].startswith("inf/nan in gradients") and "lm_loss" not in r for r in records)
