@@ -13,6 +13,7 @@ With --json and no --out it draws nothing. `auto` is planned for what that costs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -21,6 +22,7 @@ from llamapipe.core.config import SCHEDULES
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 from llamapipe.core.pipeline_parallel.simulator_iterations import simulate_iterations
+from llamapipe.core.pipeline_parallel.vocab_parallel import vocab_costs
 from llamapipe.core.pipeline_parallel.visualize import (
     ascii_timeline,
     bubble_text,
@@ -59,6 +61,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--optimizer-step", type=float, default=0.0, help="time of one optimizer step (default 0)")
     p.add_argument("--out", default=None, help="picture to write, .png or .svg (default runs/schedule_SCHEDULE.png)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
+    p.add_argument("--vocab-parallel", action="store_true",
+                   help="split the output layer over every rank: its S/T actions (arXiv 2411.05288) in the plan")
+    p.add_argument("--head-costs", default=None, help="HF,HB: the output layer's forward and backward time over "
+                   "the whole vocabulary, on the last stage or split over S/T (default 0,0; 1,2 x F with "
+                   "--vocab-parallel)")
     return p.parse_args(argv)
 
 
@@ -72,10 +79,20 @@ def _costs(text: str) -> Costs:
     return Costs(*values)
 
 
+def _head_costs(args: argparse.Namespace, costs: Costs) -> Costs:
+    if args.head_costs is None:
+        return vocab_costs(costs) if args.vocab_parallel else costs
+    try:
+        head_f, head_b = (float(v) for v in args.head_costs.split(","))
+    except ValueError:
+        raise ValueError(f"--head-costs {args.head_costs} must be two comma-separated numbers HF,HB") from None
+    return dataclasses.replace(costs, head_f=head_f, head_b=head_b)
+
+
 def _build(args: argparse.Namespace, vpp: int, costs: Costs):
     """The plan as the runtime builds it: `auto` for what an iteration costs with or without post-validation."""
     return build(args.schedule, args.pp, vpp, args.microbatches, costs=costs, mem_limit=args.mem_limit,
-                 post_validation=args.post_validation)
+                 post_validation=args.post_validation, vocab_parallel=args.vocab_parallel)
 
 
 def _report(plan, result, iters) -> str:
@@ -96,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out.endswith((".png", ".svg")):
         return _fail(f"--out {args.out} must end in .png or .svg")
     try:
-        costs = _costs(args.costs)
+        costs = _head_costs(args, _costs(args.costs))
         plan = _build(args, vpp, costs)
         iters = simulate_iterations(plan, costs, args.iterations, post_validation=args.post_validation,
                                     optimizer_step=args.optimizer_step)

@@ -8,6 +8,11 @@ and the last stage the head and loss.
 Kinds (`KIND_SPECS`, the one action vocabulary): F forward; B input-gradient backward; W weight-gradient
 backward; BW = B and W fused. Which message an action consumes and which it sends follows from its kind
 alone (`needs`, `sends`): the executor's p2p, the simulator, the builders and the heuristic all ask these.
+A plan with `vocab=True` (vocabulary parallelism, arXiv 2411.05288) adds S and T on every rank (chunk 0):
+S is the output layer's forward on this rank's vocabulary shard for one microbatch, T its backward. Their
+dependencies (`vocab_needs`) reach every rank: the last stage's hidden state goes to every S, T waits for
+the softmax statistics of every rank's S (the one collective), and the last stage's backward waits for
+every rank's T (its input-gradient partials, summed).
 Placements: "interleaved" (Megatron, arXiv 2104.04473): stage v on rank v % pp, chunk v // pp.
 "v" (ZB-V, arXiv 2401.10241): chunk 0 of rank r is stage r, chunk 1 is stage 2*pp-1-r.
 """
@@ -26,16 +31,33 @@ class KindSpec:
     parts: tuple            # the passes it runs, in order (BW runs B then W)
     flow: int               # +1: consumes stage-1's output, sends to stage+1; -1: gradients the other way; 0: local
     payload: Optional[str]  # what travels: "act" (forward output) or "grad" (input gradient); None when flow is 0
+    vocab: Optional["Dep"] = None   # S/T: what it waits for across the pipeline (see `vocab_needs`)
 
+
+LAST = -1   # Dep.stage: the last virtual stage
+ALL = -2    # Dep.stage: that pass on every pipeline rank (a reduction over the pipeline group)
+
+
+class Dep(NamedTuple):
+    """A vocabulary-parallel dependency: `payload` is produced by `part` on `stage` (or on every rank)."""
+    payload: str     # "hidden" (p2p from the last stage), "stats" (all-gather), "vgrad" (p2p partials, summed)
+    part: str
+    stage: int       # LAST or ALL
+
+
+VOCAB_TRANSPORT = {"hidden": "p2p", "stats": "collective", "vgrad": "p2p"}
 
 KIND_SPECS: dict[str, KindSpec] = {spec.name: spec for spec in (
     KindSpec("F", ("F",), +1, "act"),
     KindSpec("B", ("B",), -1, "grad"),
     KindSpec("W", ("W",), 0, None),
     KindSpec("BW", ("B", "W"), -1, "grad"),
+    KindSpec("S", ("S",), 0, None, Dep("hidden", "F", LAST)),
+    KindSpec("T", ("T",), 0, None, Dep("stats", "S", ALL)),
 )}
 KINDS = tuple(KIND_SPECS)
 PASSES = ("F", "B", "W")                                  # what every (chunk, microbatch) gets exactly once
+VOCAB_PASSES = ("S", "T")                                 # what every microbatch gets once per rank (vocab plans)
 BACKWARD_KINDS = tuple(k for k, spec in KIND_SPECS.items() if "B" in spec.parts)   # compute an input gradient
 PRODUCER = {"act": "F", "grad": "B"}                     # the pass whose result each payload is
 
@@ -59,6 +81,18 @@ def sends(kind: str, stage: int, num_stages: int) -> Optional[Hop]:
     spec = KIND_SPECS[kind]
     dst = stage + spec.flow
     return Hop(spec.payload, stage, dst) if spec.flow and 0 <= dst < num_stages else None
+
+
+def vocab_needs(kind: str, stage: int, num_stages: int) -> Optional[Dep]:
+    """The vocabulary dependency of an action of `kind` on virtual `stage` in a vocab plan, or None.
+    Stage LAST is resolved to the last stage's index; ALL stays ALL."""
+    spec = KIND_SPECS[kind]
+    dep = spec.vocab
+    if dep is None and "B" in spec.parts and stage == num_stages - 1:
+        dep = Dep("vgrad", "T", ALL)      # the output layer's input gradient, summed over every rank's T
+    if dep is not None and dep.stage == LAST:
+        dep = dep._replace(stage=num_stages - 1)
+    return dep
 
 
 class Action(NamedTuple):
@@ -95,6 +129,7 @@ class Plan:
     num_microbatches: int
     placement: str
     actions: tuple  # tuple[tuple[Action, ...], ...], one per pipeline rank
+    vocab: bool = False   # vocabulary parallelism: S/T on every rank, the last stage's F computes no loss
 
     def __post_init__(self) -> None:
         assert self.placement in PLACEMENTS, self.placement
@@ -113,9 +148,11 @@ class Plan:
     def to_json(self) -> dict:
         """Plain data, e.g. to broadcast an `auto` plan from one rank to all."""
         return {"name": self.name, "pp": self.pp, "vpp": self.vpp, "num_microbatches": self.num_microbatches,
-                "placement": self.placement, "actions": [[list(a) for a in rank] for rank in self.actions]}
+                "placement": self.placement, "actions": [[list(a) for a in rank] for rank in self.actions],
+                "vocab": self.vocab}
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
         actions = tuple(tuple(Action(str(k), int(c), int(m)) for k, c, m in rank) for rank in data["actions"])
-        return cls(data["name"], data["pp"], data["vpp"], data["num_microbatches"], data["placement"], actions)
+        return cls(data["name"], data["pp"], data["vpp"], data["num_microbatches"], data["placement"], actions,
+                   bool(data.get("vocab", False)))

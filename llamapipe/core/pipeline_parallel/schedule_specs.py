@@ -15,6 +15,7 @@ from typing import Callable, Optional
 from llamapipe.core.pipeline_parallel import builders, builders_v
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs
+from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
 
 # (pp, vpp, m, costs or None, memory limit in activation units or None, post-validation) -> Plan. Everything
 # that changes a plan is an argument here, so no code outside this table branches on a schedule's name.
@@ -111,11 +112,16 @@ def schedule_spec(name: str) -> ScheduleSpec:
 
 
 def build(schedule: str, pp: int, vpp: int, m: int, costs: Optional[Costs] = None,
-          mem_limit: Optional[float] = None, *, post_validation: bool = False) -> Plan:
+          mem_limit: Optional[float] = None, *, post_validation: bool = False, vocab_parallel: bool = False) -> Plan:
     """Plan for a --pipeline-schedule name; `costs` are used by the profiled schedules (auto and zb-h2: fitted
     to them when given, else the unit-cost plan), `mem_limit` by the memory-capped one (auto), and
-    `post_validation` by both profiled ones (they plan for the longest stage span then)."""
-    return schedule_spec(schedule).build(pp, vpp, m, costs, mem_limit, post_validation=post_validation)
+    `post_validation` by both profiled ones (they plan for the longest stage span then). `vocab_parallel`
+    adds the output layer's S/T actions on every rank where they fit best under `costs`
+    (`vocab_parallel.with_vocab_parallel`)."""
+    plan = schedule_spec(schedule).build(pp, vpp, m, costs, mem_limit, post_validation=post_validation)
+    if not vocab_parallel:
+        return plan
+    return with_vocab_parallel(plan, costs)
 
 
 def default_schedule(vpp: int) -> str:

@@ -5,6 +5,10 @@ it. The cost and memory model is the zero-bubble paper's (Qi et al., arXiv 2401.
 Table 1): an F of one microbatch on one chunk takes `f` and adds M_B activation units; its B takes `b`
 and frees M_B - M_W, keeping the M_W that the weight gradient needs; its W takes `w` and frees M_W.
 A p2p hop between two ranks costs `comm`; a hand-off between chunks of the same rank is free.
+The output layer with its loss costs `head_f`/`head_b` and holds `head_mem` (logits) from forward to
+backward: on the last stage's F/B, or in a vocabulary-parallel plan (arXiv 2411.05288) split evenly over
+the S/T actions of every rank. A collective (T's softmax statistics, the last stage's summed input
+gradient) is there `comm` after every rank's producing action ended.
 
 Execution model (the executor's): each rank runs its list strictly in order; an action starts once its
 inputs have arrived; sends never block. A plan that can never finish is a deadlock. `run_timeline` takes
@@ -14,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llamapipe.core.pipeline_parallel.schedule_ir import KIND_SPECS, KINDS, PASSES, PRODUCER, Action, Plan, needs, sends
+from llamapipe.core.pipeline_parallel.schedule_ir import (ALL, KIND_SPECS, KINDS, PASSES, PRODUCER, VOCAB_PASSES,
+                                                          Action, Plan, needs, sends, vocab_needs)
 
 
 class PlanError(ValueError):
@@ -30,11 +35,14 @@ class Costs:
     comm: float = 0.0
     act_mem: float = 1.0   # M_B: held from F until B
     w_mem: float = 0.5     # M_W: the part still held from B until W (0 <= M_W <= M_B)
+    head_f: float = 0.0    # output layer + loss forward over the whole vocabulary (on top of the last stage's f)
+    head_b: float = 0.0    # its backward (input and weight gradient)
+    head_mem: float = 0.0  # its logits, held from its forward to its backward
 
     def __post_init__(self) -> None:
-        if self.f <= 0 or self.b <= 0 or self.w < 0 or self.comm < 0:
+        if self.f <= 0 or self.b <= 0 or min(self.w, self.comm, self.head_f, self.head_b, self.head_mem) < 0:
             raise ValueError(f"costs F={self.f}, B={self.b} must be positive and W={self.w}, "
-                             f"COMM={self.comm} non-negative")
+                             f"COMM={self.comm} and the head's costs non-negative")
         if not 0 <= self.w_mem <= self.act_mem or self.act_mem <= 0:
             raise ValueError(f"memory model needs 0 <= w_mem ({self.w_mem}) <= act_mem ({self.act_mem}) "
                              f"and act_mem > 0")
@@ -48,6 +56,21 @@ class Costs:
 
     def mem_delta(self, kind: str) -> float:
         return self._mem_delta[kind]
+
+    def part_durations(self, plan: Plan, rank: int, a: Action) -> list[float]:
+        """Time of each pass of `a` on `rank`, with the output layer's share where it runs."""
+        last = plan.stage_of(rank, a.chunk) == plan.num_stages - 1 and not plan.vocab
+        head = {"F": self.head_f if last else 0.0, "B": self.head_b if last else 0.0,
+                "S": self.head_f / plan.pp, "T": self.head_b / plan.pp}
+        return [self._duration.get(part, 0.0) + head.get(part, 0.0) for part in KIND_SPECS[a.kind].parts]
+
+    def action_mem_delta(self, plan: Plan, rank: int, a: Action) -> float:
+        """Activation memory `a` adds (negative: frees) on `rank`, the output layer's logits included."""
+        if a.kind in VOCAB_PASSES:
+            return self.head_mem / plan.pp * (1 if a.kind == "S" else -1)
+        last = plan.stage_of(rank, a.chunk) == plan.num_stages - 1 and not plan.vocab
+        head = {"F": self.head_mem, "B": -self.head_mem, "BW": -self.head_mem}.get(a.kind, 0.0) if last else 0.0
+        return self.mem_delta(a.kind) + head
 
 
 @dataclass
@@ -72,6 +95,8 @@ def _check_ranges(plan: Plan) -> None:
             if a.kind not in KINDS or not 0 <= a.chunk < plan.vpp or not 0 <= a.microbatch < plan.num_microbatches:
                 raise PlanError(f"rank {rank} action #{i} {a}: kind, chunk or microbatch out of range "
                                 f"(vpp={plan.vpp}, microbatches={plan.num_microbatches})")
+            if a.kind in VOCAB_PASSES and (not plan.vocab or a.chunk):
+                raise PlanError(f"rank {rank} action #{i} {a}: {a.kind} needs a vocabulary-parallel plan and chunk 0")
 
 
 def _check_rank_order(plan: Plan, rank: int) -> None:
@@ -80,6 +105,8 @@ def _check_rank_order(plan: Plan, rank: int) -> None:
     for i, a in enumerate(plan.actions[rank]):
         key, where = (a.chunk, a.microbatch), f"rank {rank} action #{i} {a}"
         for part in KIND_SPECS[a.kind].parts:
+            if part not in done:
+                continue          # S/T: _check_vocab_order
             if key in done[part]:
                 raise PlanError(f"{where}: duplicated {part} for chunk {a.chunk} microbatch {a.microbatch}")
             before = PASSES[PASSES.index(part) - 1] if part != PASSES[0] else None
@@ -98,6 +125,42 @@ def _check_rank_order(plan: Plan, rank: int) -> None:
             for mb in range(plan.num_microbatches):
                 if (chunk, mb) not in done[part]:
                     raise PlanError(f"rank {rank}: missing {part} for chunk {chunk} microbatch {mb}")
+    if plan.vocab:
+        _check_vocab_order(plan, rank)
+
+
+def _check_vocab_order(plan: Plan, rank: int) -> None:
+    """S then T once per microbatch, each after what it waits for when that runs on this same rank."""
+    done: set = set()
+    for i, a in enumerate(plan.actions[rank]):
+        stage = plan.stage_of(rank, a.chunk)
+        dep = vocab_needs(a.kind, stage, plan.num_stages)
+        if dep is not None:
+            local = dep.stage == ALL or plan.rank_chunk_of(dep.stage)[0] == rank
+            chunk = 0 if dep.stage == ALL else plan.rank_chunk_of(dep.stage)[1]
+            if local and (dep.part, chunk, a.microbatch) not in done:
+                raise PlanError(f"rank {rank} action #{i} {a}: before its {dep.part} of microbatch {a.microbatch} "
+                                f"on the same rank")
+        for part in KIND_SPECS[a.kind].parts:
+            if part in VOCAB_PASSES and (part, 0, a.microbatch) in done:
+                raise PlanError(f"rank {rank} action #{i} {a}: duplicated {part} for microbatch {a.microbatch}")
+            done.add((part, a.chunk, a.microbatch))
+    for part in VOCAB_PASSES:
+        for mb in range(plan.num_microbatches):
+            if (part, 0, mb) not in done:
+                raise PlanError(f"rank {rank}: missing {part} for microbatch {mb}")
+
+
+def _check_collectives(plan: Plan) -> None:
+    """Every rank runs its S (an all-gather) and its T (partials summed on the last stage) in one order:
+    collectives are matched by order, so any other order would mix microbatches or hang."""
+    for kind in VOCAB_PASSES:
+        orders = [[a.microbatch for a in acts if a.kind == kind] for acts in plan.actions]
+        for rank, order in enumerate(orders[1:], 1):
+            if order != orders[0]:
+                at = next(i for i, (x, y) in enumerate(zip(order, orders[0])) if x != y)
+                raise PlanError(f"rank {rank} runs {kind} of microbatch {order[at]} as its {kind} #{at} but rank 0 "
+                                f"runs microbatch {orders[0][at]}: collectives must run in one order on every rank")
 
 
 def _stage_order(plan: Plan, stage: int, payload: str) -> list[tuple[int, Action]]:
@@ -124,18 +187,32 @@ def verify(plan: Plan) -> None:
     for rank in range(plan.pp):
         _check_rank_order(plan, rank)
     _check_streams(plan)
+    if plan.vocab:
+        _check_collectives(plan)
 
 
-def _arrival(plan: Plan, rank: int, a: Action, costs: Costs, sent: dict) -> float | None:
+def arrival(plan: Plan, rank: int, a: Action, costs: Costs, sent: dict) -> float | None:
     """Time the inputs of `a` are on `rank`, or None while the producer has not run. `sent` maps
-    (payload, src stage, microbatch) to the time the producer sent it."""
-    hop = needs(a.kind, plan.stage_of(rank, a.chunk), plan.num_stages)
-    if hop is None:
-        return 0.0   # own earlier action (checked statically) or data from the loader
-    end = sent.get((hop.payload, hop.src, a.microbatch))
-    if end is None:
-        return None
-    return end + (costs.comm if plan.rank_chunk_of(hop.src)[0] != rank else 0.0)
+    (payload, src stage, microbatch) to the time the producer sent it, and (part, rank, microbatch) to
+    when a pass that a vocabulary dependency waits for ended there."""
+    stage = plan.stage_of(rank, a.chunk)
+    hop = needs(a.kind, stage, plan.num_stages)
+    ready = 0.0   # own earlier action (checked statically) or data from the loader
+    if hop is not None:
+        end = sent.get((hop.payload, hop.src, a.microbatch))
+        if end is None:
+            return None
+        ready = end + (costs.comm if plan.rank_chunk_of(hop.src)[0] != rank else 0.0)
+    dep = vocab_needs(a.kind, stage, plan.num_stages) if plan.vocab else None
+    if dep is not None:
+        where = [(r, 0) for r in range(plan.pp)] if dep.stage == ALL else [plan.rank_chunk_of(dep.stage)]
+        ends = [sent.get((dep.part, r, chunk, a.microbatch)) for r, chunk in where]
+        ranks = [r for r, _ in where]
+        if None in ends:
+            return None
+        remote = any(r != rank for r in ranks)
+        ready = max(ready, max(ends) + (costs.comm if remote else 0.0))
+    return ready
 
 
 def _deadlock_message(plan: Plan, pos: list[int]) -> str:
@@ -144,10 +221,29 @@ def _deadlock_message(plan: Plan, pos: list[int]) -> str:
         if i < len(plan.actions[rank]):
             a = plan.actions[rank][i]
             hop = needs(a.kind, plan.stage_of(rank, a.chunk), plan.num_stages)
+            if hop is None:
+                dep = vocab_needs(a.kind, plan.stage_of(rank, a.chunk), plan.num_stages)
+                where = "every rank" if dep.stage == ALL else f"rank {plan.rank_chunk_of(dep.stage)[0]}"
+                stuck.append(f"rank {rank} action #{i} {a} waits for {dep.part} of microbatch {a.microbatch} "
+                             f"on {where}")
+                continue
             producer = PRODUCER[hop.payload]
             stuck.append(f"rank {rank} action #{i} {a} waits for {producer} of stage {hop.src} microbatch "
                          f"{a.microbatch} from rank {plan.rank_chunk_of(hop.src)[0]}")
     return "deadlock: " + "; ".join(stuck)
+
+
+def advance(plan: Plan, costs: Costs, rank: int, a: Action, start: float, sent: dict, early_send: bool) -> float:
+    """Run `a` on `rank` from `start`: record in `sent` what it produces and when; returns its end."""
+    parts, times = KIND_SPECS[a.kind].parts, costs.part_durations(plan, rank, a)
+    end = start + sum(times)
+    hop = sends(a.kind, plan.stage_of(rank, a.chunk), plan.num_stages)
+    if hop is not None:       # the executor sends a BW's input gradient before its W part
+        upto = parts.index(PRODUCER[hop.payload]) + 1
+        sent[(hop.payload, hop.src, a.microbatch)] = start + sum(times[:upto]) if early_send else end
+    if plan.vocab:            # what vocabulary dependencies wait for: ends of F, S, T per rank and chunk
+        sent[(parts[0], rank, a.chunk, a.microbatch)] = start + times[0]
+    return end
 
 
 def run_timeline(plan: Plan, costs: Costs, early_send: bool = True,
@@ -163,17 +259,11 @@ def run_timeline(plan: Plan, costs: Costs, early_send: bool = True,
         for rank, acts in enumerate(plan.actions):
             while pos[rank] < len(acts):
                 a = acts[pos[rank]]
-                ready = _arrival(plan, rank, a, costs, sent)
+                ready = arrival(plan, rank, a, costs, sent)
                 if ready is None:
                     break
                 start = max(clock[rank], ready)
-                clock[rank] = end = start + costs.duration(a.kind)
-                hop = sends(a.kind, plan.stage_of(rank, a.chunk), plan.num_stages)
-                if hop is not None:       # the executor sends a BW's input gradient before its W part
-                    parts = KIND_SPECS[a.kind].parts
-                    upto = parts[:parts.index(PRODUCER[hop.payload]) + 1]
-                    sent[(hop.payload, hop.src, a.microbatch)] = (
-                        start + sum(costs.duration(part) for part in upto) if early_send else end)
+                clock[rank] = end = advance(plan, costs, rank, a, start, sent, early_send)
                 timeline[rank].append((start, end, a))
                 pos[rank] += 1
                 progressed = True
@@ -185,10 +275,10 @@ def run_timeline(plan: Plan, costs: Costs, early_send: bool = True,
 def peak_memory(plan: Plan, costs: Costs) -> list[float]:
     """Per-rank peak activation memory over the plan, starting from zero."""
     peaks = []
-    for acts in plan.actions:
+    for rank, acts in enumerate(plan.actions):
         level = peak = 0.0
         for a in acts:
-            level += costs.mem_delta(a.kind)
+            level += costs.action_mem_delta(plan, rank, a)
             peak = max(peak, level)
         peaks.append(peak)
     return peaks

@@ -3,7 +3,8 @@ per-rank table of where the time goes.
 
 Why: a schedule is easiest to judge by eye, in the style of the figures of the Megatron interleaving
 paper (arXiv 2104.04473) and the zero-bubble paper (arXiv 2401.10241): one row per pipeline rank,
-F/B/W in distinct colours, darker for later model chunks, microbatch number in each box.
+F/B/W in distinct colours, darker for later model chunks, microbatch number in each box; the vocabulary-
+parallel output layer's S and T (arXiv 2411.05288) in purple and pink.
 
 Several iterations (`simulator_iterations`) are drawn on one time axis, so with optimizer post-validation
 the next iteration's ramp visibly fills the last one's tail: in ASCII odd iterations are lower case, in
@@ -31,6 +32,8 @@ _COLOURS = {
     "B": ("#a1d99b", "#41ab5d", "#238b45", "#006d2c"),
     "W": ("#fdd0a2", "#fd8d3c", "#e6550d", "#a63603"),
     "BW": ("#99d8c9", "#41ae76", "#238b45", "#005824"),
+    "S": ("#9e9ac8",) * 4,    # vocabulary-parallel output layer: forward purple, backward pink (chunk 0 only)
+    "T": ("#e377c2",) * 4,
 }
 _OPTIMIZER = "#fec44f"
 _HATCH = "////"
