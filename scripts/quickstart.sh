@@ -86,7 +86,7 @@ import sys
 from transformers import AutoTokenizer, LlamaForCausalLM
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 model = LlamaForCausalLM.from_pretrained(sys.argv[1])
-out = model.generate(**tok("def main(", return_tensors="pt"), max_new_tokens=24, do_sample=False)
+out = model.generate(**tok("Return the", return_tensors="pt"), max_new_tokens=24, do_sample=False, repetition_penalty=1.3)
 print("quickstart: transformers generates from the export:", repr(tok.decode(out[0], skip_special_tokens=True)))
 PY
 echo "metrics:     $RUN/metrics.jsonl"
