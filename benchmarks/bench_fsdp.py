@@ -17,8 +17,8 @@ import tempfile
 
 from benchmarks.launch import read_metrics, torchrun
 from benchmarks.results_io import write_json
+from llamapipe.core.config import SHARDING_STRATEGIES as STRATEGIES
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 MODEL = ["--mock-data", "--num-layers", "8", "--hidden-size", "256", "--ffn-hidden-size", "704",
          "--num-attention-heads", "8", "--vocab-size", "4096", "--seq-length", "128",
          "--max-position-embeddings", "128", "--lr", "1e-4", "--log-interval", "1", "--eval-iters", "0",

@@ -15,6 +15,9 @@ class ArgumentError(ValueError):
 
 
 SCHEDULES = tuple(SPECS)            # the --pipeline-schedule names, from the one table of schedule specs
+# Megatron's --data-parallel-sharding-strategy values, ZeRO stage 0 to 3; the last two run on FSDP2
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+FSDP_STRATEGIES = SHARDING_STRATEGIES[2:]
 
 
 @dataclass(frozen=True)
@@ -36,23 +39,18 @@ class ParallelConfig:
     pipeline_layout: Optional[str] = None           # --pipeline-model-parallel-layout (layers of every stage)
     distributed_backend: str = "gloo"
     distributed_timeout_minutes: float = 10.0
-    use_distributed_optimizer: bool = False
-    data_parallel_sharding_strategy: str = "no_shard"   # no_shard, optim (ZeRO-1), optim_grads, optim_grads_params
+    data_parallel_sharding_strategy: str = "no_shard"   # one of SHARDING_STRATEGIES; optim is ZeRO-1
     overlap_grad_reduce: bool = False
     ddp_bucket_size: int = 25_000_000               # elements per DP all-reduce bucket
-
-    @property
-    def num_chunks(self) -> int:
-        return self.vpp_size
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: int = 1
-    seq_length: int = 128
+    seq_length: int = 128               # the one home of --seq-length: the model, loop and data read it here
     train_iters: int = 10
-    seed: int = 1234
+    seed: int = 1234                    # the one home of --seed: weights, RNG streams and the data's shuffle
     eval_interval: Optional[int] = None
     eval_iters: int = 100               # Megatron's default; 0 (or -1) runs no evaluation
     exit_interval: Optional[int] = None
@@ -93,13 +91,14 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool = False     # ZeRO-1: --data-parallel-sharding-strategy optim, resolved once
     post_validation: bool = False       # --enable-optimizer-post-validation (zero-bubble paper, section 4)
     optimizer_cpu_offload: bool = False # fp32 masters, Adam moments and the update on the CPU
 
 
 @dataclass(frozen=True)
 class DataConfig:
+    """Where samples come from; their length and the shuffle seed are TrainingConfig's (passed down with it)."""
     data_path: tuple = ()               # prefixes, or weight prefix weight prefix ...
     split: str = "969,30,1"            # train,valid,test weights, always three (arguments pad "99,1")
     tokenizer_model: Optional[str] = None
@@ -107,8 +106,6 @@ class DataConfig:
     mock_data: bool = False
     data_cache_path: Optional[str] = None
     num_workers: int = 0
-    seq_length: int = 128
-    seed: int = 1234
     vocab_size: Optional[int] = None    # --vocab-size, which NullTokenizer needs
     train_data_path: tuple = ()         # per-split datasets (--train/valid/test-data-path) instead of --split
     valid_data_path: tuple = ()

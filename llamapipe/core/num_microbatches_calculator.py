@@ -15,6 +15,18 @@ from llamapipe.core.config import ArgumentError
 from llamapipe.core.logger import get_logger
 
 
+def microbatches_per_step(global_batch_size: int, micro_batch_size: int, dp_size: int,
+                          said: Optional[str] = None) -> int:
+    """Microbatches each data-parallel rank runs for one global batch: the one divisibility rule of the batch
+    sizes, raising ArgumentError that names the flags and the numbers (`said` opens the sentence)."""
+    per_step = micro_batch_size * dp_size
+    if global_batch_size % per_step:
+        said = said or f"--global-batch-size {global_batch_size} is"
+        raise ArgumentError(f"{said} not divisible by --micro-batch-size ({micro_batch_size}) x data-parallel size "
+                            f"({dp_size})")
+    return global_batch_size // per_step
+
+
 def ramp_batch_size(consumed_samples: int, global_batch_size: int, rampup_batch_size: Optional[tuple]) -> int:
     """The global batch size of the iteration that starts after `consumed_samples` (Megatron's rule)."""
     if rampup_batch_size is None:
@@ -41,13 +53,11 @@ def check_rampup_batch_size(rampup_batch_size: tuple, global_batch_size: int, mi
     if (global_batch_size - start) % increment:
         raise ArgumentError(f"{flag}: the ramp from {start} to --global-batch-size {global_batch_size} "
                             f"({global_batch_size - start}) is not divisible by the increment {increment}")
-    per_step = micro_batch_size * dp_size
     for size in range(start, global_batch_size + 1, increment):
-        if size % per_step:
-            raise ArgumentError(f"{flag} reaches global batch size {size}, which is not divisible by "
-                                f"--micro-batch-size ({micro_batch_size}) x data-parallel size ({dp_size})")
-    if pp_size > 1 and start // per_step < pp_size:
-        raise ArgumentError(f"{flag} starts with {start // per_step} microbatches ({start} / (--micro-batch-size "
+        microbatches_per_step(size, micro_batch_size, dp_size, f"{flag} reaches global batch size {size}, which is")
+    first = microbatches_per_step(start, micro_batch_size, dp_size)
+    if pp_size > 1 and first < pp_size:
+        raise ArgumentError(f"{flag} starts with {first} microbatches ({start} / (--micro-batch-size "
                             f"{micro_batch_size} x data-parallel size {dp_size})), fewer than "
                             f"--pipeline-model-parallel-size ({pp_size}) that the pipeline schedule needs")
 
@@ -82,9 +92,7 @@ class ConstantNumMicroBatchesCalculator:
     """global batch size / (micro batch size x data-parallel size) microbatches every iteration."""
 
     def __init__(self, global_batch_size: int, micro_batch_size: int, dp_size: int) -> None:
-        if global_batch_size % (micro_batch_size * dp_size):
-            raise ArgumentError(f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size "
-                                f"({micro_batch_size}) x data-parallel size ({dp_size})")
+        microbatches_per_step(global_batch_size, micro_batch_size, dp_size)
         self.micro_batch_size, self.dp_size = micro_batch_size, dp_size
         self.current_global_batch_size = global_batch_size
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import hashlib
-import json
 import os
 import struct
 from array import array
@@ -161,42 +159,6 @@ class IndexedDataset:
         if length is None:
             length = int(self.sequence_lengths[i]) - offset
         return self._bin[start:start + length]
-
-
-_SCAN_CHUNK = 1 << 24   # tokens per np.max call: 32 MiB of uint16 at a time, whatever the file's size
-
-
-def max_token_id(indexed: IndexedDataset) -> int:
-    """The largest token id in the `.bin` (-1 when it holds none), one chunked pass over the mmap."""
-    tokens = indexed._bin
-    return max((int(tokens[i:i + _SCAN_CHUNK].max()) for i in range(0, len(tokens), _SCAN_CHUNK)), default=-1)
-
-
-def cached_max_token_id(indexed: IndexedDataset, cache_dir: str) -> int:
-    """`max_token_id`, kept in a small JSON sidecar under `cache_dir` (Megatron's `.idx` records no maximum).
-    The sidecar is keyed by the `.bin`'s absolute path, size and mtime, so a rewritten file is scanned again."""
-    bin_path = os.path.abspath(data_file_path(indexed.prefix))
-    stat = os.stat(bin_path)
-    key = {"bin": bin_path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    digest = hashlib.md5(bin_path.encode()).hexdigest()[:12]
-    sidecar = os.path.join(cache_dir, f"{os.path.basename(indexed.prefix)}_{digest}_max_token_id.json")
-    try:
-        with open(sidecar) as f:
-            saved = json.load(f)
-        if {k: saved.get(k) for k in key} == key and isinstance(saved.get("max_token_id"), int):
-            return saved["max_token_id"]
-    except (OSError, ValueError):
-        pass    # no sidecar yet, or a damaged one: scan
-    value = max_token_id(indexed)
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
-        tmp = f"{sidecar}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({**key, "max_token_id": value}, f)
-        os.replace(tmp, sidecar)
-    except OSError:
-        pass    # a read-only cache only costs the scan next time
-    return value
 
 
 _SCAN_CHUNK = 1 << 24   # tokens per np.max call: 32 MiB of uint16 at a time, whatever the file's size

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from llamapipe.core.config import DataConfig, TrainingConfig
-from llamapipe.core.num_microbatches_calculator import samples_for_iters
+from llamapipe.core.num_microbatches_calculator import microbatches_per_step, samples_for_iters
 from llamapipe.data.gpt_dataset import MockGPTDataset, build_gpt_datasets
 
 
@@ -85,7 +85,7 @@ def build_data_iterators(data_cfg: DataConfig, training_cfg: TrainingConfig, *, 
     first, the others load them.
     """
     mbs, gbs = training_cfg.micro_batch_size, training_cfg.global_batch_size
-    assert gbs % (mbs * dp_size) == 0, "arguments.py guarantees gbs divisible by mbs x dp"
+    microbatches_per_step(gbs, mbs, dp_size)    # the flags were checked; a config built in code is checked here
     eval_samples = training_cfg.eval_iters * gbs
     num_samples = [samples_for_iters(training_cfg.train_iters, gbs, training_cfg.rampup_batch_size),
                    eval_samples if data_cfg.has_split(1) else 0,
@@ -93,10 +93,10 @@ def build_data_iterators(data_cfg: DataConfig, training_cfg: TrainingConfig, *, 
     if data_cfg.mock_data:
         if not needs_data:
             return None, None, None
-        datasets = [MockGPTDataset(n, training_cfg.seq_length, vocab_size, data_cfg.seed + 1000 * i) if n else None
+        datasets = [MockGPTDataset(n, training_cfg.seq_length, vocab_size, training_cfg.seed + 1000 * i) if n else None
                     for i, n in enumerate(num_samples)]
     else:
-        datasets = _build_on_rank0_first(data_cfg, training_cfg.seq_length, num_samples, needs_data, vocab_size)
+        datasets = _build_on_rank0_first(data_cfg, training_cfg, num_samples, needs_data, vocab_size)
         if datasets is None:
             return None, None, None
     train = _loader(datasets[0], PretrainingSampler(num_samples[0], consumed_samples, mbs, dp_rank, dp_size),
@@ -106,8 +106,8 @@ def build_data_iterators(data_cfg: DataConfig, training_cfg: TrainingConfig, *, 
     return train, evals[0], evals[1]
 
 
-def _build_on_rank0_first(data_cfg: DataConfig, seq_length: int, num_samples: list[int], needs_data: bool,
-                          vocab_size: int):
+def _build_on_rank0_first(data_cfg: DataConfig, training_cfg: TrainingConfig, num_samples: list[int],
+                          needs_data: bool, vocab_size: int):
     distributed = dist.is_available() and dist.is_initialized()
     rank0 = not distributed or dist.get_rank() == 0
     if distributed and not rank0:
@@ -115,8 +115,8 @@ def _build_on_rank0_first(data_cfg: DataConfig, seq_length: int, num_samples: li
     datasets = None
     try:
         if needs_data or rank0:
-            datasets = build_gpt_datasets(data_cfg.data_path, data_cfg.split, num_samples, seq_length,
-                                          data_cfg.seed, data_cfg.data_cache_path,
+            datasets = build_gpt_datasets(data_cfg.data_path, data_cfg.split, num_samples, training_cfg.seq_length,
+                                          training_cfg.seed, data_cfg.data_cache_path,
                                           per_split_paths=data_cfg.per_split_paths, vocab_size=vocab_size)
     finally:
         if distributed and rank0:

@@ -2,8 +2,8 @@
 iteration, plus the model-wide norms some of them report.
 
 Only global rank 0 writes; the loss it reports has already been reduced over data- and pipeline-parallel
-ranks by the training loop. FLOPs follow the Megatron/PaLM accounting (6 x params x tokens for the dense
-matmuls plus 12 x layers x seq x hidden x tokens for attention scores), so MFU is comparable across tools.
+ranks by the training loop. FLOPs per token come from model/counts.py (Megatron's accounting: the padded
+vocabulary, --kv-channels and GQA honoured), the formula the planner and the memory check use too.
 """
 from __future__ import annotations
 
@@ -22,21 +22,13 @@ from llamapipe.core.distributed.grad_reduce import all_reduce_over
 from llamapipe.core.logger import get_logger
 from llamapipe.core.optimizer.clip_grads import counts_for_norm, global_grad_norm
 from llamapipe.core.parallel_state import ParallelState
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.counts import flops_per_token  # noqa: F401  (the one formula; progress imports it here)
 from llamapipe.training.config import LoggingConfig
 
 log = get_logger()
 
 # Dense bf16 peak TFLOP/s per device name fragment; MFU is reported only where the peak is known.
 _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A800": 312.0, "H800": 989.0, "L40S": 362.0}
-
-
-def flops_per_token(cfg: LlamaConfig, seq_length: int) -> float:
-    """Training FLOPs per token (forward + backward) of the whole model."""
-    h, layers, kv = cfg.hidden_size, cfg.num_layers, cfg.num_query_groups * cfg.head_dim
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * cfg.ffn_hidden_size   # q, o, k, v, gate/up/down
-    dense = layers * per_layer + h * cfg.vocab_size                    # + output head
-    return 6.0 * dense + 12.0 * layers * seq_length * h
 
 
 def device_peak_tflops() -> Optional[float]:

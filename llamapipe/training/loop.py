@@ -128,7 +128,7 @@ class Trainer:
                                      save_dir=config.checkpoint.save)
         self.progress = TrainingProgress(self.metrics, model_cfg, seq_length=cfg.seq_length,
                                          world_size=ps.world_size, train_iters=cfg.train_iters,
-                                         log_interval=config.logging.log_interval)
+                                         log_interval=config.logging.log_interval, tp=ps.tp_size)
         self.exit_signal = ExitSignal(cfg.exit_signal_handler)
         self.pv = None
         if config.optimizer.post_validation:

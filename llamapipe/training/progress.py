@@ -26,10 +26,10 @@ class TrainingProgress:
     """Builds the per-iteration records and the lines a person reads."""
 
     def __init__(self, metrics: MetricsWriter, model_cfg: LlamaConfig, *, seq_length: int, world_size: int,
-                 train_iters: int, log_interval: int) -> None:
+                 train_iters: int, log_interval: int, tp: int = 1) -> None:
         self.metrics, self.train_iters, self.log_interval = metrics, train_iters, log_interval
         self.seq_length, self.world_size = seq_length, world_size
-        self.flops_per_token = flops_per_token(model_cfg, seq_length)
+        self.flops_per_token = flops_per_token(model_cfg, seq_length, tp)   # the vocabulary padded for tp
         self.peak = device_peak_tflops()
         self.losses: dict[int, float] = {}              # iteration -> lm loss, this run only
         self._interval: list[dict] = []                 # records since the last console line

@@ -53,7 +53,7 @@ def test_batches_decode_to_corpus_text(pipeline, tmp_path):
     corpus, prefix, tok = pipeline
     text = "\n".join(d.texts["text"] for d in iter_documents([corpus]))
     data = DataConfig(data_path=(prefix,), split="98,2,0", tokenizer_model=None,
-                      data_cache_path=str(tmp_path / "cache"), seq_length=64)
+                      data_cache_path=str(tmp_path / "cache"))
     training = TrainingConfig(micro_batch_size=2, global_batch_size=4, seq_length=64, train_iters=3, eval_iters=1)
     train, valid, test = build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=512)
     assert valid is not None and test is None

@@ -13,9 +13,9 @@ MBS, GBS, SEQ, ITERS = 2, 8, 16, 6
 
 def _configs(tmp_path, mock, split="90,10,0", eval_iters=2):
     data = DataConfig(data_path=() if mock else (write_docs(tmp_path / "d", 80)[0],), split=split, mock_data=mock,
-                      data_cache_path=str(tmp_path / "cache"), seq_length=SEQ, seed=11)
+                      data_cache_path=str(tmp_path / "cache"))
     training = TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, seq_length=SEQ, train_iters=ITERS,
-                              eval_iters=eval_iters)
+                              eval_iters=eval_iters, seed=11)
     return data, training
 
 
@@ -77,9 +77,9 @@ def test_eval_iterators_repeat_and_respect_split(tmp_path):
 
 
 def _distributed_body(rank, world_size, prefix, cache):
-    data = DataConfig(data_path=(prefix,), split="90,10,0", data_cache_path=cache, seq_length=SEQ, seed=11)
+    data = DataConfig(data_path=(prefix,), split="90,10,0", data_cache_path=cache)
     training = TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS, seq_length=SEQ, train_iters=ITERS,
-                              eval_iters=1)
+                              eval_iters=1, seed=11)
     # a middle pipeline stage (rank 1 here) joins only the barrier
     first = build_data_iterators(data, training, dp_rank=rank, dp_size=2, vocab_size=1000, needs_data=rank == 0)
     assert (first[0] is not None) == (rank == 0)
@@ -92,9 +92,8 @@ def test_distributed_build_once_and_dp_union(tmp_path):
     prefix, _ = write_docs(tmp_path / "d", 80)
     cache = str(tmp_path / "cache")
     per_rank = run_distributed(_distributed_body, 2, prefix, cache, timeout=120)
-    data, training = DataConfig(data_path=(prefix,), split="90,10,0", data_cache_path=cache, seq_length=SEQ,
-                                seed=11), TrainingConfig(micro_batch_size=MBS, global_batch_size=GBS,
-                                                         seq_length=SEQ, train_iters=ITERS, eval_iters=1)
+    data, training = DataConfig(data_path=(prefix,), split="90,10,0", data_cache_path=cache), TrainingConfig(
+        micro_batch_size=MBS, global_batch_size=GBS, seq_length=SEQ, train_iters=ITERS, eval_iters=1, seed=11)
     ref = _global_batches(build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=1000)[0], 1, ITERS)
     for b in range(ITERS):
         assert sorted(per_rank[0][b] + per_rank[1][b]) == sorted(ref[b])

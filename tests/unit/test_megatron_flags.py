@@ -443,10 +443,9 @@ def test_per_split_data_paths_use_each_dataset_whole(tmp_path):
     from_c = sum(int(valid[i]["tokens"].min()) >= 5000 for i in range(400))
     assert sum(int(valid[i]["tokens"].max()) < 5000 for i in range(400)) + from_c == 400
     assert from_c == 300            # the blend puts round(3/4 * 400) samples from C, +-1 (here exactly)
-    data = DataConfig(train_data_path=(a,), valid_data_path=(b,), data_cache_path=str(tmp_path / "cache"),
-                      seq_length=8, seed=1)
+    data = DataConfig(train_data_path=(a,), valid_data_path=(b,), data_cache_path=str(tmp_path / "cache"))
     loaders = build_data_iterators(data, TrainingConfig(micro_batch_size=2, global_batch_size=2, seq_length=8,
-                                                        train_iters=2, eval_iters=1), dp_rank=0, dp_size=1,
+                                                        train_iters=2, eval_iters=1, seed=1), dp_rank=0, dp_size=1,
                                    vocab_size=6000)
     assert loaders[1] is not None and loaders[2] is None
     assert int(next(loaders[1])["tokens"].min()) >= 1000

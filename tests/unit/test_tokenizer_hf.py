@@ -197,7 +197,7 @@ def test_hf_data_feeds_the_sampler(hf_dir, corpus, tmp_path):
     tok = build_tokenizer(str(hf_dir))
     _preprocess(corpus, tmp_path, "--tokenizer-model", str(hf_dir), "--append-eod")
     data = DataConfig(data_path=(str(tmp_path / "data_text_document"),), split="100,0,0",
-                      data_cache_path=str(tmp_path / "cache"), seq_length=16)
+                      data_cache_path=str(tmp_path / "cache"))
     training = TrainingConfig(micro_batch_size=2, global_batch_size=2, seq_length=16, train_iters=4, eval_iters=0)
     train, _, _ = build_data_iterators(data, training, dp_rank=0, dp_size=1, vocab_size=tok.vocab_size)
     rows = [row for mb in train for row in mb["tokens"].tolist()]

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-FSDP_STRATEGIES = ("optim_grads", "optim_grads_params")
+from llamapipe.core.config import FSDP_STRATEGIES, SHARDING_STRATEGIES as STRATEGIES
+
 _TP_ATTRS = ("tensor_model_parallel", "partition_dim", "vocab_padded", "sequence_parallel", "shared")
 
 

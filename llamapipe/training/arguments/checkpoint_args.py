@@ -21,22 +21,23 @@ _FILLED = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden
 _FORCED = {"num_query_groups": "num_query_groups", "rope_theta": "rotary_base", "rotary_percent": "rotary_percent"}
 
 
-def apply_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> None:
-    """Write the checkpoint's model arguments into `args` (Megatron's fill/force rules)."""
+def with_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> argparse.Namespace:
+    """`args` with the checkpoint's model arguments (Megatron's fill/force rules), as if given on the command
+    line; a copy, so the caller's `args` stays as parsed."""
     if getattr(args, "override_opt_param_scheduler", False) and getattr(args, "use_checkpoint_opt_param_scheduler",
                                                                          False):
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler cannot be "
                             "used together: the first takes the learning-rate schedule from the command line, "
                             "the second from the checkpoint")
     if not args.use_checkpoint_args:
-        return
+        return args
     if args.load is None:
         raise ArgumentError("--use-checkpoint-args needs --load DIR, the checkpoint to take the model arguments from")
     found = latest_checkpoint(args.load) if os.path.isdir(args.load) else None
     if found is None:
         notices.append(f"notice: --use-checkpoint-args: no checkpoint in --load {args.load} yet; "
                        "using the model arguments of the command line")
-        return
+        return args
     with open(os.path.join(found[1], METADATA)) as fh:
         meta = json.load(fh)
     model = meta["model_config"]
@@ -49,10 +50,9 @@ def apply_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> None:
         values["seq_length"] = ((meta.get("config") or {}).get("training") or {}).get("seq_length")
     values.update({flag: model.get(field) for field, flag in _FORCED.items()})
     values = {flag: value for flag, value in values.items() if value is not None}
-    for flag, value in values.items():
-        setattr(args, flag, value)
-    args.group_query_attention = model["num_query_groups"] != model["num_attention_heads"]
-    args.tie_embeddings_and_output_weights = bool(model.get("tie_word_embeddings"))
-    args.untie_embeddings_and_output_weights = not args.tie_embeddings_and_output_weights
     taken = ", ".join(f"--{flag.replace('_', '-')} {value}" for flag, value in values.items())
     notices.append(f"--use-checkpoint-args: {taken} from {found[1]}")
+    tie = bool(model.get("tie_word_embeddings"))
+    return argparse.Namespace(**{**vars(args), **values, "tie_embeddings_and_output_weights": tie,
+                                 "untie_embeddings_and_output_weights": not tie,
+                                 "group_query_attention": model["num_query_groups"] != model["num_attention_heads"]})

@@ -97,5 +97,5 @@ def data_config(args: argparse.Namespace) -> DataConfig:
     return DataConfig(data_path=tuple(args.data_path or ()), split=split, tokenizer_model=args.tokenizer_model,
                       tokenizer_type=args.tokenizer_type, mock_data=args.mock_data,
                       data_cache_path=args.data_cache_path, num_workers=args.num_workers,
-                      seq_length=args.seq_length, seed=args.seed, vocab_size=args.vocab_size,
+                      vocab_size=args.vocab_size,
                       **{name: tuple(getattr(args, name) or ()) for name in _PER_SPLIT})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from llamapipe.core.config import SCHEDULES
+from llamapipe.core.config import SCHEDULES, SHARDING_STRATEGIES
 from llamapipe.core.pipeline_parallel.activation_memory import memory_limit
 from llamapipe.model.config import PRESETS
 
@@ -48,7 +48,7 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state over data-parallel ranks (ZeRO-1)")
     g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
-                   choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
+                   choices=SHARDING_STRATEGIES,
                    help="what data-parallel ranks shard: nothing (DDP), the optimizer state (ZeRO-1, like "
                         "--use-distributed-optimizer), also gradients (ZeRO-2) or also parameters (ZeRO-3); the last "
                         "two run on torch FSDP2")

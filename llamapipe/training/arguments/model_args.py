@@ -10,6 +10,7 @@ to 128), and a run given neither a preset nor any shape flag trains the tiny pre
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 import torch
 
@@ -38,16 +39,29 @@ def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
     return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
 
 
+def preset_name(args: argparse.Namespace) -> Optional[str]:
+    """The preset in effect: --model, the fallback when neither it nor any shape flag is given, else None."""
+    if args.model is None and not any(getattr(args, n) is not None for n in _SHAPE):
+        return FALLBACK_PRESET
+    return args.model
+
+
+def run_seq_length(args: argparse.Namespace) -> int:
+    """--seq-length, which a preset run may leave out (Megatron requires it with the shape flags)."""
+    if args.seq_length is None:
+        assert preset_name(args) is not None, "model_config requires --seq-length without a preset"
+        return PRESET_SEQ_LENGTH
+    return args.seq_length
+
+
 def _base_fields(args: argparse.Namespace, notices: list[str]) -> dict:
     """The preset's fields, or those Megatron derives from the required shape flags."""
-    if args.model is None and not any(getattr(args, n) is not None for n in _SHAPE):
-        args.model = FALLBACK_PRESET
-        notices.append(f"notice: no --model and no model shape flags: training the {FALLBACK_PRESET} preset "
-                       f"(--model {FALLBACK_PRESET}); give --model or Megatron's shape flags for another")
-    if args.model is not None:
-        if args.seq_length is None:
-            args.seq_length = PRESET_SEQ_LENGTH
-        return dict(PRESETS[args.model])
+    preset = preset_name(args)
+    if preset is not None:
+        if args.model is None:
+            notices.append(f"notice: no --model and no model shape flags: training the {preset} preset "
+                           f"(--model {preset}); give --model or Megatron's shape flags for another")
+        return dict(PRESETS[preset])
     missing = [n for n in REQUIRED if getattr(args, n) is None]
     if missing:
         raise ArgumentError(f"{_flags(missing)} {'is' if len(missing) == 1 else 'are'} required with the other "
@@ -62,7 +76,7 @@ def _base_fields(args: argparse.Namespace, notices: list[str]) -> dict:
 
 def _query_groups(args: argparse.Namespace, heads: int, notices: list[str]) -> int:
     """Megatron's rule; a preset of a GQA model (llama3-8b) counts as --group-query-attention."""
-    preset = PRESETS.get(args.model, {})
+    preset = PRESETS.get(preset_name(args), {})
     preset_gqa = preset.get("num_query_groups", heads) != preset.get("num_attention_heads", heads)
     if args.group_query_attention or preset_gqa:
         if args.num_query_groups is not None:
@@ -75,7 +89,7 @@ def _query_groups(args: argparse.Namespace, heads: int, notices: list[str]) -> i
 
 
 def model_config(args: argparse.Namespace, notices: list[str]) -> LlamaConfig:
-    """Build the LlamaConfig; writes the resolved --model and --seq-length back into `args`."""
+    """Build the LlamaConfig from the preset in effect and the shape flags (`args` stays as parsed)."""
     fields = _base_fields(args, notices)
     fields.update({field: getattr(args, flag) for field, flag in _OVERRIDES.items()
                    if getattr(args, flag) is not None})
@@ -133,7 +147,7 @@ def _check_flash_attn(args: argparse.Namespace, notices: list[str]) -> None:
         raise ArgumentError("--use-flash-attn needs --bf16 or --fp16: FlashAttention computes in half precision")
 
 
-def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig) -> None:
+def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig, seq_length: int) -> None:
     tp = par.tp_size
     check_layer_split(args, m.num_layers, par)
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
@@ -149,11 +163,11 @@ def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig) -
     if m.num_attention_heads % m.num_query_groups:
         raise ArgumentError(f"--num-query-groups {m.num_query_groups} does not divide "
                             f"--num-attention-heads ({m.num_attention_heads})")
-    if args.seq_length > m.max_position_embeddings:
-        raise ArgumentError(f"--seq-length {args.seq_length} is larger than "
+    if seq_length > m.max_position_embeddings:
+        raise ArgumentError(f"--seq-length {seq_length} is larger than "
                             f"--max-position-embeddings ({m.max_position_embeddings})")
-    if par.sequence_parallel and args.seq_length % tp:
-        raise ArgumentError(f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
+    if par.sequence_parallel and seq_length % tp:
+        raise ArgumentError(f"--seq-length {seq_length} is not divisible by --tensor-model-parallel-size "
                             f"({tp}), which --sequence-parallel needs")
     for flag in ("attention_dropout", "hidden_dropout"):
         if getattr(args, flag):

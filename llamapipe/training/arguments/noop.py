@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from llamapipe.core.config import ParallelConfig
+from llamapipe.core.config import FSDP_STRATEGIES, ParallelConfig
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
 from llamapipe.training.arguments.pipeline import virtual_stage_flag
 
@@ -36,7 +36,7 @@ def _data_parallel(args: argparse.Namespace, par: ParallelConfig) -> list[str]:
             lines.append(f"--overlap-grad-reduce has no effect {why} to reduce gradients with")
         if args.ddp_bucket_size is not None:
             lines.append(f"--ddp-bucket-size {args.ddp_bucket_size} has no effect {why} to reduce gradients with")
-    elif par.overlap_grad_reduce and par.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
+    elif par.overlap_grad_reduce and par.data_parallel_sharding_strategy in FSDP_STRATEGIES:
         lines.append(f"--overlap-grad-reduce has no effect with --data-parallel-sharding-strategy "
                      f"{par.data_parallel_sharding_strategy}: FSDP reduce-scatters the gradients once, after the "
                      "step's last weight-gradient pass")

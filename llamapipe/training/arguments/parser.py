@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 from llamapipe.core.config import ArgumentError, DataConfig, TrainingConfig
 from llamapipe.core.logger import get_logger
-from llamapipe.training.arguments.checkpoint_args import apply_checkpoint_args
+from llamapipe.training.arguments.checkpoint_args import with_checkpoint_args
 from llamapipe.training.arguments.data_args import data_config
 from llamapipe.training.arguments.flags_data import add_checkpoint_flags, add_data_flags, add_logging_flags
 from llamapipe.training.arguments.flags_model import add_model_flags, add_parallel_flags
@@ -26,7 +26,7 @@ from llamapipe.training.arguments.flags_training import add_optimizer_flags, add
 from llamapipe.training.arguments.megatron_compat import add_compat_flags, check_compat
 from llamapipe.training.arguments.memory import check_fits_memory, machine_memory_bytes
 from llamapipe.training.arguments.noop import noop_notices
-from llamapipe.training.arguments.model_args import check_model, model_config, run_vocab_size
+from llamapipe.training.arguments.model_args import check_model, model_config, run_seq_length, run_vocab_size
 from llamapipe.training.arguments.pipeline import check_schedule
 from llamapipe.training.arguments.training_args import optimizer_config, training_config
 from llamapipe.training.arguments.validation import check_positive, checkpoint_config, logging_config, parallel_config
@@ -96,15 +96,14 @@ def config_from_args(args: argparse.Namespace, world_size: int, check_memory: bo
     The start-up notices (flags with no effect here, values taken from a checkpoint) are logged once the
     whole configuration is valid, so a refused run prints only its error line.
     """
-    args = argparse.Namespace(**vars(args))     # resolved values are written back; the caller's stays as parsed
     notices = check_compat(args)
-    apply_checkpoint_args(args, notices)
+    args = with_checkpoint_args(args, notices)      # a copy: `args` itself stays as parsed
     check_positive(args, world_size)
     model = model_config(args, notices)
-    args.num_layers = model.num_layers           # the layout checks read it from the flags
-    parallel = parallel_config(args, world_size)
-    check_model(args, model, parallel)
-    training = training_config(args, parallel)
+    seq_length = run_seq_length(args)
+    parallel = parallel_config(args, world_size, model.num_layers)
+    check_model(args, model, parallel, seq_length)
+    training = training_config(args, parallel, seq_length)
     check_schedule(args, parallel, training.num_microbatches, model.num_layers)
     data = data_config(args)
     model = run_vocab_size(args, model, notices)
@@ -114,8 +113,8 @@ def config_from_args(args: argparse.Namespace, world_size: int, check_memory: bo
         check_fits_memory(model, parallel, training, args.bf16 or args.fp16,
                           machine_memory_bytes(parallel.distributed_backend),
                           int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    config = Config(model=model, parallel=parallel, training=training, optimizer=optimizer_config(args), data=data,
-                    checkpoint=checkpoint_config(args), logging=logging_config(args))
+    config = Config(model=model, parallel=parallel, training=training, optimizer=optimizer_config(args, parallel),
+                    data=data, checkpoint=checkpoint_config(args), logging=logging_config(args))
     for line in notices:
         get_logger().info(line)
     return config

@@ -13,10 +13,10 @@ from typing import Optional
 from llamapipe.core.config import ArgumentError, ParallelConfig
 from llamapipe.core.pipeline_parallel.layout import LAYOUT_FLAG, layout_layer_counts, parse_layout, stage_layer_ranges
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, ScheduleSpec
-from llamapipe.model.config import PRESETS
 
 
-def vpp_size(args: argparse.Namespace) -> int:
+def vpp_size(args: argparse.Namespace, num_layers: int) -> int:
+    """Model chunks per pipeline rank from the chunk flags or the layout string; `num_layers` is the model's."""
     per_vstage, chunks = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     pp = args.pipeline_model_parallel_size
     if getattr(args, "pipeline_model_parallel_layout", None) is not None:
@@ -34,7 +34,6 @@ def vpp_size(args: argparse.Namespace) -> int:
         return 1
     if pp == 1:
         raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-    num_layers = args.num_layers if args.num_layers is not None else PRESETS[args.model]["num_layers"]
     units, said, total = _layer_units(num_layers, args.account_for_embedding_in_pipeline_split,
                                       args.account_for_loss_in_pipeline_split)
     if units > num_layers and units % pp:

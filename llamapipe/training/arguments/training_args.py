@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 
 from llamapipe.core.config import ArgumentError, OptimizerConfig, ParallelConfig, TrainingConfig
+from llamapipe.core.num_microbatches_calculator import (check_rampup_batch_size, microbatches_per_step,
+                                                         train_iters_for_samples)
 
 DEFAULT_TRAIN_ITERS = 10    # when neither --train-iters nor --train-samples is given (Megatron requires one)
 # The schedules build a plan with a few actions per microbatch and rank before the first step, so a mistyped
@@ -51,7 +53,6 @@ def _train_iters(args: argparse.Namespace, gbs: int, par: ParallelConfig) -> int
         raise ArgumentError(f"--train-iters {args.train_iters} and --train-samples {args.train_samples} both set "
                             "the training length; give one")
     _check_sample_based(args)
-    from llamapipe.core.num_microbatches_calculator import check_rampup_batch_size, train_iters_for_samples
     ramp = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
     if ramp is not None:
         check_rampup_batch_size(ramp, gbs, args.micro_batch_size, par.dp_size, par.pp_size)
@@ -69,15 +70,14 @@ def _eval_iters(args: argparse.Namespace) -> int:
     return max(args.eval_iters, 0)
 
 
-def training_config(args: argparse.Namespace, par: ParallelConfig) -> TrainingConfig:
+def training_config(args: argparse.Namespace, par: ParallelConfig, seq_length: int) -> TrainingConfig:
+    """`seq_length` is the run's (--seq-length, or the preset default that model_args resolves)."""
     mbs, dp = args.micro_batch_size, par.dp_size
     gbs = args.global_batch_size if args.global_batch_size is not None else mbs * dp
-    if gbs % (mbs * dp):
-        raise ArgumentError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size ({mbs}) "
-                            f"x data-parallel size ({dp})")
-    if gbs // (mbs * dp) > MAX_MICROBATCHES:
+    num_microbatches = microbatches_per_step(gbs, mbs, dp)
+    if num_microbatches > MAX_MICROBATCHES:
         raise ArgumentError(f"--global-batch-size {gbs} / (--micro-batch-size {mbs} x data-parallel size {dp}) = "
-                            f"{gbs // (mbs * dp)} microbatches per step, more than {MAX_MICROBATCHES}; lower "
+                            f"{num_microbatches} microbatches per step, more than {MAX_MICROBATCHES}; lower "
                             "--global-batch-size or raise --micro-batch-size")
     train_iters = _train_iters(args, gbs, par)
     decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else train_iters
@@ -88,12 +88,12 @@ def training_config(args: argparse.Namespace, par: ParallelConfig) -> TrainingCo
     if args.lr_warmup_samples and args.lr_warmup_samples > decay_samples:
         raise ArgumentError(f"--lr-warmup-samples {args.lr_warmup_samples} is longer than the decay length "
                             f"({decay_samples}, from --lr-decay-samples or --train-samples)")
-    return TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, seq_length=args.seq_length,
+    return TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, seq_length=seq_length,
                           train_iters=train_iters, seed=args.seed, eval_interval=args.eval_interval,
                           eval_iters=_eval_iters(args), exit_interval=args.exit_interval,
                           exit_duration_in_mins=args.exit_duration_in_mins,
                           exit_signal_handler=args.exit_signal_handler,
-                          skip_nonfinite_steps=args.skip_nonfinite_steps, num_microbatches=gbs // (mbs * dp),
+                          skip_nonfinite_steps=args.skip_nonfinite_steps, num_microbatches=num_microbatches,
                           profile_iters=args.pipeline_profile_iters,
                           keep_host_memory=not args.release_host_memory, train_samples=args.train_samples,
                           rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
@@ -102,7 +102,8 @@ def training_config(args: argparse.Namespace, par: ParallelConfig) -> TrainingCo
                           compile=args.compile)
 
 
-def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+def optimizer_config(args: argparse.Namespace, par: ParallelConfig) -> OptimizerConfig:
+    """ZeRO-1 is the resolved sharding strategy optim (par), however the flags asked for it."""
     if args.lr_warmup_fraction is not None and not 0 <= args.lr_warmup_fraction <= 1:
         raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be between 0 and 1")
     return OptimizerConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
@@ -113,6 +114,7 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
                            adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
                            loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                            min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-                           hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
+                           hysteresis=args.hysteresis,
+                           use_distributed_optimizer=par.data_parallel_sharding_strategy == "optim",
                            post_validation=args.enable_optimizer_post_validation,
                            optimizer_cpu_offload=args.optimizer_cpu_offload)

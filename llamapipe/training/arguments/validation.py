@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from llamapipe.core.config import SCHEDULES, ArgumentError, ParallelConfig
+from llamapipe.core.config import FSDP_STRATEGIES, SCHEDULES, ArgumentError, ParallelConfig
 from llamapipe.core.pipeline_parallel.activation_memory import MemoryBytes
 from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule
 from llamapipe.training.arguments.pipeline import vpp_size
@@ -66,7 +66,8 @@ def check_positive(args: argparse.Namespace, world_size: int) -> None:
                                 "would not decay")
 
 
-def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig:
+def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) -> ParallelConfig:
+    """The layout; `num_layers` is the model's (from --num-layers or the --model preset)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise ArgumentError(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) "
@@ -78,7 +79,7 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():
         raise ArgumentError("--distributed-backend nccl needs CUDA, which is not available; use gloo")
-    vpp = vpp_size(args)
+    vpp = vpp_size(args, num_layers)
     schedule = args.pipeline_schedule or default_schedule(vpp)
     if schedule not in SCHEDULES:
         raise ArgumentError(f"--pipeline-schedule {schedule} is unknown; choose one of {', '.join(SCHEDULES)}")
@@ -99,7 +100,6 @@ def parallel_config(args: argparse.Namespace, world_size: int) -> ParallelConfig
                           account_for_loss=args.account_for_loss_in_pipeline_split,
                           pipeline_layout=args.pipeline_model_parallel_layout,
                           distributed_timeout_minutes=args.distributed_timeout_minutes,
-                          use_distributed_optimizer=args.use_distributed_optimizer,
                           data_parallel_sharding_strategy=strategy,
                           overlap_grad_reduce=args.overlap_grad_reduce,
                           ddp_bucket_size=args.ddp_bucket_size or ParallelConfig.ddp_bucket_size)
@@ -110,18 +110,17 @@ _NOT_WITH_FSDP = ("log_params_norm", "log_num_zeros_in_grad", "enable_optimizer_
 
 
 def data_parallel_sharding_strategy(args: argparse.Namespace) -> str:
-    """The effective --data-parallel-sharding-strategy; writes back --use-distributed-optimizer for optim."""
-    strategy = args.data_parallel_sharding_strategy
+    """The effective --data-parallel-sharding-strategy, from it, --use-distributed-optimizer (optim, ZeRO-1) or
+    --use-torch-fsdp2 (optim_grads_params, ZeRO-3)."""
+    strategy, zero3 = args.data_parallel_sharding_strategy, FSDP_STRATEGIES[-1]
     if args.use_torch_fsdp2:
-        if strategy not in ("no_shard", "optim_grads_params"):
-            raise ArgumentError(f"--use-torch-fsdp2 selects ZeRO-3 (optim_grads_params) and cannot be combined with "
+        if strategy not in ("no_shard", zero3):
+            raise ArgumentError(f"--use-torch-fsdp2 selects ZeRO-3 ({zero3}) and cannot be combined with "
                                 f"--data-parallel-sharding-strategy {strategy}")
-        strategy = "optim_grads_params"
+        strategy = zero3
     if args.use_distributed_optimizer and strategy == "no_shard":
         strategy = "optim"
-    if strategy == "optim":
-        args.use_distributed_optimizer = True      # optimizer_config reads it
-    if strategy in ("optim_grads", "optim_grads_params"):
+    if strategy in FSDP_STRATEGIES:
         if args.use_distributed_optimizer:
             raise ArgumentError(f"--use-distributed-optimizer (ZeRO-1) cannot be combined with "
                                 f"--data-parallel-sharding-strategy {strategy}, which shards the optimizer itself")
