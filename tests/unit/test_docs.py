@@ -87,8 +87,37 @@ def test_named_repository_paths_exist(page):
     """Paths such as `llamapipe/core/host_memory.py` or `scripts/quickstart.sh` in backticks; patterns
     (`*`, `{..}`, `<..>`, `…`) and what the examples write (`runs/`) are left out."""
     names = re.findall(r"`((?:llamapipe|scripts|benchmarks|tests|docs)/[^`\s]*)`", _read(page))
-    missing = [n for n in names if not re.search(r"[*{}<>…]|NAME", n) and not os.path.exists(os.path.join(ROOT, n))]
+    missing = [n for n in names if not re.search(r"[*{}<>…]|NAME", n) and not _names_something(n)]
     assert not missing, f"{os.path.relpath(page, ROOT)} names missing paths: {missing}"
+
+
+def _names_something(name: str) -> bool:
+    """A path that exists; `file.py::test_x` (a test, as pytest names it) also needs `def test_x` in the file,
+    and a following `::test_y` on the same row names another test of that file."""
+    path, _, test = name.partition("::")
+    if not os.path.exists(os.path.join(ROOT, path)):
+        return False
+    return not test or re.search(rf"^def {re.escape(test)}\(", _read(os.path.join(ROOT, path)), re.M) is not None
+
+
+def test_reliability_page_names_only_tests_that_exist():
+    """docs/reliability.md's table: every `::test_name` (also the short ones after a named file) is a test."""
+    text = _read(os.path.join(ROOT, "docs", "reliability.md"))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "test_" in line]
+    assert len(rows) >= 20
+    for row in rows:
+        files = re.findall(r"`((?:tests/)?[\w/]*test_\w+\.py)", row)
+        assert files, row
+        for test in re.findall(r"::(test_\w+)", row):
+            sources = [_read(p) for f in files for p in _test_files(f)]
+            assert any(re.search(rf"^def {test}\(", src, re.M) for src in sources), f"{test} is not in {files}"
+
+
+def _test_files(name: str) -> list[str]:
+    """`tests/e2e/test_x.py`, or a bare `test_x.py` found under tests/."""
+    if "/" in name:
+        return [os.path.join(ROOT, name)]
+    return [os.path.join(d, name) for d, _, fs in os.walk(os.path.join(ROOT, "tests")) if name in fs]
 
 
 def test_design_sections_cited_by_docstrings_exist():
