@@ -22,6 +22,8 @@ SUBCOMMANDS = {
     "plot-schedule": ("llamapipe.tools.plot_schedule", "draw and simulate a pipeline schedule"),
     "verify-checkpoint": ("llamapipe.tools.verify_checkpoint", "check a checkpoint's files against its checksums"),
     "plan": ("llamapipe.tools.plan_parallelism", "rank the parallel layouts that fit a model on a cluster"),
+    "profile": ("llamapipe.tools.profile_model",
+                "measure F/B/W time and memory per layer (and comm under torchrun) for plan --profile"),
     "flag-reference": ("llamapipe.tools.flag_reference", "write docs/flags.md from the argument parser"),
 }
 

@@ -53,6 +53,7 @@ class Layout:
     dist_opt: bool
     precision: str = "bf16"     # "bf16" (fp32 master weights) or "fp32"
     pipeline_layout: Optional[str] = None   # a --pipeline-model-parallel-layout string; None: even split
+    vocab_parallel: bool = False            # output layer split over the pipeline ranks (--enable-vocab-parallel)
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def _stage_layers(m: LlamaConfig, lay: Layout) -> list[int]:
     return [end - start for start, end in ranges]
 
 
-def _rank_params(m: LlamaConfig, lay: Layout) -> list[float]:
+def rank_params(m: LlamaConfig, lay: Layout) -> list[float]:
     """Parameters on each pipeline rank (per tp shard; the norms are whole on every tp rank)."""
     h, stages = m.hidden_size, lay.pp * lay.vpp
     layer = layer_matmul_parameters(m) / lay.tp + 2 * h
@@ -184,7 +185,7 @@ def rank_memory(m: LlamaConfig, lay: Layout, seq: int, global_batch: int) -> lis
     largest = max(b for b, _ in per_stage)
     opt_bytes = OPTIMIZER_BYTES[lay.precision] / (lay.dp if lay.dist_opt else 1)
     return [RankMemory(PARAM_BYTES[lay.precision] * p, GRAD_BYTES * p, opt_bytes * p, act, act / largest)
-            for p, act in zip(_rank_params(m, lay), activation_peaks(m, lay, seq, micro))]
+            for p, act in zip(rank_params(m, lay), activation_peaks(m, lay, seq, micro))]
 
 
 def estimate(m: LlamaConfig, lay: Layout, seq: int, global_batch: int, dev: Device) -> Estimate:
@@ -203,7 +204,7 @@ def _allreduce_s(nbytes: float, ranks: int, gbps: float) -> float:
     return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes * 8 / (gbps * 1e9)
 
 
-def _step_seconds(m: LlamaConfig, lay: Layout, seq: int, micro: int, dev: Device, rank_params: float) -> float:
+def _step_seconds(m: LlamaConfig, lay: Layout, seq: int, micro: int, dev: Device, params_on_rank: float) -> float:
     tokens = seq * lay.micro_batch
     flops = flops_per_token(m, seq, lay.tp, lay.recompute == "full") * tokens / (lay.tp * lay.pp * lay.vpp)
     chunk = flops / (dev.tflops * 1e12 * dev.efficiency)          # F + B + W of one microbatch on one chunk
@@ -220,4 +221,4 @@ def _step_seconds(m: LlamaConfig, lay: Layout, seq: int, micro: int, dev: Device
         pipeline = simulate(plan, Costs(f=f, b=b, w=w, comm=hop)).makespan
         pipeline += (micro - simulated) * lay.vpp * (f + b + w)
     dp_gbps = dev.link_gbps if lay.tp * lay.dp <= dev.gpus_per_node else dev.internode_gbps
-    return pipeline + _allreduce_s(4 * rank_params, lay.dp, dp_gbps)
+    return pipeline + _allreduce_s(4 * params_on_rank, lay.dp, dp_gbps)

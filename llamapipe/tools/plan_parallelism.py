@@ -8,6 +8,10 @@ is left out: attention runs on SDPA's flash kernels, which never store the s^2 s
 its most loaded rank and its step time (llamapipe.tools.parallel_estimate), keeps those that fit under
 --headroom x the GPU memory and prints them fastest first. The top row's command line is printed ready to run;
 --explain N shows the memory breakdown of row N.
+
+With --profile PROFILE.json (written by `llamapipe profile` on the machine to plan for) the step times come
+from the measured profile instead (`profile_plan`): per-stage simulated costs, the layer split and the
+vocabulary split chosen for each layout, predicted busy time and bubble per pipeline rank.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Optional
 
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
 from llamapipe.model.config import PRESETS, LlamaConfig
+from llamapipe.tools import profile_plan, profile_schema
 from llamapipe.tools.parallel_estimate import DEVICES, GIB, Estimate, Layout, estimate
 
 SCHEDULES = [name for name, spec in SPECS.items() if spec.planned and not spec.profiled]
@@ -42,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-micro-batch-size", type=int, default=8)
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--explain", type=int, default=None, metavar="N", help="memory breakdown of row N (1 = top)")
+    p.add_argument("--profile", default=None, metavar="JSON",
+                   help="predict step times from this `llamapipe profile` output instead of FLOPs")
+    p.add_argument("--post-validation", action="store_true",
+                   help="with --profile: plan for --enable-optimizer-post-validation (longest stage span)")
     return p
 
 
@@ -147,6 +156,12 @@ def explain(lay: Layout, e: Estimate) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.profile:
+        try:
+            return profile_plan.run(args, layouts)
+        except profile_schema.ProfileError as e:
+            sys.stderr.write(f"llamapipe plan: {e}\n")
+            return 2
     m = model_from_args(args)
     dev = DEVICES[args.device]
     dev = dataclasses.replace(dev, tflops=args.device_tflops or dev.tflops, link_gbps=args.link_gbps or dev.link_gbps)
@@ -161,6 +176,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         print(explain(*rows[args.explain - 1]))
         return 0
+    print(f"time model: FLOPs at {dev.efficiency:.0%} of {args.device}'s peak (no --profile; `llamapipe profile` "
+          "measures this machine)")
     print(table(rows, args.top))
     print(f"\n{len(rows)} layouts fit. Top row:\n  {command(args, rows[0][0])}")
     return 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 from typing import Any, Callable, Optional
 
 import torch
@@ -30,6 +29,7 @@ from llamapipe.core.logger import get_logger
 from llamapipe.core.pipeline_parallel import builders, executor
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
 from llamapipe.core.pipeline_parallel.p2p_communication import measure_latency
+from llamapipe.core.pipeline_parallel.profile_costs import costs_from_medians, pass_medians
 from llamapipe.core.pipeline_parallel.schedule_ir import KIND_SPECS, PASSES, Action, Plan
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, schedule_spec
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
@@ -59,14 +59,13 @@ def profiling_plan(pp: int, vpp: int, m: int) -> Plan:
 
 
 def measured_costs(action_times: list, group: Any = None) -> Costs:
-    """Median F, B, W seconds of this rank, then the MAX over `group` (the slowest stage bounds the step)."""
-    by_kind = {k: [t for a, t in action_times if a.kind == k] for k in PASSES}
-    local = torch.tensor([statistics.median(by_kind[k]) if by_kind[k] else 0.0 for k in PASSES],
-                         dtype=torch.float64)
+    """Median F, B, W seconds of this rank, then the MAX over `group` (the slowest stage bounds the step);
+    the medians and the costs come from `profile_costs`, as in `llamapipe profile`."""
+    medians = pass_medians(action_times)
+    local = torch.tensor([medians[k] for k in PASSES], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-    f, b, w = (max(float(x), 1e-9) for x in local)
-    return Costs(f=f, b=b, w=w)
+    return costs_from_medians(dict(zip(PASSES, local.tolist())))
 
 
 def broadcast_plan(plan: Optional[Plan], src: int = 0, group: Any = None) -> Plan:

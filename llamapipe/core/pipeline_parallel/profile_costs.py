@@ -1,0 +1,110 @@
+"""Measured pass times turned into simulator costs: the one path shared by `auto`'s in-run profiling
+(`auto_schedule.measured_costs`) and `llamapipe profile` / `llamapipe plan --profile`.
+
+Why one path: the zero-bubble paper (Qi et al., arXiv 2401.10241, section 3) fits its schedule to measured F,
+B and W times; the planner predicts a step from the same kind of measurement. Both reduce a list of
+(action, seconds) records with `pass_medians` (the median of each pass, so one slow outlier does not move the
+plan) and build their `Costs` from those medians.
+
+`StageCosts` extends the simulator's `Costs` with per-virtual-stage times and activation bytes, so uneven layer
+splits, the embedding on the first stage and the output layer with its loss on the last are simulated as
+they are (the simulator asks a `Costs` for every action's durations and memory; it needs nothing else).
+`stage_costs` builds one from per-component costs (one decoder layer, the embedding, the output layer + loss)
+and each stage's layer count: a stage's pass is the sum of its parts. With vocabulary parallelism (arXiv
+2411.05288) the output layer leaves the last stage and runs as the S/T actions of every rank (`head_f`/`head_b`
+over pp each, the simulator's rule).
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Iterable, Sequence
+
+from llamapipe.core.pipeline_parallel.schedule_ir import KIND_SPECS, PASSES, VOCAB_PASSES, Action, Plan
+from llamapipe.core.pipeline_parallel.simulator import Costs
+
+
+def pass_medians(action_times: Iterable[tuple[Action, float]]) -> dict[str, float]:
+    """Median seconds of each pass kind (F, B, W) over `(action, seconds)` records; 0.0 for a kind with none.
+    A fused BW record counts for neither B nor W (it cannot be split after the fact)."""
+    by_kind: dict[str, list[float]] = {k: [] for k in PASSES}
+    for action, seconds in action_times:
+        if action.kind in by_kind:
+            by_kind[action.kind].append(float(seconds))
+    return {k: statistics.median(v) if v else 0.0 for k, v in by_kind.items()}
+
+
+def costs_from_medians(medians: dict[str, float], **extra: float) -> Costs:
+    """The simulator's `Costs` from per-pass medians (a pass never measured gets 1 ns, so F and B stay
+    positive as the simulator requires); `extra` sets comm, memory or head fields."""
+    f, b, w = (max(float(medians.get(k, 0.0)), 1e-9) for k in PASSES)
+    return Costs(f=f, b=b, w=w, **extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassCosts:
+    """One model component's measured pass times (seconds) and activation bytes for one microbatch:
+    `act_bytes` held from F to B, `w_bytes` held from B to W."""
+    f: float
+    b: float
+    w: float = 0.0
+    act_bytes: float = 0.0
+    w_bytes: float = 0.0
+
+    def scaled(self, times: float = 1.0, memory: float = 1.0) -> "PassCosts":
+        return PassCosts(self.f * times, self.b * times, self.w * times, self.act_bytes * memory,
+                         self.w_bytes * memory)
+
+    def __add__(self, other: "PassCosts") -> "PassCosts":
+        return PassCosts(*(x + y for x, y in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCosts(Costs):
+    """`Costs` whose F/B/W times and activation bytes differ per virtual stage (`stages[s]`); the base fields
+    (f, b, w, act_mem, w_mem) are the stages' largest, for builders that plan with one cost per pass. Memory is
+    in bytes here (the simulator's units are whatever the costs say)."""
+    stages: tuple = ()
+
+    def part_durations(self, plan: Plan, rank: int, a: Action) -> list[float]:
+        if a.kind in VOCAB_PASSES:
+            return super().part_durations(plan, rank, a)
+        stage = self.stages[plan.stage_of(rank, a.chunk)]
+        times = {"F": stage.f, "B": stage.b, "W": stage.w}
+        return [times[part] for part in KIND_SPECS[a.kind].parts]
+
+    def action_mem_delta(self, plan: Plan, rank: int, a: Action) -> float:
+        if a.kind in VOCAB_PASSES:
+            return super().action_mem_delta(plan, rank, a)
+        stage = self.stages[plan.stage_of(rank, a.chunk)]
+        return {"F": stage.act_bytes, "B": stage.w_bytes - stage.act_bytes, "W": -stage.w_bytes,
+                "BW": -stage.act_bytes}[a.kind]
+
+
+def stage_costs(layer: PassCosts, embedding: PassCosts, head: PassCosts, layer_counts: Sequence[int], *,
+                comm: float = 0.0, vocab_parallel: bool = False) -> StageCosts:
+    """Per-stage costs of a layer split: stage s runs layer_counts[s] decoder layers, stage 0 the embedding,
+    the last stage the output layer and loss (or, with `vocab_parallel`, every rank 1/pp of it as S/T)."""
+    last = len(layer_counts) - 1
+    stages = []
+    for s, n in enumerate(layer_counts):
+        total = layer.scaled(n, n)
+        if s == 0:
+            total = total + embedding
+        if s == last and not vocab_parallel:
+            total = total + head
+        stages.append(total)
+    act = max(max(st.act_bytes for st in stages), 1.0)
+    w_mem = min(max(st.w_bytes for st in stages), act)
+    head_fields = dict(head_f=head.f, head_b=head.b + head.w, head_mem=head.act_bytes) if vocab_parallel else {}
+    return StageCosts(f=max(max(st.f for st in stages), 1e-9), b=max(max(st.b for st in stages), 1e-9),
+                      w=max(st.w for st in stages), comm=comm, act_mem=act, w_mem=w_mem, stages=tuple(stages),
+                      **head_fields)
+
+
+def mean_costs(costs: StageCosts) -> Costs:
+    """Uniform `Costs` with the mean stage's times, for the cost-fitted builders (zb-h2, auto), which plan with
+    one time per pass; the head's share is kept for the vocabulary actions' placement."""
+    n = len(costs.stages)
+    f, b, w = (sum(getattr(st, k) for st in costs.stages) / n for k in ("f", "b", "w"))
+    return Costs(f=max(f, 1e-9), b=max(b, 1e-9), w=w, comm=costs.comm, head_f=costs.head_f, head_b=costs.head_b)

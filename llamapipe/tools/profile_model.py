@@ -1,0 +1,188 @@
+"""`llamapipe profile`: measure what `llamapipe plan --profile` predicts a step from, on this device.
+
+    llamapipe profile --model tiny --seq-length 128 --micro-batch-size 1 2 --recompute none full --out prof.json
+    torchrun --nproc-per-node 2 -m llamapipe.tools.profile_model --model tiny --out prof.json   # + communication
+
+For each micro-batch size and recompute setting it times F, B (input gradient) and W (the deferred weight
+gradients, `weight_grad_store`) of one decoder layer, of the embedding, and of the output layer with its loss,
+as the executor runs them, and measures the activation bytes each holds from F to B and from B to W
+(`activation_memory.ActivationProbe`). The times go through the one path that `auto`'s in-run profiling uses
+(`profile_costs.pass_medians`). It also times the optimizer step (the trainer's AdamW and grad norm) per
+parameter. Under torchrun with several ranks, `profile_comm` adds p2p latency and bandwidth and all-reduce
+bandwidth between the ranks. Rank 0 writes one JSON profile (`profile_schema`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+from llamapipe.core.config import OptimizerConfig
+from llamapipe.core.optimizer.adamw import make_adamw
+from llamapipe.core.optimizer.clip_grads import local_squared_norm
+from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
+from llamapipe.core.pipeline_parallel.profile_costs import PassCosts, pass_medians
+from llamapipe.core.pipeline_parallel.schedule_ir import Action
+from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
+from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaModel
+from llamapipe.tools import profile_comm, profile_schema
+from llamapipe.training.arguments.flags_model import add_model_flags
+from llamapipe.training.arguments.model_args import model_config, run_seq_length
+
+RECOMPUTE = ("none", "full")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llamapipe profile", description=__doc__.split("\n")[0])
+    add_model_flags(p)
+    p.add_argument("--seq-length", type=int, default=None, help="tokens per sequence; None: the preset's")
+    p.add_argument("--micro-batch-size", type=int, nargs="+", default=[1], help="micro-batch sizes to measure")
+    p.add_argument("--recompute", choices=RECOMPUTE, nargs="+", default=["none"],
+                   help="activation recompute settings to measure (full: --recompute-granularity full)")
+    p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
+    p.add_argument("--threads", type=int, default=None, help="torch threads; None: torch's default here")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per pass (after 2 warm-up ones)")
+    p.add_argument("--out", required=True, help="the JSON profile to write")
+    p.set_defaults(tokenizer_model=None)
+    return p
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - start
+
+
+def measure_chunk(chunk: LlamaModel, make_batch: Callable[[], dict], repeats: int,
+                  device: torch.device) -> PassCosts:
+    """F, B, W medians of `chunk` and the bytes it holds F->B and B->W, run as the executor runs a split B/W."""
+    store, probe = WeightGradStore(), ActivationProbe([chunk])
+    records: list[tuple[Action, float]] = []
+    with store.active():
+        for i in range(repeats + 2):
+            batch = make_batch()
+            key = (0, i)
+            out, f = _timed(lambda: chunk(**batch), device)
+            probe.forward_done(key, out)
+            grad = torch.ones_like(out)
+            with store.capture(key):
+                _, b = _timed(lambda: torch.autograd.backward(out, grad), device)
+            del out
+            probe.backward_done(key, True, store.held_tensors(key))
+            _, w = _timed(lambda: store.run(key), device)
+            if i >= 2:
+                records += [(Action("F", 0, i), f), (Action("B", 0, i), b), (Action("W", 0, i), w)]
+    store.assert_empty()
+    med = pass_medians(records)
+    units = probe.units[2:] or probe.units
+    act = statistics.median(units) if units else 0.0
+    held = statistics.median(probe.held_shares) * act if probe.held_shares else 0.0
+    return PassCosts(med["F"], med["B"], med["W"], act, held)
+
+
+def _chunks(m: LlamaConfig, dtype: torch.dtype, device: torch.device) -> dict[str, LlamaModel]:
+    kw = dict(params_dtype=dtype)
+    chunks = {"layer": LlamaModel(m, layer_range=(0, 1), pre_process=False, post_process=False, **kw),
+              "embedding": LlamaModel(m, layer_range=(0, 0), pre_process=True, post_process=False, **kw),
+              "head": LlamaModel(m, layer_range=(m.num_layers, m.num_layers), pre_process=False, post_process=True,
+                                 **kw)}
+    return {name: chunk.to(device) for name, chunk in chunks.items()}
+
+
+def measure_entry(m: LlamaConfig, seq: int, mbs: int, recompute: str, dtype: torch.dtype, device: torch.device,
+                  repeats: int) -> dict:
+    """One micro-batch size and recompute setting: the three components' costs."""
+    config = m.replace(recompute_granularity="full" if recompute == "full" else None, recompute_num_layers=None)
+    chunks = _chunks(config, dtype, device)
+
+    def ids() -> torch.Tensor:
+        return torch.randint(0, m.vocab_size, (mbs, seq), device=device)
+
+    def with_input(chunk: LlamaModel, labels: bool) -> Callable[[], dict]:
+        def make() -> dict:
+            chunk.set_input_tensor(torch.randn(seq, mbs, m.hidden_size, dtype=dtype, device=device,
+                                               requires_grad=True))     # (s, b, h)
+            return {"labels": ids()} if labels else {}
+        return make
+    costs = {"layer": measure_chunk(chunks["layer"], with_input(chunks["layer"], False), repeats, device),
+             "embedding": measure_chunk(chunks["embedding"], lambda: {"input_ids": ids()}, repeats, device),
+             "head": measure_chunk(chunks["head"], with_input(chunks["head"], True), repeats, device)}
+    return {"micro_batch_size": mbs, "recompute": recompute,
+            **{name: dataclasses.asdict(c) for name, c in costs.items()}}
+
+
+def measure_optimizer(m: LlamaConfig, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
+    """Seconds per parameter of the trainer's AdamW step plus its grad norm, on one decoder layer's weights."""
+    layer = LlamaModel(m, layer_range=(0, 1), pre_process=False, post_process=False, params_dtype=dtype).to(device)
+    params = [p for p in layer.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = make_adamw([p for p in params if p.dim() > 1], [p for p in params if p.dim() == 1], OptimizerConfig())
+
+    def step() -> None:
+        local_squared_norm([p.grad for p in params])
+        opt.step()
+    times = [_timed(step, device)[1] for _ in range(repeats + 2)][2:]
+    return statistics.median(times) / sum(p.numel() for p in params)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def profile(args: argparse.Namespace, m: LlamaConfig, seq: int) -> dict:
+    """The whole profile (compute on this rank; communication when torch.distributed is up with >1 rank)."""
+    device = _device()
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    # compute is measured on rank 0 alone, so no other rank competes for its cores
+    entries = [measure_entry(m, seq, mbs, rc, dtype, device, args.repeats)
+               for mbs in args.micro_batch_size for rc in args.recompute] if rank0 else []
+    optimizer = measure_optimizer(m, dtype, device, args.repeats) if rank0 else 0.0
+    return profile_schema.make_profile(
+        model=dataclasses.asdict(m), seq_length=seq, dtype="bf16" if args.bf16 else "fp32",
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        threads=torch.get_num_threads(), entries=entries,
+        optimizer_s_per_param=optimizer,
+        comm=profile_comm.measure(device, seq * max(args.micro_batch_size) * m.hidden_size * (2 if args.bf16 else 4)))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.repeats < 1 or min(args.micro_batch_size) < 1:
+        raise SystemExit(f"llamapipe profile: --repeats {args.repeats} and --micro-batch-size "
+                         f"{' '.join(map(str, args.micro_batch_size))} must be at least 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    m = model_config(args, [])
+    seq = run_seq_length(args)
+    if seq > m.max_position_embeddings:
+        m = m.replace(max_position_embeddings=seq)
+    distributed = profile_comm.init_if_launched()
+    result = profile(args, m, seq)
+    if not distributed or torch.distributed.get_rank() == 0:
+        profile_schema.write(args.out, result)
+        print(profile_schema.summary(result))
+    if distributed:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The JSON profile `llamapipe profile` writes and `llamapipe plan --profile` reads: its schema, checks and
+look-ups, in one place so the writer and the reader cannot drift.
+
+    {"schema": "llamapipe-profile/1", "device": "cpu", "threads": 1, "dtype": "fp32", "seq_length": 128,
+     "model": {LlamaConfig fields},
+     "entries": [{"micro_batch_size": 1, "recompute": "none",
+                  "layer": {"f": s, "b": s, "w": s, "act_bytes": B, "w_bytes": B}, "embedding": {...}, "head": {...}}],
+     "optimizer_s_per_param": s,
+     "comm": null | {"world_size": n, "p2p_latency_s": s, "p2p_bandwidth_Bps": B/s, "allreduce_latency_s": s,
+                     "allreduce_bus_bandwidth_Bps": B/s, ...},
+     "machine": {...}}
+
+Times are seconds for one microbatch, `f`/`b`/`w` the forward, the input gradient and the weight gradients
+(the embedding's weight gradient is part of its B, as in the trainer), bytes those one microbatch holds from
+F to B (`act_bytes`) and from B to W (`w_bytes`). `layer` is one decoder layer, `head` the final norm, output
+layer and loss.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from typing import Optional
+
+from llamapipe.core.pipeline_parallel.profile_costs import PassCosts
+from llamapipe.model.config import LlamaConfig
+
+SCHEMA = "llamapipe-profile/1"
+COMPONENTS = ("layer", "embedding", "head")
+PASS_FIELDS = ("f", "b", "w", "act_bytes", "w_bytes")
+COMM_FIELDS = ("world_size", "p2p_latency_s", "p2p_bandwidth_Bps", "allreduce_latency_s",
+               "allreduce_bus_bandwidth_Bps")
+
+
+class ProfileError(ValueError):
+    """A profile file that is not what `llamapipe profile` writes; the message names the file and the field."""
+
+
+def make_profile(*, model: dict, seq_length: int, dtype: str, device: str, threads: int, entries: list,
+                 optimizer_s_per_param: float, comm: Optional[dict]) -> dict:
+    return {"schema": SCHEMA, "device": device, "threads": threads, "dtype": dtype, "seq_length": seq_length,
+            "model": model, "entries": entries, "optimizer_s_per_param": optimizer_s_per_param, "comm": comm,
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_1min": os.getloadavg()[0]}}
+
+
+def _number(where: str, value, positive: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (positive and value == 0):
+        raise ProfileError(f"{where} is {value!r}; expected a {'positive' if positive else 'non-negative'} number")
+
+
+def validate(profile: dict, name: str = "profile") -> dict:
+    """`profile` if it follows the schema, else ProfileError naming the first field that does not."""
+    if not isinstance(profile, dict) or profile.get("schema") != SCHEMA:
+        got = profile.get("schema") if isinstance(profile, dict) else type(profile).__name__
+        raise ProfileError(f"{name}: schema is {got!r}, expected {SCHEMA!r} (write it with `llamapipe profile`)")
+    for key in ("model", "entries", "seq_length", "optimizer_s_per_param", "threads"):
+        if key not in profile:
+            raise ProfileError(f"{name}: no {key!r}")
+    try:
+        LlamaConfig(**profile["model"])
+    except TypeError as e:
+        raise ProfileError(f"{name}: model: {e}") from None
+    _number(f"{name}: seq_length", profile["seq_length"], positive=True)
+    _number(f"{name}: optimizer_s_per_param", profile["optimizer_s_per_param"])
+    if not profile["entries"]:
+        raise ProfileError(f"{name}: entries is empty; profile at least one micro-batch size")
+    for i, entry in enumerate(profile["entries"]):
+        where = f"{name}: entries[{i}]"
+        _number(f"{where}.micro_batch_size", entry.get("micro_batch_size"), positive=True)
+        if entry.get("recompute") not in ("none", "full"):
+            raise ProfileError(f"{where}.recompute is {entry.get('recompute')!r}; expected 'none' or 'full'")
+        for component in COMPONENTS:
+            for field in PASS_FIELDS:
+                _number(f"{where}.{component}.{field}", (entry.get(component) or {}).get(field))
+    if profile.get("comm") is not None:
+        for field in COMM_FIELDS:
+            _number(f"{name}: comm.{field}", profile["comm"].get(field), positive=field.endswith(("Bps", "size")))
+    return profile
+
+
+def load(path: str) -> dict:
+    """Read and validate a profile; one-line ProfileError for a missing or malformed file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ProfileError(f"--profile {path}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"--profile {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    return validate(data, f"--profile {path}")
+
+
+def write(path: str, profile: dict) -> None:
+    validate(profile, path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(profile, f, indent=2)
+
+
+def model_of(profile: dict) -> LlamaConfig:
+    return LlamaConfig(**profile["model"])
+
+
+def entry(profile: dict, micro_batch_size: int, recompute: str) -> Optional[dict[str, PassCosts]]:
+    """The three components' costs measured for one setting, or None if it was not profiled."""
+    for e in profile["entries"]:
+        if e["micro_batch_size"] == micro_batch_size and e["recompute"] == recompute:
+            return {c: PassCosts(**{k: e[c][k] for k in PASS_FIELDS}) for c in COMPONENTS}
+    return None
+
+
+def settings(profile: dict) -> list[tuple[int, str]]:
+    """(micro-batch size, recompute) of every entry."""
+    return [(e["micro_batch_size"], e["recompute"]) for e in profile["entries"]]
+
+
+def summary(profile: dict) -> str:
+    """A few lines for the terminal: per setting, each component's F/B/W in ms and activation MiB."""
+    lines = [f"profile of {profile['device']} ({profile['threads']} thread(s), {profile['dtype']}, seq "
+             f"{profile['seq_length']}):"]
+    for e in profile["entries"]:
+        parts = [f"{c} F/B/W {e[c]['f'] * 1e3:.2f}/{e[c]['b'] * 1e3:.2f}/{e[c]['w'] * 1e3:.2f} ms "
+                 f"{e[c]['act_bytes'] / 2 ** 20:.2f} MiB" for c in COMPONENTS]
+        lines.append(f"  mbs {e['micro_batch_size']} recompute {e['recompute']}: " + "; ".join(parts))
+    lines.append(f"  optimizer {profile['optimizer_s_per_param'] * 1e9:.2f} ns per parameter")
+    comm = profile.get("comm")
+    if comm:
+        lines.append(f"  {comm['world_size']} ranks: p2p {comm['p2p_latency_s'] * 1e6:.0f} us + "
+                     f"{comm['p2p_bandwidth_Bps'] / 1e9:.2f} GB/s, all-reduce {comm['allreduce_latency_s'] * 1e6:.0f} "
+                     f"us + {comm['allreduce_bus_bandwidth_Bps'] / 1e9:.2f} GB/s (bus)")
+    return "\n".join(lines)
