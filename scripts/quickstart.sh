@@ -83,11 +83,15 @@ echo "== 5/5 export to HF transformers (weights, config, tokenizer) -> $RUN/hf, 
 "$PY" -m llamapipe convert-hf export --load "$CKPT" --hf-dir "$RUN/hf"
 "$PY" - "$RUN/hf" <<'PY'
 import sys
+import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 model = LlamaForCausalLM.from_pretrained(sys.argv[1])
-out = model.generate(**tok("Return the", return_tensors="pt"), max_new_tokens=24, do_sample=False, repetition_penalty=1.3)
-print("quickstart: transformers generates from the export:", repr(tok.decode(out[0], skip_special_tokens=True)))
+torch.manual_seed(0)   # sampled: greedy decoding of a model this small repeats one newline token
+out = model.generate(**tok("Return the", return_tensors="pt"), max_new_tokens=24, do_sample=True, top_k=40,
+                     temperature=0.8)
+print("quickstart: transformers generates from the export (80 iterations of a tiny model: expect word salad):",
+      repr(tok.decode(out[0], skip_special_tokens=True)))
 PY
 echo "metrics:     $RUN/metrics.jsonl"
 echo "tensorboard: tensorboard --logdir $RUN/tensorboard   (one directory per run)"
