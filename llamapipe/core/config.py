@@ -41,6 +41,7 @@ class ParallelConfig:
     distributed_timeout_minutes: float = 10.0
     data_parallel_sharding_strategy: str = "no_shard"   # one of SHARDING_STRATEGIES; optim is ZeRO-1
     overlap_grad_reduce: bool = False
+    vocab_parallel: bool = False                    # --enable-vocab-parallel: output layer split over pp (S/T)
     ddp_bucket_size: int = 25_000_000               # elements per DP all-reduce bucket
 
 

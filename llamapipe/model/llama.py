@@ -5,6 +5,9 @@ shards; `layer_range` / `pre_process` / `post_process` make it one pipeline chun
 logical (`embedding.weight`, `layers.<global index>...`, `final_norm.weight`, `output.weight`), and every
 parameter is initialised from (seed, name) on the full logical tensor before slicing, so every layout
 starts from identical weights (docs/design.md section 4). Activations travel sequence-first, (s, b, h).
+With `vocab_parallel` (arXiv 2411.05288) the last chunk ends at the final norm and the output layer is a
+`PipelineVocabOutput` shard held by local chunk 0 of every pipeline rank (`vocab_shard=True`); the schedule's
+S/T actions run it.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.tensor_parallel import mappings
 from llamapipe.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from llamapipe.core.tensor_parallel.vocab_pipeline import PipelineVocabOutput
 from llamapipe.core.tensor_parallel.layers import (INPUT_COPY, INPUT_GATHER, ColumnParallelLinear, VocabParallelEmbedding,
                                          parallel_linear, set_tensor_model_parallel_attributes,
                                          shard_logical_tensor)
@@ -65,7 +69,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig, parallel_state: Optional[ParallelState] = None, *,
                  layer_range: Optional[tuple[int, int]] = None, pre_process: bool = True,
                  post_process: bool = True, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, seed: int = 1234) -> None:
+                 params_dtype: torch.dtype = torch.float32, seed: int = 1234, vocab_parallel: bool = False,
+                 vocab_shard: bool = False) -> None:
         super().__init__()
         tp_size = parallel_state.tp_size if parallel_state is not None else 1
         self.tp_rank = parallel_state.tp_rank if parallel_state is not None else 0
@@ -73,10 +78,10 @@ class LlamaModel(nn.Module):
         self.tp_size = tp_size
         layer_range = tuple(layer_range) if layer_range is not None else (0, config.num_layers)
         _check_config(config, tp_size, layer_range)
-        if config.tie_word_embeddings and not (pre_process and post_process):
+        if config.tie_word_embeddings and (vocab_parallel or not (pre_process and post_process)):
             raise ValueError("tie_word_embeddings needs the embedding and the output head in the same chunk")
         self.config, self.layer_range = config, layer_range
-        self.pre_process, self.post_process = pre_process, post_process
+        self.pre_process, self.post_process, self.vocab_parallel = pre_process, post_process, vocab_parallel
         self.sequence_parallel = sequence_parallel and tp_size > 1
         kw = dict(sequence_parallel=self.sequence_parallel, params_dtype=params_dtype)
         padded_vocab = config.padded_vocab_size(tp_size)
@@ -86,9 +91,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, self.tp_group, **kw) for i in range(*layer_range)})
         if post_process:
             self.final_norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw)
-            if not config.tie_word_embeddings:
+            if not config.tie_word_embeddings and not vocab_parallel:
                 self.output = ColumnParallelLinear(config.hidden_size, padded_vocab, self.tp_group, **kw)
                 set_tensor_model_parallel_attributes(self.output.weight, 0, vocab_padded=True)
+        if vocab_shard:
+            pp_rank, pp_size = parallel_state.pp_rank, parallel_state.pp_size
+            self.output = PipelineVocabOutput(config.padded_vocab_size(tp_size * pp_size), config.hidden_size,
+                                              config.vocab_size, self.tp_group, pp_rank, pp_size, **kw)
         self.input_tensor: Optional[torch.Tensor] = None
         self.reset_parameters(seed)
 
@@ -97,12 +106,19 @@ class LlamaModel(nn.Module):
         """Initialise every parameter from (seed, name) on its full logical tensor, then keep this shard."""
         for name, param in self.named_parameters():
             shape = list(param.shape)
+            rank, size = self._shard_of(param)
             if param.tensor_model_parallel:
-                shape[param.partition_dim] *= self.tp_size
+                shape[param.partition_dim] *= size
             if getattr(param, "vocab_padded", False):
                 shape[0] = self.config.vocab_size  # padding rows start at zero in every layout
             full = init_logical_tensor(name, shape, self.config, seed)
-            param.copy_(shard_logical_tensor(full, param, self.tp_rank, self.tp_size))
+            param.copy_(shard_logical_tensor(full, param, rank, size))
+
+    def _shard_of(self, param: torch.Tensor) -> tuple[int, int]:
+        """(shard index, shard count) of a parameter: its TP rank, or its vocabulary shard over pp x tp."""
+        if hasattr(param, "vocab_shards"):
+            return param.vocab_shard, param.vocab_shards
+        return self.tp_rank, self.tp_size
 
     @torch.no_grad()
     def load_logical_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -113,7 +129,7 @@ class LlamaModel(nn.Module):
             raise ValueError(f"state dict lacks {len(missing)} parameters of this chunk, e.g. {missing[0]}")
         for name, param in own.items():
             if name in state_dict:
-                param.copy_(shard_logical_tensor(state_dict[name], param, self.tp_rank, self.tp_size))
+                param.copy_(shard_logical_tensor(state_dict[name], param, *self._shard_of(param)))
 
     def set_input_tensor(self, input_tensor: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> None:
         """Megatron protocol: the previous stage's output, (s, b, h) or (s/tp, b, h) with sequence parallel."""
@@ -146,6 +162,8 @@ class LlamaModel(nn.Module):
                 hidden = layer(hidden, rope)
         if not self.post_process:
             return hidden
+        if self.vocab_parallel:
+            return self.final_norm(hidden)   # (s, b, h): the output layer runs in the plan's S/T actions
         return self._head(self.final_norm(hidden), labels)
 
     def _head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:

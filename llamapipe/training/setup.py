@@ -5,7 +5,9 @@ loss function.
 Chunk placement follows docs/design.md section 3: virtual stage v holds layers [v*L/S, (v+1)*L/S) for
 S = pp*vpp stages (unless --decoder-first/last-pipeline-num-layers give an uneven split, see
 `core.pipeline_parallel.layout.stage_layer_ranges`); the schedule's spec says where stage v goes
-(interleaved: rank v % pp; ZB-V and two-chunk auto: the V placement).
+(interleaved: rank v % pp; ZB-V and two-chunk auto: the V placement). Under --enable-vocab-parallel local
+chunk 0 of every rank also holds its shard of the output layer, and the last stage's forward step returns the
+targets its S/T actions need (`VocabTargets`) instead of computing the loss.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
 from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
+from llamapipe.core.tensor_parallel.vocab_pipeline import VocabTargets
 from llamapipe.model.config import LlamaConfig
 
 log = get_logger()
@@ -58,12 +61,14 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
     if num_stages > 1:
         log.info("layers per pipeline stage: " + ", ".join(str(end - start) for start, end in ranges))
     chunks, roles = [], []
-    for stage in chunk_stages(config, ps):
+    vocab_parallel = par.vocab_parallel and ps.pp_size > 1
+    for index, stage in enumerate(chunk_stages(config, ps)):
         role = (stage == 0, stage == num_stages - 1)
         chunk = LlamaModel(model_cfg, ps, layer_range=ranges[stage],
                            pre_process=role[0], post_process=role[1],
                            sequence_parallel=config.parallel.sequence_parallel,
-                           params_dtype=params_dtype(config), seed=config.training.seed)
+                           params_dtype=params_dtype(config), seed=config.training.seed,
+                           vocab_parallel=vocab_parallel, vocab_shard=vocab_parallel and index == 0)
         chunks.append(chunk.to(device))
         roles.append(role)
     from llamapipe.core.distributed.grad_reduce import accumulate_grads_in_fp32
@@ -142,4 +147,6 @@ def forward_step(data_iterator, model: torch.nn.Module):
     output = model(input_ids=tokens, labels=labels)
     if not post:
         return output, None
+    if model.vocab_parallel:    # the output layer runs in the plan's S/T actions, on every pipeline rank
+        return output, VocabTargets(labels, batch["loss_mask"].to(device), partial(loss_func, batch["loss_mask"]))
     return output, partial(loss_func, batch["loss_mask"])

@@ -8,12 +8,18 @@ plan by `p2p_communication`; a hop between two chunks of one rank (ZB-V, arXiv 2
 After an output is sent its data is freed and only its graph kept (Megatron-LM's deallocate-output
 trick, arXiv 2104.04473); backward then runs through the autograd engine directly to skip the shape check.
 
+Vocabulary parallelism (arXiv 2411.05288): with model chunks whose chunk 0 holds a `PipelineVocabOutput`
+shard, the plan gets S/T actions (`vocab_parallel.with_vocab_parallel`, unless it has them), which
+`vocab_runtime.VocabStep` runs; the last stage's F then ends at the final norm and its B takes the sum of every
+rank's T partial gradient. The loss is reported by the last stage's rank at its T.
+
 Loss convention (Megatron-core per-token loss): on the last stage `loss_func(output)` returns
 (loss_sum, num_tokens, log); backward runs on loss_sum * loss_scale and the caller divides the
 accumulated grads by the global token count. Grads are left in `.grad`; nothing is reduced over DP.
 """
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import nullcontext
 from typing import Any, Callable, Optional
@@ -21,14 +27,23 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from llamapipe.core.pipeline_parallel.p2p_communication import Message, P2PCommunicator, needs_and_sends
+from llamapipe.core.pipeline_parallel.p2p_communication import Message, P2PCommunicator, needs_and_sends, vocab_messages
 from llamapipe.core.pipeline_parallel.schedule_ir import BACKWARD_KINDS, Action, Plan
+from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
+from llamapipe.core.pipeline_parallel.vocab_runtime import VocabStep, pack_targets, vocab_output
 from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
 
 
 def forward_only_actions(plan: Plan, pp_rank: int) -> tuple[Action, ...]:
-    """The plan's F actions in plan order: a deadlock-free evaluation pass (F only depends on F)."""
-    return tuple(a for a in plan.actions[pp_rank] if a.kind == "F")
+    """The plan's F (and S) actions in plan order: a deadlock-free evaluation pass (F only depends on F, S on
+    the last stage's F)."""
+    return tuple(a for a in plan.actions[pp_rank] if a.kind in ("F", "S"))
+
+
+@functools.lru_cache(maxsize=64)
+def vocab_plan(plan: Plan) -> Plan:
+    """`plan` with the output layer's S/T actions (every rank derives the same plan from the same one)."""
+    return plan if plan.vocab else with_vocab_parallel(plan)
 
 
 def _free_output(out: torch.Tensor) -> None:
@@ -53,7 +68,7 @@ class _Step:
 
     def __init__(self, plan: Plan, pp_rank: int, comm: P2PCommunicator, model_chunks: list[nn.Module],
                  forward_step_func: Callable, data_iterator: Any, forward_only: bool, loss_scale: float,
-                 fused_bw: bool = False, probe: Any = None) -> None:
+                 fused_bw: bool = False, probe: Any = None, vocab: Optional[VocabStep] = None) -> None:
         self.plan, self.pp_rank, self.comm, self.chunks = plan, pp_rank, comm, model_chunks
         self.probe = probe                   # an activation_memory.ActivationProbe, or None
         self.fused_bw = fused_bw
@@ -65,6 +80,7 @@ class _Step:
         self.losses: dict[int, dict] = {}
         self.wait_s = 0.0                    # time blocked on receives, excluded from action timings
         self.store = WeightGradStore()
+        self.vocab = vocab                   # S/T of a vocabulary-parallel plan
 
     def untimed_s(self) -> float:
         """Seconds so far blocked on receives or measuring activations: not part of any action's time."""
@@ -97,7 +113,12 @@ class _Step:
                 x.requires_grad_(True)
             chunk.set_input_tensor(x)
         out, loss_func = self.forward_step_func(self._iterator(action.chunk), chunk)
-        if send is None:
+        if send is None and self.vocab is not None:      # the last stage: its hidden state goes to every S
+            self.vocab.loss_funcs[action.microbatch] = loss_func.loss_func
+            hidden, targets = out.detach(), pack_targets(loss_func)
+            for msg in vocab_messages(self.plan, self.pp_rank, action)[1]:
+                self._give(msg, hidden if msg.kind == "hidden" else targets)
+        elif send is None:
             loss_sum, num_tokens, log = loss_func(out)
             self.losses[action.microbatch] = {"loss_sum": loss_sum.detach().float(), "num_tokens": num_tokens,
                                               "log": log}
@@ -115,6 +136,9 @@ class _Step:
         key = (action.chunk, action.microbatch)
         need, send = needs_and_sends(self.plan, self.pp_rank, action)
         grad = self._take(need) if need is not None else None
+        partials = [self._take(msg) for msg in vocab_messages(self.plan, self.pp_rank, action)[0]]
+        if partials:                         # the last stage under vocabulary parallelism: every rank's T
+            grad = functools.reduce(torch.add, partials)
         out, x = self.outputs.pop(key), self.inputs.pop(key)
         # A BW that sends to another rank runs as B, send, W: the upstream rank gets its gradient one W
         # earlier, at no memory cost (the simulator's early_send); fused_bw keeps Megatron's order.
@@ -131,9 +155,20 @@ class _Step:
             self.comm.flush()
             self.store.run(key)
 
+    def vocab_action(self, action: Action) -> None:
+        """S: the output layer's statistics on this rank's shard; T: its backward, partial gradient sent."""
+        consumed, produced = vocab_messages(self.plan, self.pp_rank, action)
+        if action.kind == "S":
+            hidden, targets = (self._take(msg) for msg in consumed)
+            self.vocab.stats(action.microbatch, hidden, targets)
+        else:
+            self._give(produced[0], self.vocab.grad(action.microbatch))
+
     def execute(self, action: Action) -> None:
         if action.kind == "F":
             self.forward(action)
+        elif action.kind in ("S", "T"):
+            self.vocab_action(action)
         elif action.kind in BACKWARD_KINDS:
             self.backward(action)
         else:
@@ -158,6 +193,9 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
     activation bytes and the part of them the deferred W keeps.
     """
     pp_rank = parallel_state.pp_rank
+    output = vocab_output(model_chunks)
+    if output is not None:
+        plan = vocab_plan(plan)
     if num_microbatches != plan.num_microbatches:
         raise ValueError(f"the plan has {plan.num_microbatches} microbatches but num_microbatches is "
                          f"{num_microbatches}")
@@ -169,14 +207,20 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
     device = next(model_chunks[0].parameters()).device
     comm = P2PCommunicator(plan, pp_rank, parallel_state.pp_ranks, parallel_state.pp_group, device=device,
                            variable_seq_lengths=variable_seq_lengths, actions_of=actions_of)
+    vocab = None if output is None else VocabStep(
+        output, parallel_state.pp_group, plan.pp, last_rank=plan.rank_chunk_of(plan.num_stages - 1)[0] == pp_rank,
+        loss_scale=loss_scale)
     step = _Step(plan, pp_rank, comm, model_chunks, forward_step_func, data_iterator, forward_only, loss_scale,
-                 fused_bw, None if forward_only else activation_probe)
+                 fused_bw, None if forward_only else activation_probe, vocab)
     grad_sync = None if forward_only else grad_sync
     try:
         if grad_sync is not None:
             grad_sync.begin_step(step.store)
         with torch.no_grad() if forward_only else nullcontext(), step.store.active():
             _loop(step, actions, comm, action_times, grad_sync)
+            if vocab is not None:
+                vocab.finish()
+                step.losses.update(vocab.losses)
         comm.finish()
     except BaseException:
         if grad_sync is not None:

@@ -13,6 +13,10 @@ Shapes: the first message of a step on each channel (peer, direction, stage) is 
 header with its shape and dtype, which the receiver caches; with `variable_seq_lengths` every message
 carries a header. The receiver only posts a payload once its shape is known, and headers travel in
 the same per-peer order as payloads, so shape exchange adds no deadlock.
+
+A vocabulary-parallel plan (arXiv 2411.05288) adds messages that `vocab_messages` derives from
+`schedule_ir.vocab_needs`: the last stage's F sends its normed hidden state and its targets to every rank's S,
+and every rank's T sends its partial input gradient to the last stage's B; they travel like the others.
 """
 from __future__ import annotations
 
@@ -23,22 +27,24 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from llamapipe.core.pipeline_parallel.schedule_ir import Action, Hop, Plan, needs, sends
+from llamapipe.core.pipeline_parallel.schedule_ir import BACKWARD_KINDS, Action, Hop, Plan, needs, sends
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
 _MAX_DIMS = 8
 _HEADER_LEN = _MAX_DIMS + 2          # ndim, dims..., dtype code
+MESSAGE_KINDS = ("act", "grad", "hidden", "targets", "vgrad")
 
 
 class Message(NamedTuple):
-    kind: str          # "act" (forward output) or "grad" (input gradient)
+    kind: str          # "act" (forward output), "grad" (input gradient) or a vocabulary message (`vocab_messages`)
     stage: int         # virtual stage that consumes it
     microbatch: int
     src: int           # sending pipeline rank
     dst: int           # receiving pipeline rank (== src: local hand-off, no transfer)
 
     def tag(self, num_stages: int, header: bool) -> int:
-        return ((self.microbatch * num_stages + self.stage) * 2 + (self.kind == "grad")) * 2 + header
+        kinds = len(MESSAGE_KINDS)
+        return ((self.microbatch * num_stages + self.stage) * kinds + MESSAGE_KINDS.index(self.kind)) * 2 + header
 
 
 def needs_and_sends(plan: Plan, pp_rank: int, action: Action) -> tuple[Optional[Message], Optional[Message]]:
@@ -55,6 +61,26 @@ def needs_and_sends(plan: Plan, pp_rank: int, action: Action) -> tuple[Optional[
             message(sends(action.kind, stage, plan.num_stages)))
 
 
+def vocab_messages(plan: Plan, pp_rank: int, action: Action) -> tuple[list[Message], list[Message]]:
+    """(messages consumed, messages produced) by `action` for the output layer's S/T in a vocabulary plan:
+    the last stage's F sends its hidden state and targets to every rank (itself included, as a local hand-off),
+    S consumes them, T sends its partial input gradient to the last stage, whose B consumes every rank's."""
+    if not plan.vocab:
+        return [], []
+    last = plan.num_stages - 1
+    last_rank, mb = plan.rank_chunk_of(last)[0], action.microbatch
+    on_last = plan.stage_of(pp_rank, action.chunk) == last
+    if action.kind == "F" and on_last:
+        return [], [Message(kind, last, mb, pp_rank, r) for r in range(plan.pp) for kind in ("hidden", "targets")]
+    if action.kind == "S":
+        return [Message(kind, last, mb, last_rank, pp_rank) for kind in ("hidden", "targets")], []
+    if action.kind == "T":
+        return [], [Message("vgrad", last, mb, pp_rank, last_rank)]
+    if action.kind in BACKWARD_KINDS and on_last:
+        return [Message("vgrad", last, mb, r, pp_rank) for r in range(plan.pp)], []
+    return [], []
+
+
 def receive_order(plan: Plan, pp_rank: int, actions_of=None) -> dict[int, list[Message]]:
     """For each peer, the messages it sends to `pp_rank`, in the peer's action order."""
     actions_of = actions_of or (lambda r: plan.actions[r])
@@ -64,8 +90,9 @@ def receive_order(plan: Plan, pp_rank: int, actions_of=None) -> dict[int, list[M
             continue
         for action in actions_of(peer):
             _, send = needs_and_sends(plan, peer, action)
-            if send is not None and send.dst == pp_rank:
-                order.setdefault(peer, []).append(send)
+            for msg in ([send] if send is not None else []) + vocab_messages(plan, peer, action)[1]:
+                if msg.dst == pp_rank:
+                    order.setdefault(peer, []).append(msg)
     return order
 
 

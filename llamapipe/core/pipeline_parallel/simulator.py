@@ -59,10 +59,13 @@ class Costs:
 
     def part_durations(self, plan: Plan, rank: int, a: Action) -> list[float]:
         """Time of each pass of `a` on `rank`, with the output layer's share where it runs."""
-        last = plan.stage_of(rank, a.chunk) == plan.num_stages - 1 and not plan.vocab
-        head = {"F": self.head_f if last else 0.0, "B": self.head_b if last else 0.0,
-                "S": self.head_f / plan.pp, "T": self.head_b / plan.pp}
-        return [self._duration.get(part, 0.0) + head.get(part, 0.0) for part in KIND_SPECS[a.kind].parts]
+        if a.kind in VOCAB_PASSES:
+            return [(self.head_f if a.kind == "S" else self.head_b) / plan.pp]
+        parts = KIND_SPECS[a.kind].parts
+        if (self.head_f or self.head_b) and not plan.vocab and plan.stage_of(rank, a.chunk) == plan.num_stages - 1:
+            head = {"F": self.head_f, "B": self.head_b}
+            return [self._duration[part] + head.get(part, 0.0) for part in parts]
+        return [self._duration[part] for part in parts]
 
     def action_mem_delta(self, plan: Plan, rank: int, a: Action) -> float:
         """Activation memory `a` adds (negative: frees) on `rank`, the output layer's logits included."""

@@ -35,6 +35,9 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="count the LM head and loss as one layer when splitting layers over (virtual) stages")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split norms and activations along the sequence over the tensor-parallel ranks")
+    g.add_argument("--enable-vocab-parallel", action="store_true",
+                   help="split the output layer and its loss by vocabulary over the pipeline ranks (arXiv "
+                        "2411.05288; the zero-bubble authors' flag): every rank runs its shard as S/T actions")
     g.add_argument("--pipeline-schedule", default=None,
                    help=f"one of {', '.join(SCHEDULES)}; None: 1f1b, or interleaved with virtual stages")
     g.add_argument("--pipeline-memory-limit", type=memory_limit, default=None,

@@ -51,6 +51,9 @@ def _pipeline(args: argparse.Namespace, par: ParallelConfig) -> list[str]:
     if par.pp_size == 1 and args.pipeline_schedule not in (None, default_schedule(1)):
         lines.append(f"--pipeline-schedule {schedule} has no effect with --pipeline-model-parallel-size 1: the "
                      "one stage runs its microbatches one after another")
+    if args.enable_vocab_parallel and par.pp_size == 1:
+        lines.append("--enable-vocab-parallel has no effect with --pipeline-model-parallel-size 1: the one rank "
+                     "holds the whole output layer (turned off)")
     profiled = SPECS[schedule].profiled and par.pp_size > 1
     if args.pipeline_profile_iters != _PROFILE_ITERS_DEFAULT and not profiled:
         lines.append(f"--pipeline-profile-iters {args.pipeline_profile_iters} has no effect: only the auto and "

@@ -102,6 +102,7 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
                           distributed_timeout_minutes=args.distributed_timeout_minutes,
                           data_parallel_sharding_strategy=strategy,
                           overlap_grad_reduce=args.overlap_grad_reduce,
+                          vocab_parallel=args.enable_vocab_parallel and pp > 1,   # pp 1: a notice (noop.py)
                           ddp_bucket_size=args.ddp_bucket_size or ParallelConfig.ddp_bucket_size)
 
 

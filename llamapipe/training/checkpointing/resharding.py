@@ -5,6 +5,9 @@ A checkpoint stores every tensor under its layout-independent logical name (`emb
 of the logical tensor along `partition_dim` in tp_rank order (-1: replicated). Vocabulary-padded
 tensors (embedding, output) are padded with zero rows to a tp-dependent size inside the model, so the
 merge trims them to the true vocabulary and the split re-pads for the target tp size.
+Under vocabulary parallelism (arXiv 2411.05288) the output layer is split over tp x pp (`vocab_shard` of
+`vocab_shards`, tp-major): a save gathers the pp shards of each TP rank into that rank's ordinary TP shard
+(`gather_vocab_shards`), so the files look the same with or without the split and load into either.
 """
 from __future__ import annotations
 
@@ -69,6 +72,33 @@ def split_shard(full: torch.Tensor, spec: TensorSpec, tp_size: int, tp_rank: int
         raise ValueError(f"dimension {spec.partition_dim} of size {size} cannot be split over "
                          f"--tensor-model-parallel-size {tp_size}")
     return full.chunk(tp_size, spec.partition_dim)[tp_rank]
+
+
+def shard_of(param: torch.Tensor, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(shard index, shard count) of a parameter: its TP rank and size, or its vocabulary shard over tp x pp."""
+    if hasattr(param, "vocab_shards"):
+        return int(param.vocab_shard), int(param.vocab_shards)
+    return tp_rank, tp_size
+
+
+def gather_vocab_shards(tensors: dict[str, torch.Tensor], params: dict[str, torch.Tensor], pp_rank: int,
+                        pp_group) -> dict[str, torch.Tensor]:
+    """`tensors` (keyed like `params`, or "<name>/<field>" for optimizer state) with every vocabulary-parallel
+    shard replaced by the concatenation of its pp shards, this TP rank's ordinary TP shard, kept on pp rank 0
+    only; collective over `pp_group` (every pp rank holds the same vocabulary-parallel names)."""
+    out = dict(tensors)
+    for key in sorted(tensors):
+        param = params[key.split("/")[0]]
+        if not hasattr(param, "vocab_shards"):
+            continue
+        local = tensors[key].detach().to(param.device).contiguous()    # optimizer state may be a CPU copy
+        parts = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(pp_group))]
+        torch.distributed.all_gather(parts, local, group=pp_group)
+        if pp_rank == 0:
+            out[key] = torch.cat(parts, 0).to(tensors[key].device)
+        else:
+            del out[key]
+    return out
 
 
 def padded_rows_for(local: torch.Tensor, spec: TensorSpec, tp_size: int) -> int:

@@ -28,7 +28,8 @@ from llamapipe.training.checkpointing.writer import (  # noqa: F401  (finalize a
 from llamapipe.training.config import Config
 from llamapipe.core.logger import get_logger
 from llamapipe.core.parallel_state import ParallelState
-from llamapipe.training.checkpointing.resharding import TensorSpec, named_tensors, padded_rows_for, spec_of, split_shard
+from llamapipe.training.checkpointing.resharding import (TensorSpec, gather_vocab_shards, named_tensors, padded_rows_for,
+                                                          shard_of, spec_of, split_shard)
 from llamapipe.core.tensor_parallel.random import get_rng_tracker
 from llamapipe.model.config import LlamaConfig
 
@@ -103,16 +104,22 @@ def _tokenizer_record(config: Config) -> Optional[dict]:
 
 def _rank_files(model_chunks: list[nn.Module], optimizer: Any, ps: ParallelState, copy: bool) -> list[FileJob]:
     """This rank's files, each with the state it holds (copied, for a background writer, when `copy`)."""
-    tensors = {name: _stage(name, t) if copy else t.detach() for name, t in named_tensors(model_chunks).items()}
-    specs = {name: spec_of(t) for name, t in named_tensors(model_chunks).items()}
+    params = named_tensors(model_chunks)
+    specs = {name: spec_of(t) for name, t in params.items()}
     # collective under ZeRO-1; only dp_rank 0 (the writer) keeps the gathered state
     optim_state = optimizer.state_dict(keep=ps.dp_rank == 0) if optimizer is not None else None
     files = []
+    tensors = dict(params)
+    optim_tensors, key_specs = ({}, {}) if optim_state is None or ps.dp_rank else _optimizer_shard(optim_state, specs)
+    if ps.dp_rank == 0 and any(hasattr(t, "vocab_shards") for t in params.values()):
+        # collective over pp: the vocabulary-parallel output layer as ordinary TP shards, on pp rank 0
+        tensors = gather_vocab_shards(tensors, params, ps.pp_rank, ps.pp_group)
+        optim_tensors = gather_vocab_shards(optim_tensors, params, ps.pp_rank, ps.pp_group)
+    tensors = {name: _stage(name, t) if copy else t.detach() for name, t in tensors.items()}
     if ps.dp_rank == 0:
         files.append(FileJob(cio.shard_name("model", ps.tp_rank, ps.pp_rank), lambda path, rank: cio.write_shard_file(
             path, tensors, specs, ps.tp_rank, ps.pp_rank, rank)))
         if optim_state is not None:
-            optim_tensors, key_specs = _optimizer_shard(optim_state, specs)
             files.append(FileJob(cio.shard_name("optim", ps.tp_rank, ps.pp_rank), lambda path, rank: cio.write_shard_file(
                 path, optim_tensors, key_specs, ps.tp_rank, ps.pp_rank, rank)))
     if ps.rank == 0 and optim_state is not None:
@@ -221,9 +228,9 @@ def _local_shard(param: torch.Tensor, reader: cio.CheckpointReader, key: str, ki
                  ps: ParallelState) -> torch.Tensor:
     """This rank's shard of logical tensor `key`, split like `param` (vocabulary rows re-padded)."""
     spec = spec_of(param)
-    rows = padded_rows_for(param, spec, ps.tp_size)
-    shard = split_shard(reader.logical(key, kind, rows if spec.vocab_padded else None), spec,
-                        ps.tp_size, ps.tp_rank, rows)
+    index, count = shard_of(param, ps.tp_rank, ps.tp_size)
+    rows = padded_rows_for(param, spec, count)
+    shard = split_shard(reader.logical(key, kind, rows if spec.vocab_padded else None), spec, count, index, rows)
     if shard.shape != param.shape:
         raise ValueError(f"checkpoint {reader.path}: {kind} tensor {key} has shard shape {tuple(shard.shape)} "
                          f"for tp rank {ps.tp_rank} but the model expects {tuple(param.shape)}")

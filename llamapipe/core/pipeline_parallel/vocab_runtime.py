@@ -1,0 +1,82 @@
+"""The executor's S and T actions (vocabulary parallelism, arXiv 2411.05288) for one rank during one step.
+
+The last stage's F hands its normed hidden state and the microbatch's targets (labels and loss mask) to every
+pipeline rank's S (p2p messages the plan derives, `p2p_communication.vocab_messages`). S runs this rank's
+`PipelineVocabOutput` shard and starts an asynchronous all-gather of its per-token (max, sum of exp, target)
+statistics over the pipeline group: the one collective, issued by every rank in the plan's S order (the
+simulator checks that order is the same everywhere), so it matches without any rank blocking in S. T waits for
+that all-gather, combines the statistics into the exact per-token loss and runs the shard's backward; its
+partial input gradient goes to the last stage, whose B sums the partials of every rank. The last-stage rank
+reports the loss (loss_sum, num_tokens) at its T, or at the end of a forward-only step, which runs F and S only.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from llamapipe.core.tensor_parallel.vocab_pipeline import PipelineVocabOutput, VocabTargets
+
+
+def vocab_output(model_chunks: list) -> Optional[PipelineVocabOutput]:
+    """This rank's vocabulary shard (held by local chunk 0), or None when the model is not vocabulary-parallel."""
+    output = getattr(model_chunks[0], "output", None) if model_chunks else None
+    return output if isinstance(output, PipelineVocabOutput) else None
+
+
+def pack_targets(targets: VocabTargets) -> torch.Tensor:
+    """Labels and loss mask as one message, (2, b, s) float64 (exact for any token id below 2**53)."""
+    return torch.stack([targets.labels.to(torch.float64), targets.loss_mask.to(targets.labels.device, torch.float64)])
+
+
+class VocabStep:
+    """S/T state of one rank during one step: S results waiting for their T, all-gathers in flight, and the
+    last stage's loss functions (last-stage rank only)."""
+
+    def __init__(self, output: PipelineVocabOutput, pp_group: Any, pp_size: int, *, last_rank: bool,
+                 loss_scale: float) -> None:
+        self.output, self.group, self.pp_size = output, pp_group, pp_size
+        self.last_rank, self.loss_scale = last_rank, loss_scale
+        self.states: dict[int, dict] = {}
+        self.gathers: dict[int, tuple] = {}            # mb -> (work, per-rank stats buffers)
+        self.loss_funcs: dict[int, Any] = {}           # mb -> the last stage's loss function
+        self.losses: dict[int, dict] = {}
+
+    def stats(self, mb: int, hidden: torch.Tensor, targets: torch.Tensor) -> None:
+        """S: this shard's statistics of microbatch `mb`; their all-gather over the pipeline starts here."""
+        labels, mask = targets[0].long().t(), targets[1].float().t()       # (s, b)
+        state, stats = self.output(hidden, labels)
+        state["mask"] = mask
+        self.states[mb] = state
+        stats = stats.contiguous()
+        parts = [torch.empty_like(stats) for _ in range(self.pp_size)]
+        work = dist.all_gather(parts, stats, group=self.group, async_op=True)
+        self.gathers[mb] = (work, parts)
+
+    def _gathered(self, mb: int) -> torch.Tensor:
+        work, parts = self.gathers.pop(mb)
+        work.wait()
+        return torch.stack(parts)                                          # (pp, 3, s, b)
+
+    def grad(self, mb: int) -> torch.Tensor:
+        """T: the combined loss's gradient through this shard; returns the partial input gradient."""
+        stats, state = self._gathered(mb), self.states.pop(mb)
+        if self.last_rank:
+            self._record_loss(mb, stats)
+        grad_loss = state["mask"].to(stats.device) * self.loss_scale        # d loss_sum / d token loss
+        return self.output.backward(state, stats, grad_loss)
+
+    def _record_loss(self, mb: int, stats: torch.Tensor) -> None:
+        loss = PipelineVocabOutput.combine(stats)[2]                        # (s, b)
+        loss_sum, num_tokens, log = self.loss_funcs.pop(mb)(loss.t())
+        self.losses[mb] = {"loss_sum": loss_sum.detach().float(), "num_tokens": num_tokens, "log": log}
+
+    def finish(self) -> None:
+        """End of step: a forward-only step's losses from the statistics its S gathered; nothing left over."""
+        for mb in sorted(self.gathers):
+            stats = self._gathered(mb)
+            self.states.pop(mb)
+            if self.last_rank:
+                self._record_loss(mb, stats)
+        assert not self.states and not self.loss_funcs, "vocabulary actions left unfinished at step end"
