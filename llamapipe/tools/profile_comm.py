@@ -33,8 +33,12 @@ def init_if_launched() -> bool:
 
 
 def _fit(small_s: float, large_s: float, large_bytes: int) -> tuple[float, float]:
-    """(latency s, bandwidth B/s) of time = latency + bytes / bandwidth through two measured points."""
-    slope = max(large_s - small_s, 1e-12) / max(large_bytes - SMALL_BYTES, 1)
+    """(latency s, bandwidth B/s) of time = latency + bytes / bandwidth through two measured points; when noise
+    makes the large message no slower than the small one, both are latency (their mean) and bandwidth is
+    taken as unbounded (1 TB/s)."""
+    if large_s <= small_s:
+        return (small_s + large_s) / 2, 1e12
+    slope = (large_s - small_s) / max(large_bytes - SMALL_BYTES, 1)
     return max(small_s - SMALL_BYTES * slope, 0.0), 1.0 / slope
 
 

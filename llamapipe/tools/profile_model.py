@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation recompute settings to measure (full: --recompute-granularity full)")
     p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
     p.add_argument("--threads", type=int, default=None, help="torch threads; None: torch's default here")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per pass (after 2 warm-up ones)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats of 4 microbatches per pass (after 1 warm-up repeat)")
     p.add_argument("--out", required=True, help="the JSON profile to write")
     p.set_defaults(tokenizer_model=None)
     return p
@@ -67,28 +67,37 @@ def _timed(fn: Callable[[], object], device: torch.device) -> tuple[object, floa
     return out, time.perf_counter() - start
 
 
-def measure_chunk(chunk: LlamaModel, make_batch: Callable[[], dict], repeats: int,
-                  device: torch.device) -> PassCosts:
-    """F, B, W medians of `chunk` and the bytes it holds F->B and B->W, run as the executor runs a split B/W."""
+def measure_chunk(chunk: LlamaModel, make_batch: Callable[[], dict], repeats: int, device: torch.device,
+                  block: int = 4) -> PassCosts:
+    """F, B, W medians of `chunk` and the bytes it holds F->B and B->W, run as the executor runs a split B/W.
+    Each repeat times `block` microbatches' F, then their B, then their W back to back (one record per pass:
+    the block's mean), so a record spans several scheduler time slices, as a training step does; the first
+    repeat is warm-up."""
     store, probe = WeightGradStore(), ActivationProbe([chunk])
     records: list[tuple[Action, float]] = []
     with store.active():
-        for i in range(repeats + 2):
-            batch = make_batch()
-            key = (0, i)
-            out, f = _timed(lambda: chunk(**batch), device)
-            probe.forward_done(key, out)
-            grad = torch.ones_like(out)
-            with store.capture(key):
-                _, b = _timed(lambda: torch.autograd.backward(out, grad), device)
-            del out
-            probe.backward_done(key, True, store.held_tensors(key))
-            _, w = _timed(lambda: store.run(key), device)
-            if i >= 2:
-                records += [(Action("F", 0, i), f), (Action("B", 0, i), b), (Action("W", 0, i), w)]
+        for i in range(repeats + 1):
+            keys = [(0, i * block + k) for k in range(block)]
+            outs, f = [], 0.0
+            for key in keys:
+                batch = make_batch()
+                out, seconds = _timed(lambda: chunk(**batch), device)
+                probe.forward_done(key, out)
+                outs.append(out)
+                f += seconds
+            b = 0.0
+            for key, out in zip(keys, outs):
+                with store.capture(key):
+                    b += _timed(lambda: torch.autograd.backward(out, torch.ones_like(out)), device)[1]
+            del outs, out
+            for key in keys:
+                probe.backward_done(key, True, store.held_tensors(key))
+            w = sum(_timed(lambda: store.run(key), device)[1] for key in keys)
+            if i >= 1:
+                records += [(Action(kind, 0, i), t / block) for kind, t in (("F", f), ("B", b), ("W", w))]
     store.assert_empty()
     med = pass_medians(records)
-    units = probe.units[2:] or probe.units
+    units = probe.units[block:] or probe.units
     act = statistics.median(units) if units else 0.0
     held = statistics.median(probe.held_shares) * act if probe.held_shares else 0.0
     return PassCosts(med["F"], med["B"], med["W"], act, held)
