@@ -36,7 +36,7 @@ concern, is in the pages listed in the [README](../README.md#documentation).
 
 
 def _default(action: argparse.Action) -> str:
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) or action.nargs == 0:
         return "on" if action.default else "off"
     value = action.default
     if value is None or value is argparse.SUPPRESS:

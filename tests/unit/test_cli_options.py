@@ -7,6 +7,7 @@ import os
 
 from llamapipe.training.arguments.megatron_compat import NOTICES, REFUSED
 from llamapipe.training.arguments.parser import build_parser
+from llamapipe.training.arguments.zb_fork_flags import FLAGS as FORK_FLAGS
 
 from tests.harness import ROOT
 
@@ -36,7 +37,7 @@ FLAGS = """
 --test-data-path --log-throughput --log-params-norm --log-num-zeros-in-grad --wandb-project --wandb-exp-name
 --wandb-save-dir --use-checkpoint-args --recompute-activations --use-flash-attn
 """.split()
-COMPAT = [entry.flag for entry in NOTICES + REFUSED]
+COMPAT = [entry.flag for entry in NOTICES + REFUSED] + list(FORK_FLAGS)   # the zero-bubble fork's, pinned there
 
 
 def parser_flags():

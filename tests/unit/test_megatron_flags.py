@@ -11,6 +11,7 @@ import torch
 from llamapipe.core.config import TrainingConfig
 from llamapipe.training.arguments.megatron_compat import NOTICES, REFUSED
 from llamapipe.training.arguments.parser import ArgumentError, build_parser, config_from_args
+from llamapipe.training.arguments.zb_fork_flags import FLAGS as FORK_FLAGS
 from llamapipe.training.config import Config
 
 # What Megatron itself requires (arguments.py, validate_args), small.
@@ -125,7 +126,7 @@ def test_defaults_match_megatron():
 
 def test_every_flag_is_pinned_classified_or_in_a_compatibility_table():
     classified = (set(MEGATRON_DEFAULTS) | set(MEGATRON_EFFECTIVE) | set(DIVERGENCES) | set(ALWAYS_ON)
-                  | set(LLAMAPIPE_ONLY) | {e.flag for e in NOTICES + REFUSED})
+                  | set(LLAMAPIPE_ONLY) | {e.flag for e in NOTICES + REFUSED} | set(FORK_FLAGS))
     flags = {a.option_strings[0] for a in build_parser()._actions if a.option_strings[0] != "-h"}
     assert flags == classified
 

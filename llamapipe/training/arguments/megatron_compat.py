@@ -107,36 +107,44 @@ REFUSED: tuple[CompatFlag, ...] = (
 )
 
 
-def _dest(entry: CompatFlag) -> str:
-    return entry.flag[2:].replace("-", "_")
+def dest_of(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def add_table(g, entries: tuple, prefix: str) -> None:
+    """Each entry as a flag of argument group `g` with Megatron's arity, its reason as help."""
+    for e in entries:
+        text = prefix + e.why if not e.off else f"refused unless {' or '.join(map(str, e.off))} (off): {e.why}"
+        if e.type is None:
+            g.add_argument(e.flag, dest=dest_of(e.flag), action="store_true", help=text)
+        else:
+            g.add_argument(e.flag, dest=dest_of(e.flag), type=e.type, nargs=e.nargs, default=None, help=text)
 
 
 def add_compat_flags(p: argparse.ArgumentParser) -> None:
-    """Both tables as flags of two groups, each with its reason as help."""
-    for title, entries, prefix in (("Megatron-LM flags with no effect here (one notice line each)", NOTICES,
-                                    "no effect: "),
-                                   ("Megatron-LM flags refused (the run stops with the reason)", REFUSED,
-                                    "refused: ")):
-        g = p.add_argument_group(title)
-        for e in entries:
-            text = prefix + e.why if not e.off else f"refused unless {' or '.join(map(str, e.off))} (off): {e.why}"
-            if e.type is None:
-                g.add_argument(e.flag, dest=_dest(e), action="store_true", help=text)
-            else:
-                g.add_argument(e.flag, dest=_dest(e), type=e.type, nargs=e.nargs, default=None, help=text)
+    """Both tables as flags of two groups, each with its reason as help, and the zero-bubble fork's flags
+    (zb_fork_flags) in a third."""
+    from llamapipe.training.arguments.zb_fork_flags import add_fork_flags   # it builds on this module's tables
+    add_table(p.add_argument_group("Megatron-LM flags with no effect here (one notice line each)"), NOTICES,
+              "no effect: ")
+    add_table(p.add_argument_group("Megatron-LM flags refused (the run stops with the reason)"), REFUSED, "refused: ")
+    add_fork_flags(p)
 
 
-def _said(entry: CompatFlag, value) -> str:
+def said(entry: CompatFlag, value) -> str:
     if entry.type is None:
         return entry.flag
     return f"{entry.flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
 
 
 def check_compat(args: argparse.Namespace) -> list[str]:
-    """Raise ArgumentError for the first refused flag given; return one notice line per no-effect flag given."""
+    """Raise ArgumentError for the first refused flag given; return one notice line per no-effect flag given,
+    then the zero-bubble fork's (zb_fork_flags.check_fork_flags)."""
+    from llamapipe.training.arguments.zb_fork_flags import check_fork_flags
     for e in REFUSED:
-        value = getattr(args, _dest(e))
+        value = getattr(args, dest_of(e.flag))
         if value not in (None, False) and value not in e.off:
-            raise ArgumentError(f"{_said(e, value)} is not supported: {e.why}")
-    return [f"notice: {_said(e, getattr(args, _dest(e)))} has no effect here: {e.why}"
-            for e in NOTICES if getattr(args, _dest(e)) not in (None, False)]
+            raise ArgumentError(f"{said(e, value)} is not supported: {e.why}")
+    notices = [f"notice: {said(e, getattr(args, dest_of(e.flag)))} has no effect here: {e.why}"
+               for e in NOTICES if getattr(args, dest_of(e.flag)) not in (None, False)]
+    return notices + check_fork_flags(args)
