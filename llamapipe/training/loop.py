@@ -17,7 +17,6 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -31,11 +30,12 @@ from llamapipe.core.config import ArgumentError
 from llamapipe.core.logger import get_logger
 from llamapipe.core.num_microbatches_calculator import build_num_microbatches_calculator
 from llamapipe.core.parallel_state import ParallelState, initialize_model_parallel
-from llamapipe.training.log import MetricsWriter, check_wandb, num_zeros_in_grad, params_norm
+from llamapipe.training.log import MetricsWriter, check_wandb
 from llamapipe.training.process_control import ExitSignal, collect_for_eval, manual_gc, run_as_one_job
 from llamapipe.training.progress import TrainingProgress
 from llamapipe.model.config import LlamaConfig
-from llamapipe.training.setup import build_model_chunks, build_iterators, forward_step
+from llamapipe.training.setup import build_model_chunks, build_iterators
+from llamapipe.training.step import StepParts, SynchronousStep, TrainState, run_schedule
 
 log = get_logger()
 
@@ -46,14 +46,6 @@ def set_seeds(seed: int, tp_rank: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     model_parallel_seed(seed, tp_rank)
-
-
-@dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_samples: int = 0
-    skipped_iterations: int = 0
-    start_time: float = field(default_factory=time.time)
 
 
 def pretrain(config: Config) -> int:
@@ -117,23 +109,24 @@ class Trainer:
                                                          cfg.rampup_batch_size)
         self.state = TrainState()
         self._load()
-        self.train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles,
-                                                             self.state.consumed_samples)
-        self.fb_func = build_forward_backward_func(config, ps)
-        self.grad_sync, self._overlap_logged = None, False
+        train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles, self.state.consumed_samples)
+        fb_func, grad_sync = build_forward_backward_func(config, ps), None
         if config.parallel.overlap_grad_reduce and ps.dp_size > 1:   # Megatron's overlap, during the backward
             from llamapipe.core.distributed.grad_sync import GradSync
-            self.grad_sync = GradSync(self.chunks, ps, config.parallel.ddp_bucket_size)
+            grad_sync = GradSync(self.chunks, ps, config.parallel.ddp_bucket_size)
         self.metrics = MetricsWriter(config.logging, enabled=dist.get_rank() == 0, run_config=config,
                                      save_dir=config.checkpoint.save)
         self.progress = TrainingProgress(self.metrics, model_cfg, seq_length=cfg.seq_length,
                                          world_size=ps.world_size, train_iters=cfg.train_iters,
                                          log_interval=config.logging.log_interval, tp=ps.tp_size)
         self.exit_signal = ExitSignal(cfg.exit_signal_handler)
-        self.pv = None
+        self.parts = StepParts(config, ps, self.chunks, self.optimizer, self.scheduler, self.batches,
+                               fb_func, grad_sync, self.progress, self.state)
+        step_form = SynchronousStep
         if config.optimizer.post_validation:
-            from llamapipe.training.post_validated import PostValidatedSteps
-            self.pv = PostValidatedSteps(self)
+            from llamapipe.training.post_validated import PostValidatedStep
+            step_form = PostValidatedStep
+        self.step = step_form(self.parts, train_iters)
 
     def _load(self) -> None:
         ckpt = self.config.checkpoint
@@ -166,8 +159,8 @@ class Trainer:
         with manual_gc(cfg.manual_gc):
             status = self._train_loop()
         self.exit_signal.settle()
-        if self.pv is not None:
-            log.info(self.pv.summary())
+        if self.step.summary():
+            log.info(self.step.summary())
         if status is None:
             if cfg.eval_iters and not self._every(cfg.eval_interval):
                 self.evaluate()     # the last iteration was not validated yet
@@ -186,9 +179,9 @@ class Trainer:
             if cfg.manual_gc and self._every(cfg.manual_gc_interval):
                 gc.collect()
             exiting = self._should_exit()
-            if self.pv is not None and (exiting or st.iteration >= cfg.train_iters or self._every(cfg.eval_interval)
-                                        or self._every(self.config.checkpoint.save_interval)):
-                status = self.pv.drain()      # a global point: resolve the pending step first
+            if exiting or st.iteration >= cfg.train_iters or self._every(cfg.eval_interval) \
+                    or self._every(self.config.checkpoint.save_interval):
+                status = self.step.drain()      # a global point: settle the pending step first
                 if status is not None:
                     return status
             if self._every(self.config.checkpoint.save_interval):
@@ -211,7 +204,7 @@ class Trainer:
     def _should_exit(self) -> bool:
         cfg, st = self.config.training, self.state
         collective = cfg.exit_signal_handler or cfg.exit_duration_in_mins is not None
-        flags = self.exit_signal.agreed_flags(time.time() - st.start_time, collective, overlapped=self.pv is not None)
+        flags = self.exit_signal.agreed_flags(time.time() - st.start_time, collective, overlapped=self.step.overlapped)
         if flags[0] > 0:
             log.info(f"SIGTERM received; saving at iteration {st.iteration} and exiting")
             return True
@@ -220,96 +213,9 @@ class Trainer:
             return True
         return self._every(cfg.exit_interval)
 
-    def _run_schedule(self, iterators: list, forward_only: bool, num_microbatches: int,
-                      reduce_pp: bool = True) -> tuple[float, float]:
-        """One global batch through the pipeline; returns (loss sum, token count) reduced over DP and, unless
-        `reduce_pp` is False, PP (then ranks without the loss, and TP ranks other than 0, return zeros)."""
-        scale = 1.0 if forward_only else self.optimizer.get_loss_scale()
-        losses = self.fb_func(forward_step_func=forward_step, data_iterator=iterators, model=self.chunks,
-                              num_microbatches=num_microbatches,
-                              forward_only=forward_only, loss_scale=scale,
-                              grad_sync=None if forward_only else self.grad_sync)
-        totals = torch.zeros(2, dtype=torch.float64)
-        for out in losses:
-            totals[0] += float(out["loss_sum"])
-            totals[1] += float(out["num_tokens"])
-        for group, size in ((self.ps.dp_group, self.ps.dp_size), (self.ps.pp_group, self.ps.pp_size)):
-            if size > 1 and (reduce_pp or group is self.ps.dp_group):
-                dist.all_reduce(totals, group=group)
-        if not reduce_pp and self.ps.tp_rank != 0:
-            totals.zero_()
-        return totals[0].item(), totals[1].item()
-
     def train_step(self) -> Optional[int]:
-        """One optimizer step; returns an exit status when the run must stop."""
-        from llamapipe.core.distributed.grad_reduce import finalize_model_grads
-        if self.pv is not None:
-            return self.pv.train_step()
-        st, cfg = self.state, self.config.training
-        start = time.perf_counter()
-        self.batches.update(st.consumed_samples)
-        global_batch_size = self.batches.get_current_global_batch_size()
-        self.optimizer.zero_grad()
-        loss_sum, tokens = self._run_schedule(self.train_iters, forward_only=False,
-                                              num_microbatches=self.batches.get())
-        loss = loss_sum / max(tokens, 1.0)
-        st.iteration += 1
-        st.consumed_samples += global_batch_size
-        fp16 = self.config.optimizer.fp16
-        if not math.isfinite(loss) and not fp16:
-            if not cfg.skip_nonfinite_steps:
-                if self.grad_sync is not None:
-                    self.grad_sync.discard()
-                log.error(f"iteration {st.iteration}: lm loss is {loss}; stopping before applying the update "
-                          "(pass --skip-nonfinite-steps to skip such steps instead)")
-                return 1
-            return self._skip(f"lm loss is {loss}", global_batch_size, time.perf_counter() - start)
-        finalize_model_grads(self.chunks, self.ps, None, global_tokens=tokens,    # overlap: grad_sync
-                             bucket_size=self.config.parallel.ddp_bucket_size, grad_sync=self.grad_sync)
-        if self.grad_sync is not None and not self._overlap_logged:
-            self._overlap_logged = True
-            log.info(self.grad_sync.summary())
-        extra = {}
-        if self.config.logging.log_num_zeros_in_grad:   # the reduced gradients the optimizer is about to use
-            extra["num_zeros_in_grad"] = num_zeros_in_grad(self.chunks, self.ps)
-        result = self.optimizer.step()
-        if not result.update_successful:
-            if not fp16 and not cfg.skip_nonfinite_steps:
-                log.error(f"iteration {st.iteration}: gradient norm is not finite; the update was not applied "
-                          "(pass --skip-nonfinite-steps to skip such steps instead)")
-                return 1
-            return self._skip(f"inf/nan in gradients (loss scale now {self.optimizer.get_loss_scale():g})",
-                              global_batch_size, time.perf_counter() - start)
-        self.scheduler.step(global_batch_size if self.scheduler.counts_samples else 1)
-        self.log_iteration(st.iteration, st.consumed_samples, global_batch_size, time.perf_counter() - start,
-                           loss, result.grad_norm, extra)
-        return None
-
-    def log_iteration(self, iteration: int, consumed_samples: int, global_batch_size: int, seconds: float,
-                      loss: float, grad_norm: float, extra: dict) -> None:
-        if self.config.logging.log_params_norm:
-            extra["params_norm"] = params_norm(self.chunks, self.ps)
-        self.progress.iteration(iteration=iteration, consumed_samples=consumed_samples,
-                                global_batch_size=global_batch_size, seconds=seconds,
-                                lr=self.scheduler.get_lr(), loss=loss, loss_scale=self.optimizer.get_loss_scale(),
-                                grad_norm=grad_norm, skipped_iterations=self.state.skipped_iterations, extra=extra)
-
-    def _skip(self, why: str, global_batch_size: int, seconds: float) -> None:
-        if self.grad_sync is not None:
-            self.grad_sync.discard()    # buckets started during the backward: wait, then drop them
-        self.optimizer.zero_grad()
-        self.record_skip(self.state.iteration, self.state.consumed_samples, global_batch_size, seconds, why)
-        return None
-
-    def record_skip(self, iteration: int, consumed_samples: int, global_batch_size: int, seconds: float,
-                    why: str) -> None:
-        """A step whose update was not applied: counted, warned about, and its own metrics record."""
-        self.state.skipped_iterations += 1
-        log.warning(f"skipped iteration {iteration}: {why}")
-        self.progress.skipped(iteration=iteration, consumed_samples=consumed_samples,
-                              global_batch_size=global_batch_size, seconds=seconds, lr=self.scheduler.get_lr(),
-                              loss_scale=self.optimizer.get_loss_scale(),
-                              skipped_iterations=self.state.skipped_iterations, reason=why)
+        """One optimizer step (`training/step`); returns an exit status when the run must stop."""
+        return self.step.run()
 
     def evaluate(self) -> Optional[float]:
         """Validation loss and perplexity over --eval-iters global batches."""
@@ -321,8 +227,8 @@ class Trainer:
         progress = ValidationProgress(cfg.eval_iters)
         with torch.no_grad(), collect_for_eval(cfg.manual_gc and cfg.manual_gc_eval):
             for done in range(1, cfg.eval_iters + 1):
-                batch_loss, batch_tokens = self._run_schedule(self.valid_iters, forward_only=True,
-                                                              num_microbatches=cfg.num_microbatches)
+                batch_loss, batch_tokens = run_schedule(self.parts, self.valid_iters, forward_only=True,
+                                                        num_microbatches=cfg.num_microbatches)
                 loss_sum, tokens = loss_sum + batch_loss, tokens + batch_tokens
                 progress.step(done)
         loss = loss_sum / max(tokens, 1.0)

@@ -12,6 +12,8 @@ same decision:
   and every rank runs the next iteration again from the same microbatches (`ReplayableIterator`);
 - a non-finite loss without --skip-nonfinite-steps: the run stops naming the iteration, as without the flag.
 
+`PostValidatedStep` is the other form of `training/step.SynchronousStep`: it shares its forward-backward,
+gradient reduction, skip/stop decision and records, and changes only when the decision is taken.
 Global points drain the pipeline (`drain`): checkpoint saves, evaluation, exits and the last iteration
 resolve the pending step before they act, so what they see is exactly the synchronous run's state.
 The global token count of a step is known before its end (every loss-mask entry is 1: global batch x
@@ -25,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from llamapipe.core.logger import get_logger
-from llamapipe.core.optimizer.post_validation import PendingStep, Resolution
+from llamapipe.core.optimizer.post_validation import PendingStep
+from llamapipe.training.step import IterationRecord, StepParts, SynchronousStep
 
 log = get_logger()
 
@@ -54,67 +57,52 @@ class ReplayableIterator:
 
 
 @dataclass
-class _Step:
-    pending: PendingStep
-    iteration: int
-    consumed_samples: int
-    global_batch_size: int
-    seconds: float
-    extra: dict
+class _Pending:
+    step: PendingStep
+    record: IterationRecord
 
 
-class PostValidatedSteps:
-    """`train_step` and `drain` of the Trainer under post-validation."""
+class PostValidatedStep(SynchronousStep):
+    """The training step under post-validation: decided one iteration later, rolled back and replayed when
+    the synchronous step would have done otherwise."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-        self.step: Optional[_Step] = None
+    overlapped = True
+    always_speculate = False    # tests set it to exercise rollbacks on every clipped step
+
+    def __init__(self, parts: StepParts, train_iters: list) -> None:
+        super().__init__(parts, [None if it is None else ReplayableIterator(it) for it in train_iters])
+        self.pending: Optional[_Pending] = None
         self.rollbacks = self.replays = 0
-        self.always_speculate = False          # tests set it to exercise rollbacks on every clipped step
-        trainer.train_iters = [None if it is None else ReplayableIterator(it) for it in trainer.train_iters]
         self._last = time.perf_counter()
 
-    def _iterators(self) -> list[ReplayableIterator]:
-        return [it for it in self.trainer.train_iters if it is not None]
+    def _replayable(self) -> list[ReplayableIterator]:
+        return [it for it in self.iterators if it is not None]
 
-    def _forward_backward(self, num_microbatches: int) -> tuple[float, float]:
-        t = self.trainer
-        t.optimizer.zero_grad()
-        return t._run_schedule(t.train_iters, forward_only=False, num_microbatches=num_microbatches,
-                               reduce_pp=False)
-
-    def train_step(self) -> Optional[int]:
-        from llamapipe.core.distributed.grad_reduce import finalize_model_grads
-        t, st = self.trainer, self.trainer.state
-        t.batches.update(st.consumed_samples)
-        global_batch_size, num_microbatches = t.batches.get_current_global_batch_size(), t.batches.get()
-        for it in self._iterators():
+    def run(self) -> Optional[int]:
+        p = self.parts
+        global_batch_size, num_microbatches = self.begin()
+        for it in self._replayable():
             it.new_iteration()
-        loss_sum, tokens = self._forward_backward(num_microbatches)
+        loss_sum, tokens = self.forward_backward(self.iterators, num_microbatches, reduce_pp=False)
         status, replay = self.resolve()
         if status is not None:
             return status
         if replay:       # this iteration ran on parameters the synchronous step would not have had
-            if t.grad_sync is not None:
-                t.grad_sync.discard()
-            for it in self._iterators():
+            if p.grad_sync is not None:
+                p.grad_sync.discard()
+            for it in self._replayable():
                 it.replay()
-            loss_sum, tokens = self._forward_backward(num_microbatches)
+            loss_sum, tokens = self.forward_backward(self.iterators, num_microbatches, reduce_pp=False)
             self.replays += 1
-        st.iteration += 1
-        st.consumed_samples += global_batch_size
-        finalize_model_grads(t.chunks, t.ps, None, global_tokens=float(global_batch_size * t.config.training.seq_length),
-                             bucket_size=t.config.parallel.ddp_bucket_size, grad_sync=t.grad_sync)
-        extra = {}
-        if t.config.logging.log_num_zeros_in_grad:
-            from llamapipe.training.log import num_zeros_in_grad
-            extra["num_zeros_in_grad"] = num_zeros_in_grad(t.chunks, t.ps)
-        pending = t.optimizer.begin_post_validated_step(loss_sum, tokens, self.always_speculate)
+        self.advance(global_batch_size)
+        extra = self.finalize_grads(float(global_batch_size * p.config.training.seq_length))
+        pending = p.optimizer.begin_post_validated_step(loss_sum, tokens, self.always_speculate)
         now = time.perf_counter()
-        self.step = _Step(pending, st.iteration, st.consumed_samples, global_batch_size, now - self._last, extra)
-        self._last = now
+        record = IterationRecord(p.state.iteration, p.state.consumed_samples, global_batch_size, now - self._last,
+                                 extra)
+        self.pending, self._last = _Pending(pending, record), now
         if not pending.speculated:
-            t.optimizer.resolve_post_validated_step(pending)   # the update now; what it means for the loop: later
+            p.optimizer.resolve_post_validated_step(pending)   # the update now; what it means for the loop: later
         return None
 
     def drain(self) -> Optional[int]:
@@ -124,39 +112,18 @@ class PostValidatedSteps:
 
     def resolve(self) -> tuple[Optional[int], bool]:
         """(exit status or None, whether the iteration run since the pending step must run again)."""
-        if self.step is None:
+        if self.pending is None:
             return None, False
-        step, self.step = self.step, None
-        result = self.trainer.optimizer.resolve_post_validated_step(step.pending)
+        pending, self.pending = self.pending, None
+        result = self.parts.optimizer.resolve_post_validated_step(pending.step)
         self.rollbacks += result.rolled_back
-        expected = step.global_batch_size * self.trainer.config.training.seq_length
+        expected = pending.record.global_batch_size * self.parts.config.training.seq_length
         if result.update_successful and result.tokens != expected:
-            log.error(f"iteration {step.iteration}: {result.tokens:g} loss tokens but post-validation needs every "
-                      f"loss-mask entry to be 1 ({expected} tokens); run without --enable-optimizer-post-validation")
+            log.error(f"iteration {pending.record.iteration}: {result.tokens:g} loss tokens but post-validation "
+                      f"needs every loss-mask entry to be 1 ({expected} tokens); run without "
+                      "--enable-optimizer-post-validation")
             return 1, False
-        return self._report(step, result), result.replay
-
-    def _report(self, step: _Step, result: Resolution) -> Optional[int]:
-        t, cfg = self.trainer, self.trainer.config
-        fp16, skip = cfg.optimizer.fp16, cfg.training.skip_nonfinite_steps
-        if result.action == "nonfinite_loss" and not skip:
-            log.error(f"iteration {step.iteration}: lm loss is {result.loss}; stopping before applying the update "
-                      "(pass --skip-nonfinite-steps to skip such steps instead)")
-            return 1
-        if result.action == "nonfinite_norm" and not fp16 and not skip:
-            log.error(f"iteration {step.iteration}: gradient norm is not finite; the update was not applied "
-                      "(pass --skip-nonfinite-steps to skip such steps instead)")
-            return 1
-        if not result.update_successful:
-            why = {"nonfinite_loss": f"lm loss is {result.loss}",
-                   "found_inf": f"inf/nan in gradients (loss scale now {t.optimizer.get_loss_scale():g})"}
-            t.record_skip(step.iteration, step.consumed_samples, step.global_batch_size, step.seconds,
-                          why.get(result.action, "inf/nan in gradients"))
-            return None
-        t.scheduler.step(step.global_batch_size if t.scheduler.counts_samples else 1)
-        t.log_iteration(step.iteration, step.consumed_samples, step.global_batch_size, step.seconds,
-                        result.loss, result.grad_norm, step.extra)
-        return None
+        return self.conclude(pending.record, result.action, result.loss, result.grad_norm), result.replay
 
     def summary(self) -> str:
         return (f"post-validation: {self.rollbacks} speculative updates rolled back, "

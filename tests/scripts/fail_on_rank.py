@@ -10,6 +10,7 @@ import os
 import sys
 
 import llamapipe.training.loop as training
+import llamapipe.training.step as step
 from llamapipe.train import main as pretrain_main
 
 
@@ -19,7 +20,7 @@ def main() -> int:
     rank = int(argv[argv.index("--fail-rank") + 1])
     where = argv[argv.index("--fail-in") + 1]
     mine = int(os.environ["RANK"]) == rank
-    original_iterators, original_forward = training.build_iterators, training.forward_step
+    original_iterators, original_forward = training.build_iterators, step.forward_step
     forwards = []
 
     def build_iterators(*args, **kwargs):
@@ -33,7 +34,7 @@ def main() -> int:
             raise OSError(errno.EIO, "reading /data/shard_07.bin: Input/output error (injected)")
         return original_forward(data_iterator, model)
 
-    training.build_iterators, training.forward_step = build_iterators, forward_step
+    training.build_iterators, step.forward_step = build_iterators, forward_step
     return pretrain_main(argv[split + 1:])
 
 
