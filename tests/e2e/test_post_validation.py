@@ -130,3 +130,30 @@ def test_resume_from_a_checkpoint_saved_under_the_flag(tmp_path):
     second, out, _ = _run(2, flags + PV + ["--train-iters", "10", "--save", save, "--load", save], tmp_path, "second")
     assert "resumed from" in out
     assert _records(first + second) == _records(full)
+
+
+FP16 = ["--fp16", "--initial-loss-scale", "512"]     # 2**32 overflows every step of this tiny run
+
+
+@pytest.mark.parametrize("precision", [FP16, ["--bf16"]], ids=["fp16", "bf16"])
+def test_half_precision_with_forced_rollbacks_stays_identical(tmp_path, precision):
+    """fp16 (dynamic loss scaling: the scaler's state is part of the snapshot) and bf16 with fp32 masters:
+    every step clips, every speculating rank rolls back, and records and final state equal the synchronous run."""
+    flags = BATCH + precision + ["--global-batch-size", "4", "--pipeline-schedule", "zb-h2",
+                                 "--pipeline-model-parallel-size", "2", "--clip-grad", "1e-3"]
+    out = _assert_identical(tmp_path, 2, flags, script="tests/scripts/speculate_always.py")
+    assert _rolled_back(out) == (10, 9)
+
+
+def test_fp16_injected_inf_is_skipped_like_the_synchronous_step(tmp_path):
+    """An infinite loss under fp16 is an overflow: both forms skip iteration 2 with the same reason and record
+    (the loss scale stays 512: --hysteresis 2 shrinks it at the second overflow)."""
+    flags = BATCH + ZBV + FP16 + ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
+                                  "--clip-grad", "100"]
+    prefix = ("--inject-inf-iteration", "2", "--")
+    sync, sync_out, _ = _run(2, flags, tmp_path, "sync", script="tests/scripts/inject_inf.py", prefix=prefix)
+    pv, pv_out, _ = _run(2, flags + PV, tmp_path, "pv", script="tests/scripts/speculate_always.py", prefix=prefix)
+    assert _records(pv) == _records(sync) and [r["iteration"] for r in pv] == [1] + list(range(3, 11))
+    reasons = [re.findall(r"skipped iteration 2: [^\n]*", out) for out in (sync_out, pv_out)]
+    assert reasons[0] == ["skipped iteration 2: inf/nan in gradients (loss scale now 512)"]
+    assert reasons[1] == reasons[0]
