@@ -5,7 +5,9 @@ communication figures are measured too), predicts every layout below with `profi
 planner's own path, CPU oversubscription included: 4 single-thread ranks on 2 cores compute at half speed),
 then runs each layout with pretrain_llama.py (mock data, `benchmarks.launch.torchrun`, one thread per rank)
 and takes the median iteration time of the iterations after the first `--skip` (warm-up and the 1F1B
-profiling iterations of zb-h2). Writes predicted, measured and their ratio per layout, whether the layout the
+profiling iterations of zb-h2). The profile times CPU passes in the main thread's CPU time (one thread per
+rank), so it predicts the step of an otherwise idle machine; on a shared one the measured median also holds
+the neighbours' load, so each row also gives predicted / fastest iteration and the 1-minute load average. Writes predicted, measured and their ratio per layout, whether the layout the
 planner ranks first is within 5% of the fastest measured, and the load average before and after, to
 benchmarks/results/bench_planner.json, and prints the table.
 
@@ -40,8 +42,9 @@ def layouts(profile: dict) -> list[tuple[str, Layout]]:
             ("pp2 zbv", lay(pp=2, schedule="zbv", vpp=2)), ("pp2 zb-h2", lay(pp=2, schedule="zb-h2")),
             ("pp2 v-half", lay(pp=2, schedule="v-half", vpp=2)), ("dp2", lay(dp=2)), ("tp2", lay(tp=2)),
             ("pp4 1f1b", lay(pp=4)), ("pp2 dp2 1f1b", lay(pp=2, dp=2))]
-    balanced = layout_string(balanced_counts(profile, lay(pp=2)))
-    rows.append(("pp2 1f1b balanced", dataclasses.replace(lay(pp=2), pipeline_layout=balanced)))
+    for name, base in (("pp2 1f1b balanced", lay(pp=2)), ("pp2 zbv balanced", lay(pp=2, schedule="zbv", vpp=2))):
+        balanced = layout_string(balanced_counts(profile, base))
+        rows.append((name, dataclasses.replace(base, pipeline_layout=balanced)))
     return rows
 
 
@@ -66,7 +69,8 @@ def measure(lay: Layout, global_batch: int, iters: int, skip: int) -> dict:
             return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
         steps = [r["elapsed_ms"] / 1000 for r in read_metrics(jsonl)]
     timed = steps[skip:]
-    return {"measured_s": statistics.median(timed), "spread_s": [min(timed), max(timed)], "steps_s": steps}
+    return {"measured_s": statistics.median(timed), "spread_s": [min(timed), max(timed)], "steps_s": steps,
+            "loadavg_1min_after": os.getloadavg()[0]}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -81,6 +85,7 @@ def run(args: argparse.Namespace) -> dict:
                **measure(lay, args.global_batch_size, args.iters, args.skip)}
         if "measured_s" in row:
             row["ratio"] = row["predicted_s"] / row["measured_s"]
+            row["ratio_to_fastest_iteration"] = row["predicted_s"] / row["spread_s"][0]
         rows.append(row)
         print(f"{name:<20} predicted {row['predicted_s'] * 1e3:8.1f} ms  measured "
               + (f"{row['measured_s'] * 1e3:8.1f} ms  ratio {row['ratio']:.3f}" if "ratio" in row else row["error"]),
@@ -97,14 +102,16 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = [f"{'layout':<20} {'predicted ms':>12} {'measured ms':>12} {'ratio':>6}  spread ms", "-" * 66]
+    lines = [f"{'layout':<20} {'predicted ms':>12} {'measured ms':>12} {'ratio':>6}  spread ms  {'/min':>6} load",
+             "-" * 80]
     for r in result["rows"]:
         if "ratio" not in r:
             lines.append(f"{r['layout']:<20} {r['predicted_s'] * 1e3:>12.1f}  failed: {r['error']}")
             continue
         lo, hi = (x * 1e3 for x in r["spread_s"])
         lines.append(f"{r['layout']:<20} {r['predicted_s'] * 1e3:>12.1f} {r['measured_s'] * 1e3:>12.1f} "
-                     f"{r['ratio']:>6.3f}  {lo:.0f}-{hi:.0f}")
+                     f"{r['ratio']:>6.3f}  {lo:.0f}-{hi:.0f}  {r['ratio_to_fastest_iteration']:>6.3f} "
+                     f"{r['loadavg_1min_after']:.1f}")
     lines.append(f"{result['within_10pct']} of {result['layouts']} within 10%; planner's first "
                  f"({result['first_ranked']}) measures {result['first_over_fastest']:.3f}x the fastest "
                  f"({result['fastest_measured']}); load average {result['loadavg_before']:.1f} before, "

@@ -60,11 +60,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
+    """`fn()` and its seconds: on a CPU with one torch thread the main thread's CPU time, which other processes
+    sharing the cores do not inflate (on a shared machine wall time measures the neighbours' load), else wall
+    time between device synchronisations."""
     _sync(device)
-    start = time.perf_counter()
+    clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    start = clock()
     out = fn()
     _sync(device)
-    return out, time.perf_counter() - start
+    return out, clock() - start
 
 
 def measure_chunk(chunk: LlamaModel, make_batch: Callable[[], dict], repeats: int, device: torch.device,
