@@ -71,6 +71,8 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
                            vocab_parallel=vocab_parallel, vocab_shard=vocab_parallel and index == 0)
         chunks.append(chunk.to(device))
         roles.append(role)
+    if vocab_parallel:
+        chunks[0].output.stats_group = vocab_stats_group(ps)
     from llamapipe.core.distributed.grad_reduce import accumulate_grads_in_fp32
     if not accumulate_grads_in_fp32(chunks):
         log.warning("this torch has no per-tensor grad_dtype, so bf16/fp16 gradients accumulate in half "
@@ -82,6 +84,16 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
         compile_chunks(chunks, micro_batch_size=config.training.micro_batch_size,
                        seq_length=config.training.seq_length, eval_too=config.training.eval_iters > 0)
     return chunks, roles
+
+
+def vocab_stats_group(ps: ParallelState):
+    """This rank's pipeline ranks as a process group of their own for S's all-gather: NCCL runs one
+    communicator's operations in order, so on the pipeline group a receive posted ahead would hold the
+    all-gather behind it. Collective over the world (every rank builds its chunks)."""
+    import torch.distributed as dist
+    from llamapipe.core.parallel_state import RankGrid
+    grid = RankGrid(ps.world_size, ps.tp_size, ps.pp_size, ps.order)
+    return dist.new_subgroups_by_enumeration(grid.pp_groups())[0]
 
 
 def build_forward_backward_func(config: Config, ps: ParallelState):

@@ -36,7 +36,8 @@ class VocabStep:
 
     def __init__(self, output: PipelineVocabOutput, pp_group: Any, pp_size: int, *, last_rank: bool,
                  loss_scale: float) -> None:
-        self.output, self.group, self.pp_size = output, pp_group, pp_size
+        # the statistics' own group when the model has one (setup.vocab_stats_group), else the pipeline group
+        self.output, self.group, self.pp_size = output, getattr(output, "stats_group", None) or pp_group, pp_size
         self.last_rank, self.loss_scale = last_rank, loss_scale
         self.states: dict[int, dict] = {}
         self.gathers: dict[int, tuple] = {}            # mb -> (work, per-rank stats buffers)

@@ -107,7 +107,8 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
 
 
 # flags whose code reads whole (unsharded) parameters or gradients, which ZeRO-2/3 keep only as shards
-_NOT_WITH_FSDP = ("log_params_norm", "log_num_zeros_in_grad", "enable_optimizer_post_validation", "compile")
+_NOT_WITH_FSDP = ("log_params_norm", "log_num_zeros_in_grad", "enable_optimizer_post_validation", "compile",
+                  "enable_vocab_parallel")
 
 
 def data_parallel_sharding_strategy(args: argparse.Namespace) -> str:
