@@ -99,11 +99,20 @@ def run_as_one_job(body: Callable[[], int]) -> int:
         return body()
     except Exception as err:        # noqa: BLE001 - every failure must end the other ranks, not hang them
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            _destroy_single_group()
             if isinstance(err, _ONE_LINE_ERRORS):
                 sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
                 return 2 if isinstance(err, ValueError) else 1
             raise
         return _stop_job(err)
+
+
+def _destroy_single_group() -> None:
+    """Tear down a one-rank process group before exiting on an error: a gloo group still alive at interpreter
+    exit can abort the process ('terminate called without an active exception', exit -6 instead of 2)."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _stop_job(err: Exception) -> int:
