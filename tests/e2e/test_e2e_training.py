@@ -26,6 +26,8 @@ LAYOUTS = {
     "pp2-zbh2": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h2"]),
     "pp2-zbv": (2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
                     "--pipeline-schedule", "zbv"]),       # newer Megatron's flag for the chunks per rank
+    "pp2-dualpipev": (2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                          "--pipeline-schedule", "dualpipev"]),
     "pp2-auto": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto",
                      "--pipeline-profile-iters", "2"]),
     "tp2-pp2-zbv": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

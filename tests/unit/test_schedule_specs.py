@@ -21,7 +21,8 @@ def _chunk_counts(spec) -> list[int]:
 
 
 def test_the_flag_choices_are_the_table():
-    assert SCHEDULES == tuple(SPECS) == ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "zbv", "v-half", "v-min", "auto")
+    assert SCHEDULES == tuple(SPECS) == ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "zbv", "v-half", "v-min", "dualpipev",
+                                             "auto")
     assert all(name == spec.name for name, spec in SPECS.items())
 
 
@@ -39,7 +40,7 @@ def test_every_plan_agrees_with_its_spec(name):
         assert kinds <= set(KINDS)
         if not spec.zero_bubble:
             assert "W" not in kinds and "B" not in kinds, f"{name} splits B/W but its spec says it does not"
-        elif name in ("zb-h1", "zbv", "v-half", "v-min"):
+        elif name in ("zb-h1", "zbv", "v-half", "v-min", "dualpipev"):
             assert {"B", "W"} <= kinds
         simulate(plan, Costs())                     # verifies the plan
 
@@ -80,7 +81,7 @@ def test_the_runtime_profiles_exactly_the_profiled_specs():
     assert not isinstance(get_forward_backward_func(ParallelState(), "auto"), AutoSchedule)   # one stage
     with pytest.raises(ValueError, match="fits zb-h2 or auto to measured costs, not zbv"):
         AutoSchedule(ps, "zbv")
-    with pytest.raises(ValueError, match="choose one of zb-h1, zb-h2, zbv, v-half, v-min, auto"):
+    with pytest.raises(ValueError, match="choose one of zb-h1, zb-h2, zbv, v-half, v-min, dualpipev, auto"):
         forward_backward_zero_bubble(forward_step_func=None, data_iterator=None, model=[None], num_microbatches=1,
                                      parallel_state=ps, variant="1f1b")
 

@@ -5,14 +5,15 @@ Why one table: argument checks, the executor's entry points, model building (pla
 profiler, plot-schedule and the benchmarks all ask these questions of a schedule name; each reads the
 answer here instead of spelling out its own list of names. `build` is the only dispatch on the name.
 Papers: 1F1B and interleaved (arXiv 2104.04473), GPipe (arXiv 1811.06965), ZB-H1/H2 and the cost-fitted
-`auto` (arXiv 2401.10241), ZB-V, V-Half and V-Min (arXiv 2405.15362).
+`auto` (arXiv 2401.10241), ZB-V, V-Half and V-Min (arXiv 2405.15362), DualPipeV (DualPipe of arXiv
+2412.19437 on the V placement, as torch.distributed.pipelining's ScheduleDualPipeV).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from llamapipe.core.pipeline_parallel import builders, builders_v
+from llamapipe.core.pipeline_parallel import builders, builders_dualpipe, builders_v
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs
 from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
@@ -99,6 +100,7 @@ SPECS: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
     ScheduleSpec("zbv", _one_chunk(builders.zbv), 2, 2, 2, v_placement=True, zero_bubble=True),
     ScheduleSpec("v-half", _one_chunk(builders_v.v_half), 2, 2, 2, v_placement=True, zero_bubble=True),
     ScheduleSpec("v-min", _one_chunk(builders_v.v_min), 2, 2, 2, v_placement=True, zero_bubble=True),
+    ScheduleSpec("dualpipev", _one_chunk(builders_dualpipe.dualpipev), 2, 2, 2, v_placement=True, zero_bubble=True),
     ScheduleSpec("auto", _auto, 1, 2, 1, v_placement=True, zero_bubble=True, profiled=True,
                  memory_capped=True),
 )}

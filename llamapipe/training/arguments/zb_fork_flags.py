@@ -27,6 +27,7 @@ from llamapipe.training.arguments.megatron_compat import CompatFlag, add_table, 
 V_SCHEDULES = {"zb": "zbv", "half": "v-half", "min": "v-min"}   # --zero-bubble-v-schedule-mem-setup -> schedule
 TIMERS_END_DEFAULT = 110          # the fork's defaults: timers on from iteration 100 to 110
 TIMERS_START_DEFAULT = 100
+ADAPTIVE = "auto"                 # --zero-bubble-max-pending-backward's adaptive cap (not a schedule name)
 _OFFLOAD = ("PipeOffload's activation offloading to host memory is not implemented; for less activation memory "
             "use --zero-bubble-v-schedule-mem-setup half or min (V-Half, V-Min) or --recompute-granularity")
 _OFFLOAD_ONLY = "it tunes --cpu-offload (PipeOffload), which is not implemented here"
@@ -68,7 +69,7 @@ TRANSLATED = (
      "placement: --pipeline-schedule zbv, v-half or v-min after --zero-bubble-v-schedule-mem-setup"),
     ("--zero-bubble-v-schedule-mem-setup", {"default": "zb", "choices": tuple(V_SCHEDULES)},
      "with --zero-bubble-v-schedule: zb (ZB-V, 1F1B's memory), half (V-Half) or min (V-Min)"),
-    ("--zero-bubble-max-pending-backward", {"default": "auto", "type": str}, "with --enable-zero-bubble: the "
+    ("--zero-bubble-max-pending-backward", {"default": ADAPTIVE, "type": str}, "with --enable-zero-bubble: the "
      "activation cap in microbatches per rank (--pipeline-memory-limit N; p is like ZB-1p, 2p like ZB-2p); the "
      "fork's adaptive auto is auto's default cap of 2p here"),
     ("--zero-bubble-adaptive-memory-limit-percentile", {"default": 85, "type": int}, "the fork's adaptive cap "
@@ -168,7 +169,7 @@ def _translated_notices(args: argparse.Namespace) -> list[str]:
     given = {dest_of(flag): getattr(args, dest_of(flag)) for flag, _, _ in TRANSLATED}
     tuning = ("zero_bubble_max_pending_backward", "zero_bubble_adaptive_memory_limit_percentile",
               "zero_bubble_pipeline_timers_start_iter", "zero_bubble_pipeline_timers_end_iter")
-    defaults = {"zero_bubble_max_pending_backward": "auto", "zero_bubble_adaptive_memory_limit_percentile": 85,
+    defaults = {"zero_bubble_max_pending_backward": ADAPTIVE, "zero_bubble_adaptive_memory_limit_percentile": 85,
                 "zero_bubble_pipeline_timers_start_iter": TIMERS_START_DEFAULT,
                 "zero_bubble_pipeline_timers_end_iter": TIMERS_END_DEFAULT}
     changed = [d for d in tuning if given[d] != defaults[d]]
@@ -180,7 +181,7 @@ def _translated_notices(args: argparse.Namespace) -> list[str]:
     elif not zb:
         lines += [f"{_flag(d)} has no effect here: it needs --enable-zero-bubble" for d in changed]
     else:
-        if args.zero_bubble_max_pending_backward == "auto":
+        if args.zero_bubble_max_pending_backward == ADAPTIVE:
             lines.append("--zero-bubble-max-pending-backward auto: the fork's adaptive cap is not implemented; auto "
                          "plans under its default cap of 2p microbatches (give N, or --pipeline-memory-limit BYTES)")
         elif "zero_bubble_adaptive_memory_limit_percentile" in changed:
@@ -206,7 +207,7 @@ def _check_translated(args: argparse.Namespace) -> None:
         raise ArgumentError("--enable-zero-bubble without --zero-bubble-v-schedule runs one model chunk per rank; "
                             "add --zero-bubble-v-schedule or drop the virtual-stage flag")
     pending = args.zero_bubble_max_pending_backward
-    if pending != "auto" and not _positive(pending):
+    if pending != ADAPTIVE and not _positive(pending):
         raise ArgumentError(f"--zero-bubble-max-pending-backward {pending} must be a positive number of microbatches "
                             "or auto")
     if (zb or v) and args.zero_bubble_pipeline_timers_end_iter < 1:
