@@ -3,10 +3,15 @@
     llamapipe plot-schedule --schedule zb-h1 --pp 4 --microbatches 8            (writes runs/schedule_zb-h1.png)
     llamapipe plot-schedule --schedule auto --pp 4 --microbatches 16 --costs 1,1.5,0.8,0.1 --json
     llamapipe plot-schedule --schedule zbv --pp 2 --microbatches 8 --iterations 3 --post-validation
+    llamapipe plot-schedule --schedule v-half --pp 4 --microbatches 8 --export-csv v_half.csv
+    llamapipe plot-schedule --schedule-file v_half.csv            (a torch.distributed.pipelining CSV schedule)
 
 With --iterations K it runs K chained iterations (`simulator_iterations`): a barrier after each, or with
 --post-validation each rank going on to the next iteration as soon as it has stepped, so iterations
 interleave; it prints the steady-state time per iteration, and the table and picture cover every iteration.
+--export-csv writes the plan in torch.distributed.pipelining's CSV format (what torchtitan's
+pipeline_parallel_schedule_csv and `_PipelineScheduleRuntime._load_csv` read); --schedule-file reads one
+(`schedule_csv`), verifies it and draws it instead of a named schedule.
 With --json and no --out it draws nothing. `auto` is planned for what that costs
 (`auto_plan`): the makespan, or with --post-validation the longest stage span.
 """
@@ -19,6 +24,7 @@ import os
 import sys
 
 from llamapipe.core.config import SCHEDULES
+from llamapipe.core.pipeline_parallel.schedule_csv import read_csv, write_csv
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 from llamapipe.core.pipeline_parallel.simulator_iterations import simulate_iterations
@@ -46,11 +52,16 @@ def _fail(message: str) -> int:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = _Parser(prog=PROG, description="Simulate and draw a pipeline schedule.")
-    p.add_argument("--schedule", required=True, choices=SCHEDULES)
-    p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--schedule", choices=SCHEDULES)
+    which.add_argument("--schedule-file", default=None,
+                       help="a torch.distributed.pipelining CSV schedule to verify and draw (sets pp, chunks, m)")
+    p.add_argument("--export-csv", default=None, metavar="FILE",
+                   help="also write the plan as a torch.distributed.pipelining CSV schedule")
+    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (required with --schedule)")
     p.add_argument("--vpp", type=int, default=None, help="model chunks per rank (default 2 for interleaved "
                                                          "and zbv, else 1)")
-    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches (required with --schedule)")
     p.add_argument("--costs", default="1,1,1,0", help="F,B,W[,COMM] times of one chunk (default 1,1,1,0)")
     p.add_argument("--mem-limit", type=float, default=None,
                    help="auto: activation memory cap per rank in microbatch-chunk units (default 2*pp)")
@@ -89,10 +100,20 @@ def _head_costs(args: argparse.Namespace, costs: Costs) -> Costs:
     return dataclasses.replace(costs, head_f=head_f, head_b=head_b)
 
 
-def _build(args: argparse.Namespace, vpp: int, costs: Costs):
-    """The plan as the runtime builds it: `auto` for what an iteration costs with or without post-validation."""
-    return build(args.schedule, args.pp, vpp, args.microbatches, costs=costs, mem_limit=args.mem_limit,
-                 post_validation=args.post_validation, vocab_parallel=args.vocab_parallel)
+def _build(args: argparse.Namespace, costs: Costs):
+    """The plan as the runtime builds it (`auto` for what an iteration costs with or without post-validation),
+    or the one in --schedule-file; --export-csv writes it."""
+    if args.schedule_file is not None:
+        plan = read_csv(args.schedule_file)
+    elif args.pp is None or args.microbatches is None:
+        raise ValueError(f"--schedule {args.schedule} needs --pp and --microbatches")
+    else:
+        vpp = args.vpp if args.vpp is not None else SPECS[args.schedule].default_chunks
+        plan = build(args.schedule, args.pp, vpp, args.microbatches, costs=costs, mem_limit=args.mem_limit,
+                     post_validation=args.post_validation, vocab_parallel=args.vocab_parallel)
+    if args.export_csv is not None:
+        write_csv(plan, args.export_csv)
+    return plan
 
 
 def _report(plan, result, iters) -> str:
@@ -107,17 +128,17 @@ def _report(plan, result, iters) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    vpp = args.vpp if args.vpp is not None else SPECS[args.schedule].default_chunks
     draw = args.out is not None or not args.json   # --json alone is for scripts: no picture to wait for
-    args.out = args.out or os.path.join("runs", f"schedule_{args.schedule}.png")
+    title = args.schedule or os.path.splitext(os.path.basename(args.schedule_file))[0]
+    args.out = args.out or os.path.join("runs", f"schedule_{title}.png")
     if not args.out.endswith((".png", ".svg")):
         return _fail(f"--out {args.out} must end in .png or .svg")
     try:
         costs = _head_costs(args, _costs(args.costs))
-        plan = _build(args, vpp, costs)
+        plan = _build(args, costs)
         iters = simulate_iterations(plan, costs, args.iterations, post_validation=args.post_validation,
                                     optimizer_step=args.optimizer_step)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         return _fail(str(e))
     # one iteration from release time 0 is exactly `simulate`'s run: no need to run it twice
     result = iters.result if args.iterations == 1 else simulate(plan, costs)
@@ -125,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         plot_timeline(plan, iters.result, args.out, iterations=iters if args.iterations > 1 else None)
     if args.json:
-        data = {"schedule": args.schedule, "pp": args.pp, "vpp": vpp, "microbatches": args.microbatches,
+        data = {"schedule": title, "pp": plan.pp, "vpp": plan.vpp, "microbatches": plan.num_microbatches,
                 "makespan": result.makespan, "bubble_rate": result.bubble_rate,
                 "makespan_bubble_rate": result.makespan_bubble_rate, "peak_activation_memory": result.peak_memory}
         if args.iterations > 1 or args.post_validation:
@@ -135,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(_report(plan, result, iters))
         print(f"wrote {args.out}")
+        if args.export_csv is not None:
+            print(f"wrote {args.export_csv} (torch.distributed.pipelining CSV schedule)")
     return 0
 
 
