@@ -90,7 +90,8 @@ ALWAYS_ON = ("--disable-bias-linear",)
 LLAMAPIPE_ONLY = ("--model", "--parallel-order", "--pipeline-schedule", "--pipeline-memory-limit",
                   "--pipeline-profile-iters", "--release-host-memory", "--skip-nonfinite-steps", "--keep-last-n",
                   "--metrics-jsonl", "--tie-embeddings-and-output-weights", "--compile",
-                  "--enable-optimizer-post-validation", "--enable-vocab-parallel")
+                  "--enable-optimizer-post-validation", "--enable-vocab-parallel",
+                  "--pipeline-schedule-file")
 
 
 def cfg(argv, world=1) -> Config:

@@ -6,14 +6,18 @@ profiler, plot-schedule and the benchmarks all ask these questions of a schedule
 answer here instead of spelling out its own list of names. `build` is the only dispatch on the name.
 Papers: 1F1B and interleaved (arXiv 2104.04473), GPipe (arXiv 1811.06965), ZB-H1/H2 and the cost-fitted
 `auto` (arXiv 2401.10241), ZB-V, V-Half and V-Min (arXiv 2405.15362), DualPipeV (DualPipe of arXiv
-2412.19437 on the V placement, as torch.distributed.pipelining's ScheduleDualPipeV).
+2412.19437 on the V placement, as torch.distributed.pipelining's ScheduleDualPipeV). A schedule can also be a
+file, "file:PATH" (torch's CSV action format, `schedule_csv`): its spec is made from the plan the file holds.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from llamapipe.core.pipeline_parallel import builders, builders_dualpipe, builders_v
+from llamapipe.core.pipeline_parallel import builders, builders_dualpipe, builders_v, schedule_csv
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs
 from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
@@ -91,7 +95,20 @@ def _auto(pp: int, vpp: int, m: int, costs: Optional[Costs], mem_limit: Optional
     return builders.auto(pp, vpp, m, costs, mem_limit, post_validation=post_validation)
 
 
-SPECS: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
+FILE_PREFIX = "file:"      # --pipeline-schedule file:PATH (--pipeline-schedule-file PATH): a plan read from a file
+
+
+class _Table(dict):
+    """The table of named schedules; `SPECS["file:PATH"]` is also answered, by the spec of the schedule file at PATH
+    (`file_spec`), without joining the table: iterating it lists the named schedules only."""
+
+    def __missing__(self, name: str) -> ScheduleSpec:
+        if isinstance(name, str) and name.startswith(FILE_PREFIX):
+            return file_spec(name[len(FILE_PREFIX):])
+        raise KeyError(name)
+
+
+SPECS: dict[str, ScheduleSpec] = _Table({spec.name: spec for spec in (
     ScheduleSpec("1f1b", _one_chunk(builders.one_f_one_b), 1, 1, 1),
     ScheduleSpec("interleaved", lambda pp, vpp, m, *_: builders.interleaved(pp, vpp, m), 2, None, 2),
     ScheduleSpec("gpipe", _one_chunk(builders.gpipe), 1, 1, 1, planned=False),
@@ -103,11 +120,34 @@ SPECS: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
     ScheduleSpec("dualpipev", _one_chunk(builders_dualpipe.dualpipev), 2, 2, 2, v_placement=True, zero_bubble=True),
     ScheduleSpec("auto", _auto, 1, 2, 1, v_placement=True, zero_bubble=True, profiled=True,
                  memory_capped=True),
-)}
+)})
+
+
+@functools.lru_cache(maxsize=8)
+def file_spec(path: str) -> ScheduleSpec:
+    """The spec of a schedule file (torch.distributed.pipelining's CSV format, `schedule_csv`): read and verified
+    once; its builder returns that plan for the pipeline size and microbatches it was written for, and refuses
+    others in one sentence. PlanError (a ValueError) for a bad file."""
+    name = FILE_PREFIX + path
+    plan = dataclasses.replace(schedule_csv.read_csv(path), name=name)
+
+    def builder(pp: int, vpp: int, m: int, *_) -> Plan:
+        if (pp, m) != (plan.pp, plan.num_microbatches):
+            raise ValueError(f"schedule file {path} plans {plan.num_microbatches} microbatches on {plan.pp} pipeline "
+                             f"ranks, but this run has {m} microbatches on {pp}")
+        return plan
+    split = any(a.kind == "W" for acts in plan.actions for a in acts)
+    return ScheduleSpec(name, builder, plan.vpp, plan.vpp, plan.vpp, v_placement=plan.placement == "v",
+                        zero_bubble=split, planned=False)
 
 
 def schedule_spec(name: str) -> ScheduleSpec:
-    """The spec of a --pipeline-schedule name; ValueError naming the choices if there is none."""
+    """The spec of a --pipeline-schedule name (or file:PATH); ValueError naming the choices if there is none, or
+    what is wrong with the file."""
+    if isinstance(name, str) and name.startswith(FILE_PREFIX):
+        if not os.path.isfile(name[len(FILE_PREFIX):]):
+            raise ValueError(f"--pipeline-schedule {name}: no such file")
+        return SPECS[name]
     if name not in SPECS:
         raise ValueError(f"--pipeline-schedule {name} is unknown; choose one of {', '.join(SPECS)}")
     return SPECS[name]

@@ -122,13 +122,15 @@ def add_table(g, entries: tuple, prefix: str) -> None:
 
 
 def add_compat_flags(p: argparse.ArgumentParser) -> None:
-    """Both tables as flags of two groups, each with its reason as help, and the zero-bubble fork's flags
-    (zb_fork_flags) in a third."""
+    """Both tables as flags of two groups, each with its reason as help, the zero-bubble fork's flags
+    (zb_fork_flags) in a third, and torchtitan's schedule file (schedule_file_args)."""
+    from llamapipe.training.arguments.schedule_file_args import add_schedule_file_flag
     from llamapipe.training.arguments.zb_fork_flags import add_fork_flags   # it builds on this module's tables
     add_table(p.add_argument_group("Megatron-LM flags with no effect here (one notice line each)"), NOTICES,
               "no effect: ")
     add_table(p.add_argument_group("Megatron-LM flags refused (the run stops with the reason)"), REFUSED, "refused: ")
     add_fork_flags(p)
+    add_schedule_file_flag(p)
 
 
 def said(entry: CompatFlag, value) -> str:

@@ -1,0 +1,47 @@
+"""--pipeline-schedule-file PATH: train with a schedule written in a file (torch.distributed.pipelining's CSV format).
+
+Why: torchtitan users hand their schedule over as a file (`parallelism.pipeline_parallel_schedule_csv`, read by
+torch's `_PipelineScheduleRuntime._load_csv`), and `llamapipe plot-schedule --export-csv` writes any of ours. The
+file is read and verified by the simulator while the flag is parsed (`schedule_specs.file_spec`; a bad file is one
+error line naming the rank and the action), and the flag then stands for `--pipeline-schedule file:PATH` with the
+file's model chunks per rank (`--num-virtual-stages-per-pipeline-rank`); other values given those flags are an error.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from llamapipe.core.pipeline_parallel.schedule_specs import FILE_PREFIX, file_spec
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+class _ScheduleFile(argparse.Action):
+    def __call__(self, parser, namespace, path, option_string=None):
+        path = os.path.abspath(path)
+        if not os.path.isfile(path):
+            parser.error(f"{option_string} {path}: no such file")
+        try:
+            spec = file_spec(path)
+        except ValueError as err:
+            parser.error(f"{option_string}: {err}")
+        setattr(namespace, self.dest, path)
+        wanted = {"pipeline_schedule": FILE_PREFIX + path,
+                  "num_virtual_stages_per_pipeline_rank": spec.min_chunks if spec.min_chunks > 1 else None}
+        for dest, value in wanted.items():
+            current = getattr(namespace, dest)
+            if current not in (parser.get_default(dest), value):
+                parser.error(f"{option_string} sets {_flag(dest)} {value}, which contradicts {_flag(dest)} "
+                             f"{current}; drop one")
+            setattr(namespace, dest, value)
+
+
+def add_schedule_file_flag(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pipeline schedule from a file")
+    g.add_argument("--pipeline-schedule-file", action=_ScheduleFile, default=None, metavar="PATH",
+                   help="train with the schedule in PATH, torch.distributed.pipelining's CSV action format (what "
+                        "torchtitan's pipeline_parallel_schedule_csv takes; llamapipe plot-schedule --export-csv "
+                        "writes one): --pipeline-schedule file:PATH with the file's model chunks per rank, verified "
+                        "by the simulator before training")
