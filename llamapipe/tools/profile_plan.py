@@ -71,13 +71,14 @@ def rank_layouts(profile: dict, layouts: list[Layout], global_batch: int, *, voc
 
 def table(rows: list[tuple[Layout, Prediction]], top: int) -> str:
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<11} {'mbs':>3} {'recompute':<9} "
-            f"{'vocab':<5} {'layers per stage':<18} {'busy per rank ms':<24} {'bubble':>6} {'step ms':>8}")
+            f"{'zero1':<5} {'vocab':<5} {'layers per stage':<18} {'busy per rank ms':<24} {'bubble':>6} {'step ms':>8}")
     lines = [head, "-" * len(head)]
     for i, (lay, p) in enumerate(rows[:top], 1):
         busy = "/".join(f"{b * 1e3:.0f}" for b in p.busy_s)
         split = "/".join(map(str, p.layer_counts))
         lines.append(f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>3} {lay.schedule:<11} "
-                     f"{lay.micro_batch:>3} {lay.recompute:<9} {'yes' if lay.vocab_parallel else 'no':<5} "
+                     f"{lay.micro_batch:>3} {lay.recompute:<9} {'yes' if lay.dist_opt else 'no':<5} "
+                     f"{'yes' if lay.vocab_parallel else 'no':<5} "
                      f"{split:<18} {busy:<24} {p.bubble:>6.1%} {p.step_s * 1e3:>8.1f}")
     return "\n".join(lines)
 

@@ -142,16 +142,19 @@ def _plan(lay: Layout, m: int, costs: StageCosts, post_validation: bool):
     uniform = mean_costs(costs)
     plan = build(lay.schedule, lay.pp, lay.vpp, m, uniform if fitted else None, post_validation=post_validation,
                  vocab_parallel=False)
-    if lay.vocab_parallel:
-        plan = with_vocab_parallel(plan, costs)
+    if lay.vocab_parallel:      # placed as the executor places them (its default costs), then simulated at ours
+        plan = with_vocab_parallel(plan)
     return plan
 
 
 def predict(profile: dict, lay: Layout, global_batch: int, *, counts: Optional[Sequence[int]] = None,
-            post_validation: bool = False, cores: Optional[int] = None) -> Prediction:
-    """Predicted step of `lay` (layer split `counts`, default the layout's own) at `global_batch` sequences."""
+            post_validation: bool = False, cores: Optional[int] = None,
+            cpu_share: Optional[float] = None) -> Prediction:
+    """Predicted step of `lay` (layer split `counts`, default the layout's own) at `global_batch` sequences.
+    `cpu_share`: CPU seconds per second each rank gets, when measured (a machine shared with other work);
+    default: this machine's cores over the ranks' threads, at most 1 (`oversubscription`)."""
     m = global_batch // (lay.micro_batch * lay.dp)
-    slowdown = oversubscription(profile, lay.tp * lay.pp * lay.dp, cores)
+    slowdown = 1.0 / cpu_share if cpu_share else oversubscription(profile, lay.tp * lay.pp * lay.dp, cores)
     parts = component_costs(profile, lay, slowdown)
     counts = list(counts) if counts is not None else layer_counts(profile, lay)
     comm = _comm(profile, "p2p between pipeline ranks", lay.pp > 1 or lay.dp > 1)

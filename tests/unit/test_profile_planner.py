@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ from llamapipe.core.pipeline_parallel.profile_costs import (PassCosts, costs_fro
                                                             stage_costs)
 from llamapipe.core.pipeline_parallel.schedule_ir import Action
 from llamapipe.model.config import LlamaConfig
-from llamapipe.tools import plan_parallelism, profile_schema
+from llamapipe.tools import plan_parallelism, profile_plan, profile_schema
 from llamapipe.tools.parallel_estimate import Layout, layer_act_bytes, rank_params
 from llamapipe.tools.profile_predict import balanced_counts, layout_string, predict
 
@@ -129,19 +130,27 @@ def test_balance_moves_layers_off_the_stage_with_the_head():
     assert max(balanced.busy_s) == pytest.approx(8 * 15 * MS, rel=1e-9)
 
 
-def test_plan_with_profile_ranks_by_predicted_step_and_prints_the_chosen_split(tmp_path, capsys):
-    path = tmp_path / "profile.json"
-    profile_schema.write(str(path), synthetic_profile(num_layers=8, head=(2.0, 2.0, 2.0)))
+def _plan_rows(path, capsys) -> tuple[str, list[list[str]]]:
     assert plan_parallelism.main(["--profile", str(path), "--gpus", "2", "--global-batch-size", "8",
                                   "--top", "50"]) == 0
     out = capsys.readouterr().out
+    return out, [line.split() for line in out.splitlines() if re.match(r"\s*\d+(\s+\d+){4} ", line)]
+
+
+def test_plan_with_profile_ranks_by_predicted_step_and_prints_the_chosen_split(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "profile.json"
+    profile_schema.write(str(path), synthetic_profile(num_layers=8, head=(2.0, 2.0, 2.0)))
+    monkeypatch.setattr(profile_plan, "trainer_has_vocab_parallel", lambda: False)
+    out, rows = _plan_rows(path, capsys)
     assert out.startswith("time model: measured profile")
-    rows = [line.split() for line in out.splitlines() if line[:3].strip().isdigit()]
     steps = [float(r[-1]) for r in rows]
     assert len(rows) >= 4 and steps == sorted(steps)
     pp2 = [r for r in rows if r[2] == "2" and r[5] == "1f1b"]
-    assert pp2 and pp2[0][9] == "5/3"
+    assert pp2 and pp2[0][10] == "5/3" and pp2[0][9] == "no"
     assert "Top row:" in out
+    monkeypatch.setattr(profile_plan, "trainer_has_vocab_parallel", lambda: True)
+    out, rows = _plan_rows(path, capsys)
+    assert any(r[9] == "yes" for r in rows), "the output layer split over the pipeline is offered"
     plan_parallelism.main(["--model", "tiny", "--gpus", "2", "--global-batch-size", "8", "--seq-length", "64"])
     assert "time model: FLOPs at 60%" in capsys.readouterr().out
 
