@@ -2,7 +2,9 @@
 
 The rank math is pure (`RankGrid`), so it is testable without processes. `initialize_model_parallel`
 creates every group once and returns a frozen `ParallelState` that model, schedules and optimizer receive
-explicitly (docs/design.md section 2). Megatron-style accessors wrap the same state for scripts.
+explicitly (docs/design.md section 2). There are no Megatron-style accessors over a module global (they
+silently return the wrong group once a process holds two layouts); the global only refuses a second
+`initialize_model_parallel` before `destroy_model_parallel`.
 """
 from __future__ import annotations
 
@@ -150,37 +152,3 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, vpp: int = 1, order: str
 def destroy_model_parallel() -> None:
     global _STATE
     _STATE = None
-
-
-def get_parallel_state() -> ParallelState:
-    if _STATE is None:
-        raise RuntimeError("model parallel state is not initialised; call initialize_model_parallel first")
-    return _STATE
-
-
-def get_tensor_model_parallel_group():
-    return get_parallel_state().tp_group
-
-
-def get_pipeline_model_parallel_group():
-    return get_parallel_state().pp_group
-
-
-def get_data_parallel_group():
-    return get_parallel_state().dp_group
-
-
-def get_tensor_model_parallel_rank() -> int:
-    return get_parallel_state().tp_rank
-
-
-def get_pipeline_model_parallel_rank() -> int:
-    return get_parallel_state().pp_rank
-
-
-def get_data_parallel_rank() -> int:
-    return get_parallel_state().dp_rank
-
-
-def get_virtual_pipeline_model_parallel_world_size() -> int:
-    return get_parallel_state().vpp_size

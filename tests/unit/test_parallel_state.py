@@ -89,8 +89,11 @@ def test_harness_fails_fast_with_the_failing_ranks_traceback():
     assert "deliberate failure on rank 1" in str(info.value)
 
 
-def test_accessors_raise_before_initialisation():
+def test_a_second_initialisation_is_refused_until_destroyed(monkeypatch):
+    """The one use of the module global (there are no accessors over it): groups are created once."""
     from llamapipe.core import parallel_state
+    monkeypatch.setattr(parallel_state, "_STATE", object())     # as after an initialize_model_parallel
+    with pytest.raises(RuntimeError, match="already called; call destroy_model_parallel first"):
+        parallel_state.initialize_model_parallel(1, 1)
     destroy_model_parallel()
-    with pytest.raises(RuntimeError, match="not initialised"):
-        parallel_state.get_tensor_model_parallel_group()
+    assert parallel_state._STATE is None

@@ -1,11 +1,11 @@
 """Megatron-compatible forward-backward entry points; each builds a plan and hands it to the executor.
 
-Megatron-LM (arXiv 2104.04473) exposes `forward_backward_no_pipelining`,
-`forward_backward_pipelining_without_interleaving` (1F1B), `..._with_interleaving` and
-`get_forward_backward_func()`; here every one of them is `executor.run(<builder>(...), ...)`, and the
-zero-bubble schedules (arXiv 2401.10241) are one more entry point, not another runtime. What a schedule
-name means (its builder, chunks, whether it profiles) is read from `schedule_specs`. All entry points are
-keyword-only and take `model` as the list of this rank's chunks (local chunk order).
+Megatron-LM (arXiv 2104.04473) hands out its schedules through `get_forward_backward_func()`; here it
+takes every schedule name of `schedule_specs` (1F1B, interleaved, GPipe, the zero-bubble ones of arXiv
+2401.10241), and each runs as `executor.run(<builder>(...), ...)`, not as another runtime.
+`forward_backward_zero_bubble` runs the fixed unit-cost zero-bubble plans (the profiling `auto` and `zb-h2`
+of `get_forward_backward_func` re-plan from measured costs). Both are keyword-only and take `model` as
+the list of this rank's chunks (local chunk order).
 """
 from __future__ import annotations
 
@@ -43,40 +43,6 @@ def _run(plan_name: str, *, forward_step_func: Callable, data_iterator: Any, mod
                         data_iterator=data_iterator, parallel_state=parallel_state,
                         num_microbatches=num_microbatches, forward_only=forward_only, loss_scale=loss_scale,
                         variable_seq_lengths=variable_seq_lengths, grad_sync=grad_sync)
-
-
-def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
-                                   num_microbatches: int, parallel_state, forward_only: bool = False,
-                                   loss_scale: float = 1.0, variable_seq_lengths: bool = False,
-                                   grad_sync: Any = None) -> list[dict]:
-    """pp == 1: every microbatch forward then backward on the single chunk."""
-    if parallel_state.pp_size != 1:
-        raise ValueError(f"forward_backward_no_pipelining needs pipeline size 1, got {parallel_state.pp_size}")
-    return _run("1f1b", **locals())
-
-
-def forward_backward_pipelining_without_interleaving(
-        *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module], num_microbatches: int,
-        parallel_state, forward_only: bool = False, loss_scale: float = 1.0,
-        variable_seq_lengths: bool = False, grad_sync: Any = None) -> list[dict]:
-    """Megatron's 1F1B with one chunk per rank."""
-    return _run("1f1b", **locals())
-
-
-def forward_backward_pipelining_with_interleaving(
-        *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module], num_microbatches: int,
-        parallel_state, forward_only: bool = False, loss_scale: float = 1.0,
-        variable_seq_lengths: bool = False, grad_sync: Any = None) -> list[dict]:
-    """Megatron's interleaved 1F1B over len(model) chunks per rank."""
-    return _run("interleaved", **locals())
-
-
-def forward_backward_gpipe(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
-                           num_microbatches: int, parallel_state, forward_only: bool = False,
-                           loss_scale: float = 1.0, variable_seq_lengths: bool = False,
-                           grad_sync: Any = None) -> list[dict]:
-    """GPipe: all forwards, then all backwards (peak memory grows with the microbatch count)."""
-    return _run("gpipe", **locals())
 
 
 def forward_backward_zero_bubble(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
