@@ -2,7 +2,8 @@
 
 Per virtual stage, the pass times are the sum of its parts as measured: its decoder layers, the embedding on
 the first stage, the output layer and loss on the last (`profile_costs.stage_costs`), or with vocabulary
-parallelism that last part split over every rank as the S/T actions (arXiv 2411.05288). Under tensor
+parallelism (arXiv 2411.05288) the output layer split over every rank as the S/T actions and the embedding's
+shards run on every rank before and after the plan (`embedding_passes_s`, as `vocab_runtime` runs them). Under tensor
 parallelism every part's compute is divided by tp and each layer's F and B (and B's recomputed forward under
 full recompute) pay two tp all-reduces of the (s, b, h) activations at the measured all-reduce bandwidth. The
 schedule's plan (the cost-fitted one for zb-h2, built from the mean stage costs) is simulated with these costs
@@ -101,9 +102,18 @@ def rank_work(parts: dict[str, PassCosts], lay: Layout, counts: Sequence[int]) -
         st = costs.stages[stage]
         work[rank] += st.f + st.b + st.w
     if lay.vocab_parallel:
-        head = parts["head"]
-        work = [x + (head.f + head.b + head.w) / lay.pp for x in work]
+        shared = parts["head"] + parts["embedding"]
+        work = [x + (shared.f + shared.b + shared.w) / lay.pp for x in work]
     return work
+
+
+def embedding_passes_s(parts: dict[str, PassCosts], comm: dict, lay: Layout, m: int, message: float) -> float:
+    """Vocabulary parallelism: every rank's embedding shard before the plan (its lookups, one all-reduce of the
+    partial embeddings per microbatch) and after it (a broadcast of the input gradients, the shard's backward)."""
+    if not lay.vocab_parallel:
+        return 0.0
+    emb = parts["embedding"]
+    return m * ((emb.f + emb.b + emb.w) / lay.pp + 2 * allreduce_s(comm, message, lay.pp))
 
 
 def balanced_counts(profile: dict, lay: Layout) -> list[int]:
@@ -164,7 +174,8 @@ def predict(profile: dict, lay: Layout, global_batch: int, *, counts: Optional[S
     costs = stage_costs(parts["layer"], parts["embedding"], parts["head"], counts, comm=hop,
                         vocab_parallel=lay.vocab_parallel)
     result = simulate(_plan(lay, m, costs, post_validation), costs)
-    pipeline = max(result.span) if post_validation else result.makespan
+    pipeline = (max(result.span) if post_validation else result.makespan) + \
+        embedding_passes_s(parts, comm, lay, m, message * lay.tp)
     model = profile_schema.model_of(profile)
     params = rank_params(model, dataclasses.replace(lay, pipeline_layout=layout_string(counts)))
     optimizer = max(params) / (lay.dp if lay.dist_opt else 1) * profile["optimizer_s_per_param"] * slowdown

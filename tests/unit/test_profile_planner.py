@@ -88,13 +88,13 @@ def test_timings_become_costs_through_one_path_shared_with_auto():
     assert (auto.f, auto.b, auto.w) == (costs.f, costs.b, costs.w)
 
 
-def test_stage_costs_sum_their_parts_and_leave_the_head_to_s_t_under_vocab_parallelism():
+def test_stage_costs_sum_their_parts_and_leave_the_vocabulary_layers_out_under_vocab_parallelism():
     layer, emb, head = PassCosts(1, 2, 3, 10, 5), PassCosts(0.5, 0.5, 0, 0, 0), PassCosts(4, 5, 6, 40, 20)
     costs = stage_costs(layer, emb, head, [3, 1])
     assert costs.stages[0] == PassCosts(3.5, 6.5, 9, 30, 15)
     assert costs.stages[1] == PassCosts(5, 7, 9, 50, 25)
     vocab = stage_costs(layer, emb, head, [3, 1], vocab_parallel=True)
-    assert vocab.stages[1] == PassCosts(1, 2, 3, 10, 5)
+    assert vocab.stages == (PassCosts(3, 6, 9, 30, 15), PassCosts(1, 2, 3, 10, 5))
     assert (vocab.head_f, vocab.head_b, vocab.head_mem) == (4, 11, 40)
 
 
@@ -181,3 +181,15 @@ def test_profile_cli_on_tiny_measures_times_and_the_activation_bytes_the_memory_
                                    msg=f"layer activations, mbs {mbs} recompute {recompute}")
     assert "layer F/B/W" in proc.stdout
     json.loads(out.read_text())
+
+
+def test_vocab_parallel_prediction_adds_the_embedding_shards_outside_the_plan():
+    """With --enable-vocab-parallel every rank runs 1/pp of the embedding before and after the plan: at zero
+    communication cost the step grows by m x (F + B) / pp of the embedding, whatever the plan."""
+    lay = Layout(1, 2, 1, 1, "1f1b", 1, "none", False, precision="fp32", vocab_parallel=True)
+    base = synthetic_profile(num_layers=8)
+    heavier = copy.deepcopy(base)
+    heavier["entries"][0]["embedding"].update(f=2 * MS, b=4 * MS)
+    grown = predict(heavier, lay, 8, cores=2).step_s - predict(base, lay, 8, cores=2).step_s
+    assert grown == pytest.approx(8 * (2 + 4) / 2 * MS, rel=1e-9)
+    assert predict(base, lay, 8, cores=2).busy_s[0] == pytest.approx(predict(base, lay, 8, cores=2).busy_s[1])

@@ -11,8 +11,9 @@ splits, the embedding on the first stage and the output layer with its loss on t
 they are (the simulator asks a `Costs` for every action's durations and memory; it needs nothing else).
 `stage_costs` builds one from per-component costs (one decoder layer, the embedding, the output layer + loss)
 and each stage's layer count: a stage's pass is the sum of its parts. With vocabulary parallelism (arXiv
-2411.05288) the output layer leaves the last stage and runs as the S/T actions of every rank (`head_f`/`head_b`
-over pp each, the simulator's rule).
+2411.05288) both vocabulary layers leave the stages: the output layer runs as the S/T actions of every rank
+(`head_f`/`head_b` over pp each, the simulator's rule) and the embedding's shards run on every rank before
+and after the plan (`vocab_runtime`), which the caller adds.
 """
 from __future__ import annotations
 
@@ -84,12 +85,13 @@ class StageCosts(Costs):
 def stage_costs(layer: PassCosts, embedding: PassCosts, head: PassCosts, layer_counts: Sequence[int], *,
                 comm: float = 0.0, vocab_parallel: bool = False) -> StageCosts:
     """Per-stage costs of a layer split: stage s runs layer_counts[s] decoder layers, stage 0 the embedding,
-    the last stage the output layer and loss (or, with `vocab_parallel`, every rank 1/pp of it as S/T)."""
+    the last stage the output layer and loss (with `vocab_parallel` neither: every rank runs 1/pp of the
+    output layer as S/T, and of the embedding outside the plan)."""
     last = len(layer_counts) - 1
     stages = []
     for s, n in enumerate(layer_counts):
         total = layer.scaled(n, n)
-        if s == 0:
+        if s == 0 and not vocab_parallel:
             total = total + embedding
         if s == last and not vocab_parallel:
             total = total + head
