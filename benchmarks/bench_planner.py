@@ -10,8 +10,9 @@ rank), so the planner predicts the step of an otherwise idle machine ("idle": ra
 them). This machine is shared with other work, so around each run `cpu_share` measures the CPU seconds per
 second that as many busy single-thread processes as the layout has ranks get (before and after the run,
 averaged), and the row's prediction stretches compute by its inverse (`predict(..., cpu_share=)`); both
-predictions are recorded. The planner's first-ranked layout is the one with the smallest idle prediction. Writes predicted, measured and their ratio per layout, whether the layout the
-planner ranks first is within 5% of the fastest measured, and the load average before and after, to
+predictions are recorded. The planner's first-ranked layout is the one with the smallest idle prediction.
+Writes predicted, measured and their ratio per layout, whether the layout the planner ranks first is within
+5% of the fastest measured, and the load average before and after, to
 benchmarks/results/bench_planner.json, and prints the table.
 
     python -m benchmarks.bench_planner --out benchmarks/results/bench_planner.json

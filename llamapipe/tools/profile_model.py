@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation recompute settings to measure (full: --recompute-granularity full)")
     p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
     p.add_argument("--threads", type=int, default=None, help="torch threads; None: torch's default here")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats of 4 microbatches per pass (after 1 warm-up repeat)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed repeats of 4 microbatches per pass (after 1 warm-up repeat)")
     p.add_argument("--out", required=True, help="the JSON profile to write")
     p.set_defaults(tokenizer_model=None)
     return p

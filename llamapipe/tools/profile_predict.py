@@ -6,7 +6,7 @@ parallelism (arXiv 2411.05288) the output layer split over every rank as the S/T
 shards run on every rank before and after the plan (`embedding_passes_s`, as `vocab_runtime` runs them). Under tensor
 parallelism every part's compute is divided by tp and each layer's F and B (and B's recomputed forward under
 full recompute) pay two tp all-reduces of the (s, b, h) activations at the measured all-reduce bandwidth. The
-schedule's plan (the cost-fitted one for zb-h2, built from the mean stage costs) is simulated with these costs
+schedule's plan (for zb-h2 the one fitted to the slowest stage's costs, as at run time) is simulated with these costs
 and the measured p2p time of one activation message; the step is its makespan (with post-validation the
 longest stage span), plus the optimizer step of the most loaded rank (measured seconds per parameter) and
 the data-parallel gradient all-reduce (4 bytes per parameter, ring over dp at the measured bus bandwidth).
@@ -25,7 +25,7 @@ import os
 from typing import Optional, Sequence
 
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
-from llamapipe.core.pipeline_parallel.profile_costs import PassCosts, StageCosts, mean_costs, stage_costs
+from llamapipe.core.pipeline_parallel.profile_costs import PassCosts, StageCosts, stage_costs, uniform_costs
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import simulate
 from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
@@ -149,7 +149,7 @@ def layout_string(counts: Sequence[int]) -> str:
 
 def _plan(lay: Layout, m: int, costs: StageCosts, post_validation: bool):
     fitted = SPECS[lay.schedule].profiled
-    uniform = mean_costs(costs)
+    uniform = uniform_costs(costs)
     plan = build(lay.schedule, lay.pp, lay.vpp, m, uniform if fitted else None, post_validation=post_validation,
                  vocab_parallel=False)
     if lay.vocab_parallel:      # placed as the executor places them (its default costs), then simulated at ours

@@ -104,9 +104,7 @@ def stage_costs(layer: PassCosts, embedding: PassCosts, head: PassCosts, layer_c
                       **head_fields)
 
 
-def mean_costs(costs: StageCosts) -> Costs:
-    """Uniform `Costs` with the mean stage's times, for the cost-fitted builders (zb-h2, auto), which plan with
-    one time per pass; the head's share is kept for the vocabulary actions' placement."""
-    n = len(costs.stages)
-    f, b, w = (sum(getattr(st, k) for st in costs.stages) / n for k in ("f", "b", "w"))
-    return Costs(f=max(f, 1e-9), b=max(b, 1e-9), w=w, comm=costs.comm, head_f=costs.head_f, head_b=costs.head_b)
+def uniform_costs(costs: StageCosts) -> Costs:
+    """One time per pass, the slowest stage's (what `auto_schedule.measured_costs` hands the cost-fitted builders
+    at run time: each rank's median, then the MAX over the world), for predicting the plan zb-h2 / auto fit."""
+    return Costs(f=costs.f, b=costs.b, w=costs.w, comm=costs.comm, head_f=costs.head_f, head_b=costs.head_b)
