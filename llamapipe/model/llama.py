@@ -5,9 +5,10 @@ shards; `layer_range` / `pre_process` / `post_process` make it one pipeline chun
 logical (`embedding.weight`, `layers.<global index>...`, `final_norm.weight`, `output.weight`), and every
 parameter is initialised from (seed, name) on the full logical tensor before slicing, so every layout
 starts from identical weights (docs/design.md section 4). Activations travel sequence-first, (s, b, h).
-With `vocab_parallel` (arXiv 2411.05288) the last chunk ends at the final norm and the output layer is a
-`PipelineVocabOutput` shard held by local chunk 0 of every pipeline rank (`vocab_shard=True`); the schedule's
-S/T actions run it.
+With `vocab_parallel` (arXiv 2411.05288) the last chunk ends at the final norm, the first starts from the
+embedding output it is given (`set_input_tensor`, like any later chunk: `pre_process` is False), and the
+output layer and the embedding are `PipelineVocabOutput` / `PipelineVocabEmbedding` shards held by local chunk 0
+of every pipeline rank (`vocab_shard=True`), which the executor runs (S/T actions, the embedding prepass).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.tensor_parallel import mappings
 from llamapipe.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from llamapipe.core.tensor_parallel.vocab_pipeline import PipelineVocabOutput
+from llamapipe.core.tensor_parallel.vocab_pipeline import PipelineVocabEmbedding, PipelineVocabOutput
 from llamapipe.core.tensor_parallel.layers import (INPUT_COPY, INPUT_GATHER, ColumnParallelLinear, VocabParallelEmbedding,
                                          parallel_linear, set_tensor_model_parallel_attributes,
                                          shard_logical_tensor)
@@ -81,6 +82,7 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings and (vocab_parallel or not (pre_process and post_process)):
             raise ValueError("tie_word_embeddings needs the embedding and the output head in the same chunk")
         self.config, self.layer_range = config, layer_range
+        pre_process = pre_process and not vocab_parallel     # the embedding runs before the step (prepass)
         self.pre_process, self.post_process, self.vocab_parallel = pre_process, post_process, vocab_parallel
         self.sequence_parallel = sequence_parallel and tp_size > 1
         kw = dict(sequence_parallel=self.sequence_parallel, params_dtype=params_dtype)
@@ -96,8 +98,11 @@ class LlamaModel(nn.Module):
                 set_tensor_model_parallel_attributes(self.output.weight, 0, vocab_padded=True)
         if vocab_shard:
             pp_rank, pp_size = parallel_state.pp_rank, parallel_state.pp_size
-            self.output = PipelineVocabOutput(config.padded_vocab_size(tp_size * pp_size), config.hidden_size,
-                                              config.vocab_size, self.tp_group, pp_rank, pp_size, **kw)
+            padded_split = config.padded_vocab_size(tp_size * pp_size)
+            self.embedding = PipelineVocabEmbedding(padded_split, config.hidden_size, self.tp_group, pp_rank,
+                                                    pp_size, **kw)
+            self.output = PipelineVocabOutput(padded_split, config.hidden_size, config.vocab_size, self.tp_group,
+                                              pp_rank, pp_size, **kw)
         self.input_tensor: Optional[torch.Tensor] = None
         self.reset_parameters(seed)
 

@@ -63,7 +63,7 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
     chunks, roles = [], []
     vocab_parallel = par.vocab_parallel and ps.pp_size > 1
     for index, stage in enumerate(chunk_stages(config, ps)):
-        role = (stage == 0, stage == num_stages - 1)
+        role = (stage == 0 and not vocab_parallel, stage == num_stages - 1)   # vocab: the embedding runs apart
         chunk = LlamaModel(model_cfg, ps, layer_range=ranges[stage],
                            pre_process=role[0], post_process=role[1],
                            sequence_parallel=config.parallel.sequence_parallel,
@@ -108,7 +108,8 @@ def build_forward_backward_func(config: Config, ps: ParallelState):
 def build_iterators(config: Config, model_cfg: LlamaConfig, ps: ParallelState, roles: list[tuple[bool, bool]],
                     consumed_samples: int) -> tuple[list, Optional[list]]:
     """Per-chunk train and validation iterators; chunks that neither embed nor compute the loss get None,
-    and the validation list is None on every rank when --eval-iters is 0.
+    and the validation list is None on every rank when --eval-iters is 0. Under vocabulary parallelism one more
+    iterator follows the chunks' ones: the embedding shard's, on every rank.
 
     The datasets and samplers are built once per rank, even when two local chunks read data (the first and
     the last stage under the V placement); those chunks get copies of one iterator that yield the same
@@ -116,6 +117,8 @@ def build_iterators(config: Config, model_cfg: LlamaConfig, ps: ParallelState, r
     """
     from llamapipe.data.sampler import build_data_iterators
     needs = [pre or post for pre, post in roles]
+    if config.parallel.vocab_parallel and ps.pp_size > 1:
+        needs.append(True)          # every rank's embedding shard reads the microbatches (executor's prepass)
     train, valid, _ = build_data_iterators(config.data, config.training, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
                                            vocab_size=model_cfg.vocab_size, consumed_samples=consumed_samples,
                                            needs_data=any(needs))

@@ -65,3 +65,29 @@ def test_shards_are_tp_major_slices_of_the_logical_weight():
     shard = PipelineVocabOutput(64, 4, 60, None, 1, 4)
     assert (shard.vocab_start, shard.weight.vocab_shard, shard.weight.vocab_shards) == (16, 1, 4)
     assert shard.weight.shape == (16, 4) and shard.weight.vocab_padded and shard.weight.tensor_model_parallel
+
+
+def test_embedding_shards_sum_to_the_full_embedding():
+    """The pipeline shards' partial lookups sum to F.embedding of the whole table; each shard's weight
+    gradient is its rows of the full gradient (padding rows get none)."""
+    from llamapipe.core.tensor_parallel.vocab_pipeline import PipelineVocabEmbedding
+    torch.manual_seed(0)
+    vocab, pp, h, padded = 37, 3, 8, 48
+    weight = torch.randn(vocab, h)
+    ids = torch.randint(0, vocab, (2, 10))                            # (b, s)
+    grad_out = torch.randn(10, 2, h)                                  # (s, b, h)
+    shards = []
+    for pp_rank in range(pp):
+        shard = PipelineVocabEmbedding(padded, h, None, pp_rank, pp)
+        with torch.no_grad():
+            shard.weight.copy_(shard_logical_tensor(weight, shard.weight, shard.weight.vocab_shard, pp))
+        shards.append(shard)
+    total = sum(shard(ids) for shard in shards)
+    ref_w = weight.clone().requires_grad_(True)
+    ref = F.embedding(ids.t(), ref_w)
+    torch.testing.assert_close(total, ref.detach(), rtol=0, atol=0)
+    total.backward(grad_out)
+    ref.backward(grad_out)
+    grad_w = torch.cat([shard.weight.grad for shard in shards])
+    torch.testing.assert_close(grad_w[:vocab], ref_w.grad, **TOL)
+    assert torch.count_nonzero(grad_w[vocab:]) == 0

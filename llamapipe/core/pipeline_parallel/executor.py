@@ -11,7 +11,9 @@ trick, arXiv 2104.04473); backward then runs through the autograd engine directl
 Vocabulary parallelism (arXiv 2411.05288): with model chunks whose chunk 0 holds a `PipelineVocabOutput`
 shard, the plan gets S/T actions (`vocab_parallel.with_vocab_parallel`, unless it has them), which
 `vocab_runtime.VocabStep` runs; the last stage's F then ends at the final norm and its B takes the sum of every
-rank's T partial gradient. The loss is reported by the last stage's rank at its T.
+rank's T partial gradient. The loss is reported by the last stage's rank at its T. The input embedding,
+split the same way, runs before the first action and its backward after the last one (`VocabStep.embed`): the
+first stage's F takes the summed embedding as its input; the data iterator after the chunks' ones feeds it.
 
 Loss convention (Megatron-core per-token loss): on the last stage `loss_func(output)` returns
 (loss_sum, num_tokens, log); backward runs on loss_sum * loss_scale and the caller divides the
@@ -30,7 +32,7 @@ from torch import nn
 from llamapipe.core.pipeline_parallel.p2p_communication import Message, P2PCommunicator, needs_and_sends, vocab_messages
 from llamapipe.core.pipeline_parallel.schedule_ir import BACKWARD_KINDS, Action, Plan
 from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
-from llamapipe.core.pipeline_parallel.vocab_runtime import VocabStep, pack_targets, vocab_output
+from llamapipe.core.pipeline_parallel.vocab_runtime import VocabStep, pack_targets, vocab_embedding, vocab_output
 from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
 
 
@@ -107,8 +109,8 @@ class _Step:
         key, chunk = (action.chunk, action.microbatch), self.chunks[action.chunk]
         need, send = needs_and_sends(self.plan, self.pp_rank, action)
         x = None
-        if need is not None:
-            x = self._take(need)
+        if need is not None or self._embedded_input(action):
+            x = self._take(need) if need is not None else self.vocab.embedded[action.microbatch].detach()
             if not self.forward_only:
                 x.requires_grad_(True)
             chunk.set_input_tensor(x)
@@ -148,12 +150,19 @@ class _Step:
         if send is not None:
             assert x is not None and x.grad is not None, f"no input gradient for {action}"
             self._give(send, x.grad)
+        elif self._embedded_input(action):      # the embedding shards' backward runs after the last action
+            self.vocab.embedding_grads[action.microbatch] = x.grad
         if self.probe is not None:
             del out, x                       # so the probe sees only what the deferred W keeps alive
             self.probe.backward_done(key, split=action.kind == "B", held=self.store.held_tensors(key))
         if split and action.kind == "BW":
             self.comm.flush()
             self.store.run(key)
+
+    def _embedded_input(self, action: Action) -> bool:
+        """Whether `action` is on the first stage of a model whose embedding is split over the pipeline."""
+        return (self.vocab is not None and self.vocab.embedded is not None
+                and self.plan.stage_of(self.pp_rank, action.chunk) == 0)
 
     def vocab_action(self, action: Action) -> None:
         """S: the output layer's statistics on this rank's shard; T: its backward, partial gradient sent."""
@@ -209,7 +218,7 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
                            variable_seq_lengths=variable_seq_lengths, actions_of=actions_of)
     vocab = None if output is None else VocabStep(
         output, parallel_state.pp_group, plan.pp, last_rank=plan.rank_chunk_of(plan.num_stages - 1)[0] == pp_rank,
-        loss_scale=loss_scale)
+        loss_scale=loss_scale, embedding=vocab_embedding(model_chunks), first_rank_global=parallel_state.pp_ranks[0])
     step = _Step(plan, pp_rank, comm, model_chunks, forward_step_func, data_iterator, forward_only, loss_scale,
                  fused_bw, None if forward_only else activation_probe, vocab)
     grad_sync = None if forward_only else grad_sync
@@ -217,8 +226,12 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
         if grad_sync is not None:
             grad_sync.begin_step(step.store)
         with torch.no_grad() if forward_only else nullcontext(), step.store.active():
+            if vocab is not None:
+                vocab.embed(forward_step_func, _prepass_iterator(data_iterator, plan), num_microbatches,
+                            keep_graph=not forward_only)
             _loop(step, actions, comm, action_times, grad_sync)
             if vocab is not None:
+                vocab.embedding_backward(first_rank=pp_rank == 0)
                 vocab.finish()
                 step.losses.update(vocab.losses)
         comm.finish()
@@ -233,6 +246,14 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
     if comm_stats is not None:
         comm_stats["largest_send"] = comm.largest_send
     return [step.losses[mb] for mb in sorted(step.losses)]
+
+
+def _prepass_iterator(data_iterator: Any, plan: Plan) -> Any:
+    """The data iterator of the vocabulary-parallel embedding: the one after the chunks' ones."""
+    if not isinstance(data_iterator, (list, tuple)) or len(data_iterator) <= plan.vpp:
+        raise ValueError(f"a vocabulary-parallel model needs {plan.vpp + 1} data iterators on every rank (one per "
+                         "model chunk, then the embedding's), as training.setup.build_iterators makes them")
+    return data_iterator[plan.vpp]
 
 
 def _last_backward_actions(actions: tuple) -> tuple[dict, dict]:

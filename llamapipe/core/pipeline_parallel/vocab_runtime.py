@@ -8,6 +8,12 @@ simulator checks that order is the same everywhere), so it matches without any r
 that all-gather, combines the statistics into the exact per-token loss and runs the shard's backward; its
 partial input gradient goes to the last stage, whose B sums the partials of every rank. The last-stage rank
 reports the loss (loss_sum, num_tokens) at its T, or at the end of a forward-only step, which runs F and S only.
+
+The input embedding is split the same way and runs outside the plan, as the paper allows for the input layer:
+before the first action every rank looks up the step's microbatches in its rows (reading them from its own
+copy of the data, the data iterator after the chunks' ones) and one all-reduce over the pipeline sums the
+partials, which the first stage's F takes as its input; after the last action the first stage's input gradients
+are broadcast over the pipeline and every rank runs its shard's backward (its weight gradient).
 """
 from __future__ import annotations
 
@@ -16,13 +22,20 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from llamapipe.core.tensor_parallel.vocab_pipeline import PipelineVocabOutput, VocabTargets
+from llamapipe.core.tensor_parallel.vocab_pipeline import (EmbeddingPrepass, PipelineVocabEmbedding, PipelineVocabOutput,
+                                                          VocabTargets)
 
 
 def vocab_output(model_chunks: list) -> Optional[PipelineVocabOutput]:
     """This rank's vocabulary shard (held by local chunk 0), or None when the model is not vocabulary-parallel."""
     output = getattr(model_chunks[0], "output", None) if model_chunks else None
     return output if isinstance(output, PipelineVocabOutput) else None
+
+
+def vocab_embedding(model_chunks: list) -> Optional[Any]:
+    """This rank's input-embedding shard (local chunk 0), or None."""
+    embedding = getattr(model_chunks[0], "embedding", None) if model_chunks else None
+    return embedding if isinstance(embedding, PipelineVocabEmbedding) else None
 
 
 def pack_targets(targets: VocabTargets) -> torch.Tensor:
@@ -35,7 +48,7 @@ class VocabStep:
     last stage's loss functions (last-stage rank only)."""
 
     def __init__(self, output: PipelineVocabOutput, pp_group: Any, pp_size: int, *, last_rank: bool,
-                 loss_scale: float) -> None:
+                 loss_scale: float, embedding: Optional[Any] = None, first_rank_global: int = 0) -> None:
         # the statistics' own group when the model has one (setup.vocab_stats_group), else the pipeline group
         self.output, self.group, self.pp_size = output, getattr(output, "stats_group", None) or pp_group, pp_size
         self.last_rank, self.loss_scale = last_rank, loss_scale
@@ -43,6 +56,35 @@ class VocabStep:
         self.gathers: dict[int, tuple] = {}            # mb -> (work, per-rank stats buffers)
         self.loss_funcs: dict[int, Any] = {}           # mb -> the last stage's loss function
         self.losses: dict[int, dict] = {}
+        self.embedding, self.first_rank_global = embedding, first_rank_global
+        self.partials: list = []                       # this rank's embedding partials (their graphs)
+        self.embedded: Optional[torch.Tensor] = None   # the first stage: the embedding outputs, (m, s, b, h)
+        self.embedding_grads: dict[int, torch.Tensor] = {}
+
+    def embed(self, forward_step_func: Any, data_iterator: Any, num_microbatches: int, keep_graph: bool) -> None:
+        """Before the first action: every rank's partial embeddings of the step's microbatches, summed over the
+        pipeline (one all-reduce); the sum is what the first stage's F takes."""
+        if self.embedding is None:
+            return
+        prepass = EmbeddingPrepass(self.embedding)
+        self.partials = [forward_step_func(data_iterator, prepass)[0] for _ in range(num_microbatches)]
+        total = torch.stack([p.detach() for p in self.partials])
+        dist.all_reduce(total, group=self.group)
+        self.embedded = total
+        if not keep_graph:
+            self.partials = []
+
+    def embedding_backward(self, first_rank: bool) -> None:
+        """After the last action: the first stage's input gradients to every rank, each shard's backward."""
+        if self.embedding is None or not self.partials:
+            return
+        if first_rank:
+            grads = torch.stack([self.embedding_grads.pop(mb) for mb in range(len(self.partials))])
+        else:
+            grads = torch.empty_like(self.embedded)
+        dist.broadcast(grads, src=self.first_rank_global, group=self.group)
+        torch.autograd.backward(self.partials, list(grads.unbind(0)))
+        self.partials, self.embedded = [], None
 
     def stats(self, mb: int, hidden: torch.Tensor, targets: torch.Tensor) -> None:
         """S: this shard's statistics of microbatch `mb`; their all-gather over the pipeline starts here."""

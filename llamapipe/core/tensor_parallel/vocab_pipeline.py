@@ -9,7 +9,9 @@ shard's logits of the last stage's normed hidden state and, per token, their max
 exponentials relative to it and the target logit, reduced over TP; the pipeline ranks all-gather these three
 numbers per token, the only synchronisation, and `backward` (the plan's T) combines them into the exact loss
 and computes the softmax gradient, the shard's weight gradient and its partial input gradient (the last stage
-sums the partials of every rank).
+sums the partials of every rank). `PipelineVocabEmbedding` splits the input embedding the same way: each rank
+looks up the tokens in its rows (zeros elsewhere), and the partials summed over the pipeline are the embedding
+output (`core.pipeline_parallel.vocab_runtime` runs it for the step's microbatches before the first action).
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import torch.nn.functional as F
+
+from llamapipe.core.tensor_parallel import mappings
 from llamapipe.core.tensor_parallel.layers import (INPUT_COPY, INPUT_GATHER, parallel_linear,
                                                    set_tensor_model_parallel_attributes, tp_size_rank)
 
@@ -31,6 +36,52 @@ class VocabTargets(NamedTuple):
     labels: torch.Tensor
     loss_mask: torch.Tensor
     loss_func: Callable[[torch.Tensor], tuple]
+
+
+class PipelineVocabEmbedding(nn.Module):
+    """One (pipeline rank, TP rank)'s shard of the input embedding's vocabulary rows (same layout as the output's)."""
+
+    def __init__(self, padded_vocab_size: int, hidden_size: int, tp_group: Optional[Any], pp_rank: int,
+                 pp_size: int, *, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        tp_size, tp_rank = tp_size_rank(tp_group)
+        shards = tp_size * pp_size
+        assert padded_vocab_size % shards == 0, f"vocabulary {padded_vocab_size} does not split over {shards}"
+        rows = padded_vocab_size // shards
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel and tp_size > 1
+        self.vocab_start = (tp_rank * pp_size + pp_rank) * rows
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=params_dtype))
+        set_tensor_model_parallel_attributes(self.weight, 0, vocab_padded=True,
+                                             vocab_shard=tp_rank * pp_size + pp_rank, vocab_shards=shards)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """This shard's part of the embedding of `input_ids` (b, s): (s, b, h), or (s/tp, b, h) under sequence
+        parallelism, summed over TP; the sum over the pipeline ranks is the embedding output."""
+        ids = input_ids.t()
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.weight.shape[0])
+        partial = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.weight)
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)                       # (s, b, h)
+        if self.tp_group is None:
+            return partial
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        return mappings.reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+
+
+class EmbeddingPrepass(nn.Module):
+    """The embedding shard as a first-stage chunk for `forward_step(data_iterator, model)`: it reads the batch
+    (pre_process) and returns the shard's partial embedding. Holds the shard without registering it again."""
+    pre_process, post_process, vocab_parallel = True, False, False
+
+    def __init__(self, shard: PipelineVocabEmbedding) -> None:
+        super().__init__()
+        self._shard = [shard]
+
+    def parameters(self, recurse: bool = True):
+        return self._shard[0].parameters(recurse)
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._shard[0](input_ids)
 
 
 class PipelineVocabOutput(nn.Module):
