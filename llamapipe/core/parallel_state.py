@@ -103,20 +103,8 @@ class ParallelState:
     embedding_group: Any = None
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
-
-    @property
-    def next_pp_rank(self) -> int:
-        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
-
-    @property
-    def prev_pp_rank(self) -> int:
-        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
 
 
 _STATE: Optional[ParallelState] = None
