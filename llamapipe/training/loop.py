@@ -159,8 +159,9 @@ class Trainer:
         with manual_gc(cfg.manual_gc):
             status = self._train_loop()
         self.exit_signal.settle()
-        if self.step.summary():
-            log.info(self.step.summary())
+        summary = self.step.summary()     # post-validation: rollbacks and replays
+        if summary:
+            log.info(summary)
         if status is None:
             if cfg.eval_iters and not self._every(cfg.eval_interval):
                 self.evaluate()     # the last iteration was not validated yet
