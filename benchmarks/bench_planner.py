@@ -102,6 +102,14 @@ def measure(lay: Layout, global_batch: int, iters: int, skip: int) -> dict:
             "loadavg_1min_after": os.getloadavg()[0]}
 
 
+def wait_for_load(limit: float | None, patience_s: float) -> float:
+    """Wait (at most `patience_s`) until the 1-minute load average is at most `limit`; returns the load then."""
+    deadline = time.monotonic() + patience_s
+    while limit is not None and os.getloadavg()[0] > limit and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
 def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,11 +118,13 @@ def run(args: argparse.Namespace) -> dict:
     for name, lay in layouts(profile):
         ranks = lay.tp * lay.pp * lay.dp
         idle = predict(profile, lay, args.global_batch_size)
+        load_at_start = wait_for_load(args.wait_for_load, args.patience)
         share_before = cpu_share(ranks)
         row = {"layout": name, "flags": " ".join(layout_flags(lay)), "predicted_idle_s": idle.step_s,
                "predicted_busy_s": list(idle.busy_s), "predicted_bubble": idle.bubble,
                **measure(lay, args.global_batch_size, args.iters, args.skip)}
         row["cpu_share"] = (share_before + cpu_share(ranks)) / 2       # brackets the run
+        row["loadavg_1min_at_start"] = load_at_start
         row["predicted_s"] = predict(profile, lay, args.global_batch_size, cpu_share=row["cpu_share"]).step_s
         if "measured_s" in row:
             row["ratio"] = row["predicted_s"] / row["measured_s"]
@@ -159,6 +169,9 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=4, help="first iterations left out (warm-up, zb-h2's profiling)")
     p.add_argument("--repeats", type=int, default=20, help="profile repeats per pass")
     p.add_argument("--out", default="benchmarks/results/bench_planner.json")
+    p.add_argument("--wait-for-load", type=float, default=None,
+                   help="before each layout, wait until the 1-minute load average is at most this")
+    p.add_argument("--patience", type=float, default=90.0, help="seconds to wait for --wait-for-load at most")
     p.add_argument("--autogroup-nice", type=int, default=None,
                    help="set this session's scheduler autogroup nice value first (Linux, /proc/self/autogroup; "
                         "negative needs root): on a machine shared with other sessions' work, a negative value lets "
