@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from llamapipe.core.config import OptimizerConfig
+from llamapipe.core.config import ArgumentError, OptimizerConfig
 from llamapipe.core.optimizer.adamw import make_adamw
 from llamapipe.core.optimizer.clip_grads import local_squared_norm
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
@@ -184,8 +184,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                          f"{' '.join(map(str, args.micro_batch_size))} must be at least 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    m = model_config(args, [])
-    seq = run_seq_length(args)
+    try:
+        m = model_config(args, [])
+        seq = run_seq_length(args)
+    except ArgumentError as err:
+        sys.stderr.write(f"llamapipe profile: {err}\n")
+        return 2
     if seq > m.max_position_embeddings:
         m = m.replace(max_position_embeddings=seq)
     distributed = profile_comm.init_if_launched()

@@ -193,3 +193,10 @@ def test_vocab_parallel_prediction_adds_the_embedding_shards_outside_the_plan():
     grown = predict(heavier, lay, 8, cores=2).step_s - predict(base, lay, 8, cores=2).step_s
     assert grown == pytest.approx(8 * (2 + 4) / 2 * MS, rel=1e-9)
     assert predict(base, lay, 8, cores=2).busy_s[0] == pytest.approx(predict(base, lay, 8, cores=2).busy_s[1])
+
+
+def test_profile_cli_refuses_an_incomplete_shape_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "llamapipe", "profile", "--num-layers", "2", "--out", "unused.json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("llamapipe profile: --hidden-size")
