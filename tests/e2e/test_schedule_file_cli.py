@@ -59,6 +59,8 @@ def test_our_v_half_exported_to_a_file_trains_to_the_single_process_losses(refer
     losses, output = _train_file(path, str(tmp_path / "m.jsonl"))
     _same(losses, reference, "v-half from a file")
     assert f"run: schedule file:{path}, 8 microbatches" in output
+    assert output.count(f"--pipeline-schedule-file {path}: verified, pp 2, 2 model chunks per rank (v placement), "
+                        "8 microbatches, B/W split") == 1
     assert "2 model chunks per pipeline rank" in output
 
 

@@ -66,3 +66,13 @@ def test_bubble_on_the_papers_settings_is_between_zbv_and_v_half(row):
     rates = tuple(simulate(build(name, p, 2, m), chunk).bubble_rate for name in ("zbv", "v-half", "dualpipev"))
     assert rates == pytest.approx(DOCS[(model, m)], abs=5e-5)
     assert rates[0] < rates[2] < rates[1]
+
+
+def test_plot_schedule_draws_it(tmp_path, capsys):
+    import json
+    from llamapipe.tools.plot_schedule import main
+    assert main(["--schedule", "dualpipev", "--pp", "4", "--microbatches", "8", "--costs", "0.5,0.5,0.5", "--json",
+                 "--out", str(tmp_path / "dualpipev.svg")]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (tmp_path / "dualpipev.svg").stat().st_size > 0 and data["vpp"] == 2
+    assert data["bubble_rate"] == pytest.approx(simulate(dualpipev(4, 8), Costs(0.5, 0.5, 0.5)).bubble_rate)

@@ -63,3 +63,14 @@ def test_a_files_spec_answers_like_a_named_one_without_joining_the_table(v_half_
         spec.build(2, 2, 4)
     with pytest.raises(ValueError, match="--pipeline-schedule file:/no/such.csv: no such file"):
         schedule_spec("file:/no/such.csv")
+
+
+def test_the_start_up_line_says_what_the_simulator_found(v_half_file):
+    from llamapipe.core.pipeline_parallel.simulator import simulate
+    from llamapipe.training.arguments.megatron_compat import check_compat
+    lines = check_compat(build_parser().parse_args(BASE + ["--pipeline-schedule-file", v_half_file]))
+    result = simulate(build("v-half", 2, 2, 8))
+    assert lines == [f"--pipeline-schedule-file {v_half_file}: verified, pp 2, 2 model chunks per rank (v placement), "
+                     f"8 microbatches, B/W split; simulated at unit costs: bubble {result.bubble_rate:.1%}, peak "
+                     f"{max(result.peak_memory):g} microbatch-chunks of activations"]
+    assert check_compat(build_parser().parse_args(BASE)) == []

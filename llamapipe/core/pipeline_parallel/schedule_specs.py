@@ -124,12 +124,18 @@ SPECS: dict[str, ScheduleSpec] = _Table({spec.name: spec for spec in (
 
 
 @functools.lru_cache(maxsize=8)
+def file_plan(path: str) -> Plan:
+    """The plan in a schedule file (torch.distributed.pipelining's CSV format, `schedule_csv`), read and verified
+    once, named file:PATH; PlanError (a ValueError) naming the rank and the action for a bad file."""
+    return dataclasses.replace(schedule_csv.read_csv(path), name=FILE_PREFIX + path)
+
+
+@functools.lru_cache(maxsize=8)
 def file_spec(path: str) -> ScheduleSpec:
-    """The spec of a schedule file (torch.distributed.pipelining's CSV format, `schedule_csv`): read and verified
-    once; its builder returns that plan for the pipeline size and microbatches it was written for, and refuses
-    others in one sentence. PlanError (a ValueError) for a bad file."""
-    name = FILE_PREFIX + path
-    plan = dataclasses.replace(schedule_csv.read_csv(path), name=name)
+    """The spec of a schedule file: its builder returns the file's plan for the pipeline size and microbatches it
+    was written for, and refuses others in one sentence."""
+    plan = file_plan(path)
+    name = plan.name
 
     def builder(pp: int, vpp: int, m: int, *_) -> Plan:
         if (pp, m) != (plan.pp, plan.num_microbatches):

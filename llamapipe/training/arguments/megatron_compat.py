@@ -141,7 +141,8 @@ def said(entry: CompatFlag, value) -> str:
 
 def check_compat(args: argparse.Namespace) -> list[str]:
     """Raise ArgumentError for the first refused flag given; return one notice line per no-effect flag given,
-    then the zero-bubble fork's (zb_fork_flags.check_fork_flags)."""
+    then the zero-bubble fork's (zb_fork_flags.check_fork_flags) and the line on a schedule file."""
+    from llamapipe.training.arguments.schedule_file_args import schedule_file_lines
     from llamapipe.training.arguments.zb_fork_flags import check_fork_flags
     for e in REFUSED:
         value = getattr(args, dest_of(e.flag))
@@ -149,4 +150,4 @@ def check_compat(args: argparse.Namespace) -> list[str]:
             raise ArgumentError(f"{said(e, value)} is not supported: {e.why}")
     notices = [f"notice: {said(e, getattr(args, dest_of(e.flag)))} has no effect here: {e.why}"
                for e in NOTICES if getattr(args, dest_of(e.flag)) not in (None, False)]
-    return notices + check_fork_flags(args)
+    return notices + check_fork_flags(args) + schedule_file_lines(args)

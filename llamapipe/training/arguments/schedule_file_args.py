@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from llamapipe.core.pipeline_parallel.schedule_specs import FILE_PREFIX, file_spec
+from llamapipe.core.pipeline_parallel.schedule_csv import describe
+from llamapipe.core.pipeline_parallel.schedule_specs import FILE_PREFIX, file_plan, file_spec
 
 
 def _flag(dest: str) -> str:
@@ -45,3 +46,11 @@ def add_schedule_file_flag(p: argparse.ArgumentParser) -> None:
                         "torchtitan's pipeline_parallel_schedule_csv takes; llamapipe plot-schedule --export-csv "
                         "writes one): --pipeline-schedule file:PATH with the file's model chunks per rank, verified "
                         "by the simulator before training")
+
+
+def schedule_file_lines(args: argparse.Namespace) -> list[str]:
+    """The start-up line on a --pipeline-schedule-file: its shape and what the simulator found (bubble, memory)."""
+    path = getattr(args, "pipeline_schedule_file", None)
+    if path is None:
+        return []
+    return [f"--pipeline-schedule-file {path}: verified, {describe(file_plan(path))}"]
