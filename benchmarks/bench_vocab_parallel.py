@@ -1,5 +1,6 @@
 """Vocabulary parallelism (--enable-vocab-parallel, arXiv 2411.05288): does splitting the output layer and the
-input embedding over the pipeline balance the ranks? Two measurements, each with and without the split, on gloo ranks with one thread each:
+input embedding over the pipeline balance the ranks? Two measurements, each with and without the split, on gloo
+ranks with one thread each:
 
   memory  p=4, a model whose vocabulary dominates (32,000 tokens, hidden 128, 8 layers), 1F1B, m=8: each rank's
           peak resident memory over what it held before building its chunks (weights, gradients, AdamW state,
@@ -13,7 +14,8 @@ input embedding over the pipeline balance the ranks? Two measurements, each with
           round-robin over rounds so background load hits all alike. Reported: the busiest rank's busy time over
           the mean rank's, and per-iteration time paired against synchronous ZB-V and torch's ZB-V.
 
-Run: python -m benchmarks.bench_vocab_parallel [--modes memory,time] (writes benchmarks/results/bench_vocab_parallel.json).
+Run: python -m benchmarks.bench_vocab_parallel [--modes memory,time]
+(writes benchmarks/results/bench_vocab_parallel.json).
 """
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from llamapipe.core.tensor_parallel.vocab_pipeline import (EmbeddingPrepass, PipelineVocabEmbedding, PipelineVocabOutput,
-                                                          VocabTargets)
+from llamapipe.core.tensor_parallel.vocab_pipeline import (EmbeddingPrepass, PipelineVocabEmbedding,
+                                                          PipelineVocabOutput, VocabTargets)
 
 
 def vocab_output(model_chunks: list) -> Optional[PipelineVocabOutput]:

@@ -28,8 +28,8 @@ from llamapipe.training.checkpointing.writer import (  # noqa: F401  (finalize a
 from llamapipe.training.config import Config
 from llamapipe.core.logger import get_logger
 from llamapipe.core.parallel_state import ParallelState
-from llamapipe.training.checkpointing.resharding import (TensorSpec, gather_vocab_shards, named_tensors, padded_rows_for,
-                                                          shard_of, spec_of, split_shard)
+from llamapipe.training.checkpointing.resharding import (TensorSpec, gather_vocab_shards, named_tensors,
+                                                          padded_rows_for, shard_of, spec_of, split_shard)
 from llamapipe.core.tensor_parallel.random import get_rng_tracker
 from llamapipe.model.config import LlamaConfig
 
