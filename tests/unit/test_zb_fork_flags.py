@@ -102,7 +102,8 @@ def test_tuning_flags_without_zero_bubble_or_under_a_fixed_v_order_are_notices(l
         "notice: --zero-bubble-max-pending-backward has no effect here: zbv is a fixed order, not fitted to "
         "profiled costs",
         "notice: --zero-bubble-max-pending-backward auto: the fork's adaptive cap is not implemented; auto plans "
-        "under its default cap of 2p microbatches (give N, or --pipeline-memory-limit BYTES)",
+        "under its default cap, 1F1B's activation memory (give N, e.g. 2p for ZB-2p, or --pipeline-memory-limit "
+        "BYTES)",
         "notice: --zero-bubble-pipeline-timers-start-iter 100: every profiled iteration but the first (warm-up) is "
         "timed here"]
 

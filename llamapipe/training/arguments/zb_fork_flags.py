@@ -71,7 +71,7 @@ TRANSLATED = (
      "with --zero-bubble-v-schedule: zb (ZB-V, 1F1B's memory), half (V-Half) or min (V-Min)"),
     ("--zero-bubble-max-pending-backward", {"default": ADAPTIVE, "type": str}, "with --enable-zero-bubble: the "
      "activation cap in microbatches per rank (--pipeline-memory-limit N; p is like ZB-1p, 2p like ZB-2p); the "
-     "fork's adaptive auto is auto's default cap of 2p here"),
+     "fork's adaptive auto is auto's default cap here, 1F1B's activation memory (like ZB-1p)"),
     ("--zero-bubble-adaptive-memory-limit-percentile", {"default": 85, "type": int}, "the fork's adaptive cap "
      "(a percentile of GPU memory) is not implemented; give --pipeline-memory-limit in bytes instead"),
     ("--zero-bubble-pipeline-timers-start-iter", {"default": TIMERS_START_DEFAULT, "type": int},
@@ -183,7 +183,8 @@ def _translated_notices(args: argparse.Namespace) -> list[str]:
     else:
         if args.zero_bubble_max_pending_backward == ADAPTIVE:
             lines.append("--zero-bubble-max-pending-backward auto: the fork's adaptive cap is not implemented; auto "
-                         "plans under its default cap of 2p microbatches (give N, or --pipeline-memory-limit BYTES)")
+                         "plans under its default cap, 1F1B's activation memory (give N, e.g. 2p for ZB-2p, or "
+                         "--pipeline-memory-limit BYTES)")
         elif "zero_bubble_adaptive_memory_limit_percentile" in changed:
             lines.append("--zero-bubble-adaptive-memory-limit-percentile has no effect here: "
                          "--zero-bubble-max-pending-backward is not auto")
