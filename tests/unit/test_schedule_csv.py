@@ -3,7 +3,8 @@
 Our plans survive plan -> CSV -> plan; torch's own ScheduleZBVZeroBubble and ScheduleDualPipeV, written by torch's
 `_dump_csv` (compute-only, and lowered with torch's send/recv actions), read back as exactly our zbv and dualpipev;
 our plans written here pass torch's own schedule validation, its lowering to send/recv actions (which refuses a
-deadlock) and its dry run; a bad file is one line naming the rank and the action as written; plot-schedule exports and draws."""
+deadlock) and its dry run; a bad file is one line naming the rank and the action as written; plot-schedule exports
+and draws."""
 import json
 from types import SimpleNamespace
 

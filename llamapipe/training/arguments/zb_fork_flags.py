@@ -153,8 +153,8 @@ def _padding(args: argparse.Namespace) -> list[str]:
     stages = pp * (2 if args.zero_bubble_v_schedule else 1)
     padded = layers - layers % pp + pp
     if padded % stages:
-        raise ArgumentError(f"--allow-padding-num-layers pads --num-layers {layers} to {padded}, which two model chunks "
-                            f"on each of --pipeline-model-parallel-size {pp} ranks cannot split evenly")
+        raise ArgumentError(f"--allow-padding-num-layers pads --num-layers {layers} to {padded}, which two model "
+                            f"chunks on each of --pipeline-model-parallel-size {pp} ranks cannot split evenly")
     counts = [padded // stages] * stages
     for index in range(-1, padded - layers - 1):
         counts[index] -= 1
