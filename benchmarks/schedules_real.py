@@ -37,7 +37,7 @@ from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
 
 SCHEDULES = [(name, spec.default_chunks) for name, spec in SPECS.items()]
 REAL_SCHEDULES = SCHEDULES + [("1f1b-fused", 1)]      # Megatron's 1F1B: a BW sends after its weight grads
-TORCH_EQUIVALENT = {"1f1b": "torch-1f1b", "zbv": "torch-zbv"}
+TORCH_EQUIVALENT = {"1f1b": "torch-1f1b", "zbv": "torch-zbv", "dualpipev": "torch-dualpipev"}
 
 
 def placement(schedule: str, vpp: int) -> str:
@@ -136,9 +136,11 @@ class _CapturedWeightGrads:
 
 
 def _torch_step(config, ps, name: str, m: int, tokens: torch.Tensor, labels: torch.Tensor):
-    """torch.distributed.pipelining's Schedule1F1B, or ScheduleZBVZeroBubble with the real I/W split."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
-    vpp = 2 if name == "torch-zbv" else 1
+    """torch.distributed.pipelining's Schedule1F1B, or ScheduleZBVZeroBubble / ScheduleDualPipeV with the real
+    I/W split."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleZBVZeroBubble
+    two_chunks = {"torch-zbv": ScheduleZBVZeroBubble, "torch-dualpipev": ScheduleDualPipeV}
+    vpp = 2 if name in two_chunks else 1
     chunks = llama_chunks(config, ps, name, vpp)
     dw = _CapturedWeightGrads() if vpp == 2 else None
     stages = [PipelineStage(_TorchStage(c), stage_of(ps.pp_rank, i, ps.pp_size, placement(name, vpp)),
@@ -150,7 +152,7 @@ def _torch_step(config, ps, name: str, m: int, tokens: torch.Tensor, labels: tor
         # torch.distributed.pipelining user writes it: on the logits the last stage returns
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="sum")
     # a summed loss, as ours: torch's default scale_grads=True would divide the gradients by m once more
-    schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn, scale_grads=False) if vpp == 2 else \
+    schedule = two_chunks[name](stages, m, loss_fn=loss_fn, scale_grads=False) if vpp == 2 else \
         Schedule1F1B(stages[0], m, loss_fn=loss_fn, scale_grads=False)
     holds_first = any(c.pre_process for c in chunks)
     holds_last = any(c.post_process for c in chunks)
