@@ -218,7 +218,8 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
                            variable_seq_lengths=variable_seq_lengths, actions_of=actions_of)
     vocab = None if output is None else VocabStep(
         output, parallel_state.pp_group, plan.pp, last_rank=plan.rank_chunk_of(plan.num_stages - 1)[0] == pp_rank,
-        loss_scale=loss_scale, embedding=vocab_embedding(model_chunks), first_rank_global=parallel_state.pp_ranks[0])
+        loss_scale=loss_scale, embedding=vocab_embedding(model_chunks), first_rank=pp_rank == 0,
+        first_rank_global=parallel_state.pp_ranks[0])
     step = _Step(plan, pp_rank, comm, model_chunks, forward_step_func, data_iterator, forward_only, loss_scale,
                  fused_bw, None if forward_only else activation_probe, vocab)
     grad_sync = None if forward_only else grad_sync
@@ -231,7 +232,7 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
                             keep_graph=not forward_only)
             _loop(step, actions, comm, action_times, grad_sync)
             if vocab is not None:
-                vocab.embedding_backward(first_rank=pp_rank == 0)
+                vocab.embedding_backward()
                 vocab.finish()
                 step.losses.update(vocab.losses)
         comm.finish()

@@ -11,7 +11,7 @@ reports the loss (loss_sum, num_tokens) at its T, or at the end of a forward-onl
 
 The input embedding is split the same way and runs outside the plan, as the paper allows for the input layer:
 before the first action every rank looks up the step's microbatches in its rows (reading them from its own
-copy of the data, the data iterator after the chunks' ones) and one all-reduce over the pipeline sums the
+copy of the data, the data iterator after the chunks' ones) and one reduce over the pipeline sums the
 partials, which the first stage's F takes as its input; after the last action the first stage's input gradients
 are broadcast over the pipeline and every rank runs its shard's backward (its weight gradient).
 """
@@ -48,7 +48,8 @@ class VocabStep:
     last stage's loss functions (last-stage rank only)."""
 
     def __init__(self, output: PipelineVocabOutput, pp_group: Any, pp_size: int, *, last_rank: bool,
-                 loss_scale: float, embedding: Optional[Any] = None, first_rank_global: int = 0) -> None:
+                 loss_scale: float, embedding: Optional[Any] = None, first_rank: bool = False,
+                 first_rank_global: int = 0) -> None:
         # the statistics' own group when the model has one (setup.vocab_stats_group), else the pipeline group
         self.output, self.group, self.pp_size = output, getattr(output, "stats_group", None) or pp_group, pp_size
         self.last_rank, self.loss_scale = last_rank, loss_scale
@@ -56,35 +57,37 @@ class VocabStep:
         self.gathers: dict[int, tuple] = {}            # mb -> (work, per-rank stats buffers)
         self.loss_funcs: dict[int, Any] = {}           # mb -> the last stage's loss function
         self.losses: dict[int, dict] = {}
-        self.embedding, self.first_rank_global = embedding, first_rank_global
+        self.embedding, self.first_rank, self.first_rank_global = embedding, first_rank, first_rank_global
         self.partials: list = []                       # this rank's embedding partials (their graphs)
         self.embedded: Optional[torch.Tensor] = None   # the first stage: the embedding outputs, (m, s, b, h)
+        self.grad_like: Optional[dict] = None         # the other ranks: their shape, dtype and device
         self.embedding_grads: dict[int, torch.Tensor] = {}
 
     def embed(self, forward_step_func: Any, data_iterator: Any, num_microbatches: int, keep_graph: bool) -> None:
         """Before the first action: every rank's partial embeddings of the step's microbatches, summed over the
-        pipeline (one all-reduce); the sum is what the first stage's F takes."""
+        pipeline onto the first stage's rank (one reduce); the sum is what the first stage's F takes."""
         if self.embedding is None:
             return
         prepass = EmbeddingPrepass(self.embedding)
         self.partials = [forward_step_func(data_iterator, prepass)[0] for _ in range(num_microbatches)]
         total = torch.stack([p.detach() for p in self.partials])
-        dist.all_reduce(total, group=self.group)
-        self.embedded = total
+        dist.reduce(total, dst=self.first_rank_global, group=self.group)
+        like = dict(size=total.shape, dtype=total.dtype, device=total.device)
+        self.embedded, self.grad_like = (total, None) if self.first_rank else (None, like)
         if not keep_graph:
-            self.partials = []
+            self.partials, self.grad_like = [], None
 
-    def embedding_backward(self, first_rank: bool) -> None:
+    def embedding_backward(self) -> None:
         """After the last action: the first stage's input gradients to every rank, each shard's backward."""
         if self.embedding is None or not self.partials:
             return
-        if first_rank:
+        if self.first_rank:
             grads = torch.stack([self.embedding_grads.pop(mb) for mb in range(len(self.partials))])
         else:
-            grads = torch.empty_like(self.embedded)
+            grads = torch.empty(**self.grad_like)
         dist.broadcast(grads, src=self.first_rank_global, group=self.group)
         torch.autograd.backward(self.partials, list(grads.unbind(0)))
-        self.partials, self.embedded = [], None
+        self.partials, self.embedded, self.grad_like = [], None, None
 
     def stats(self, mb: int, hidden: torch.Tensor, targets: torch.Tensor) -> None:
         """S: this shard's statistics of microbatch `mb`; their all-gather over the pipeline starts here."""
