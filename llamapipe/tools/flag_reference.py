@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 
+from llamapipe.core.flag_parser import FlagParser
 from llamapipe.training.arguments import build_parser
 
 HEADER = """# Flag reference
@@ -76,7 +77,7 @@ def render(parser: argparse.ArgumentParser) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="llamapipe flag-reference", description=__doc__.splitlines()[0])
+    p = FlagParser(prog="llamapipe flag-reference", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join("docs", "flags.md"), help="page to write (default docs/flags.md)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 when --out is out of date")
     args = p.parse_args(argv)

@@ -10,7 +10,6 @@ gzip-compressed with a fixed header.
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import gzip
 import io
@@ -20,6 +19,8 @@ import sys
 import sysconfig
 import tokenize
 from typing import Iterator
+
+from llamapipe.core.flag_parser import FlagParser
 
 
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
@@ -114,7 +115,7 @@ def _interleave(a: Iterator[dict], b: Iterator[dict], ratio: int = 4) -> Iterato
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = FlagParser(prog="llamapipe make-sample-corpus", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join("runs", "sample_corpus"),
                    help="output directory (default runs/sample_corpus)")
     p.add_argument("--max-mb", type=float, default=4.0, help="stop after this many MB of text")

@@ -24,6 +24,7 @@ import os
 import sys
 
 from llamapipe.core.config import SCHEDULES
+from llamapipe.core.flag_parser import FlagParser
 from llamapipe.core.pipeline_parallel.schedule_csv import read_csv, write_csv
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
@@ -40,18 +41,13 @@ from llamapipe.core.pipeline_parallel.visualize import (
 PROG = "llamapipe plot-schedule"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:   # one plain line instead of usage + message
-        sys.exit(_fail(message))
-
-
 def _fail(message: str) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return 2
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog=PROG, description="Simulate and draw a pipeline schedule.")
+    p = FlagParser(prog=PROG, description="Simulate and draw a pipeline schedule.")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--schedule", choices=SCHEDULES)
     which.add_argument("--schedule-file", default=None,

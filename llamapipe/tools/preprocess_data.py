@@ -11,7 +11,6 @@ The progress bar counts bytes of the input files, so it shows a total and an ETA
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import multiprocessing as mp
 import os
@@ -24,6 +23,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from llamapipe.core.flag_parser import FlagParser
 from llamapipe.core.logger import get_logger
 from llamapipe.data.indexed_dataset import IndexedDatasetWriter, best_dtype
 from llamapipe.data.redpajama import Document, ReadStats, iter_documents, resolve_inputs
@@ -169,7 +169,7 @@ def _tokenize(docs: Iterator[Document], where: InputProgress, writers: dict[str,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = FlagParser(prog="llamapipe preprocess", description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True, help="files (.jsonl, .jsonl.gz, .json, .parquet), "
                    "directories, globs, or a hub dataset name (downloads)")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_<json key>_document.bin/.idx")

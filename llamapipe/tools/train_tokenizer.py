@@ -11,7 +11,6 @@ Offline; seconds for a few MB.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ from typing import Iterator, Sequence
 import sentencepiece as spm
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from llamapipe.core.flag_parser import FlagParser
 from llamapipe.core.logger import get_logger
 from llamapipe.data.redpajama import iter_documents
 from llamapipe.data.tokenizer import SENTENCEPIECE_TYPES, build_tokenizer
@@ -94,7 +94,7 @@ def train_bpe(inputs: Sequence[str], vocab_size: int, out_dir: str, json_key: st
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = FlagParser(prog="llamapipe train-tokenizer", description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True, help="RedPajama files, directories, globs or .txt files")
     p.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
                    choices=SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer",))

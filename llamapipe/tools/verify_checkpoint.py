@@ -9,12 +9,12 @@ damaged, 2 when DIR holds no checkpoint.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+from llamapipe.core.flag_parser import FlagParser
 from llamapipe.training.checkpointing import catalog
 from llamapipe.training.checkpointing.integrity import file_defect
 
@@ -44,7 +44,7 @@ def _targets(path: str) -> Optional[list[str]]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="llamapipe verify-checkpoint", description=__doc__.split("\n\n")[0])
+    p = FlagParser(prog="llamapipe verify-checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("dir", help="a checkpoint (iter_XXXXXXX) or a --save directory holding checkpoints")
     p.add_argument("--workers", type=int, default=4, help="files hashed at once")
     args = p.parse_args(argv)

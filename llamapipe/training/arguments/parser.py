@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
-import math
 import os
 import sys
 from typing import Optional, Sequence
 
 from llamapipe.core.config import ArgumentError, DataConfig, TrainingConfig
+from llamapipe.core.flag_parser import FlagParser
 from llamapipe.core.logger import get_logger
 from llamapipe.training.arguments.checkpoint_args import with_checkpoint_args
 from llamapipe.training.arguments.data_args import data_config
@@ -33,36 +32,6 @@ from llamapipe.training.arguments.validation import check_positive, checkpoint_c
 from llamapipe.training.config import Config
 
 __all__ = ["ArgumentError", "build_parser", "config_from_args", "parse_args"]
-
-
-class FlagParser(argparse.ArgumentParser):
-    """argparse with a one-line usage, "did you mean" for unknown flags, and errors printed by rank 0 only."""
-
-    def parse_args(self, args=None, namespace=None):
-        namespace, extras = self.parse_known_args(args, namespace)
-        if extras:
-            self.error(unrecognized(extras, self.option_strings()))
-        return namespace
-
-    def option_strings(self) -> list[str]:
-        return [s for action in self._actions for s in action.option_strings if s.startswith("--")]
-
-    def error(self, message: str):
-        if int(os.environ.get("RANK", "0")) == 0:
-            self.print_usage(sys.stderr)
-            sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(2)
-
-
-def unrecognized(extras: Sequence[str], known: Sequence[str]) -> str:
-    """'unrecognized argument --x; did you mean --y?' for each unknown flag (their values are not named)."""
-    flags = [e for e in extras if e.startswith("-")] or list(extras)
-    close = {flag: difflib.get_close_matches(flag.split("=", 1)[0], known, n=1, cutoff=0.6) for flag in flags}
-    if len(flags) == 1:
-        flag = flags[0]
-        return f"unrecognized argument {flag}" + (f"; did you mean {close[flag][0]}?" if close[flag] else "")
-    said = [f"{flag} (did you mean {close[flag][0]}?)" if close[flag] else flag for flag in flags]
-    return f"unrecognized arguments {', '.join(said)}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,64 @@
+"""Issue 33 for every `llamapipe` subcommand: a mistyped flag prints exactly the one-line usage and one error
+line naming the closest flag (llamapipe/core/flag_parser.py), not argparse's usage of every flag; a mistyped
+subcommand name gets the closest subcommand. Run in this process through `llamapipe.cli.main`."""
+import sys
+
+import pytest
+
+from llamapipe import cli
+
+_PATCH = "needs /work/wip/D2-{}.py.patch (FlagParser in a file owned by another helper)"
+
+
+def _pending(name: str, file: str):
+    return pytest.param(*MISTYPED[name], marks=pytest.mark.xfail(strict=True, reason=_PATCH.format(file)), id=name)
+
+
+# subcommand -> (its words with one mistyped flag, the mistyped flag, the flag it should suggest)
+MISTYPED = {
+    "train": (["train", "--mock-data", "--pipeline-parallel-size", "2"], "--pipeline-parallel-size",
+              "--pipeline-model-parallel-size"),
+    "make-sample-corpus": (["make-sample-corpus", "--max-mbs", "1"], "--max-mbs", "--max-mb"),
+    "train-tokenizer": (["train-tokenizer", "--vocab-sise", "300"], "--vocab-sise", "--vocab-size"),
+    "preprocess": (["preprocess", "--input", "x.jsonl", "--output-prefx", "out"], "--output-prefx",
+                   "--output-prefix"),
+    "convert-hf": (["convert-hf", "import", "--hf-dirr", "x", "--save", "y"], "--hf-dirr", "--hf-dir"),
+    "plot-schedule": (["plot-schedule", "--schedule", "1f1b", "--microbatch", "4"], "--microbatch",
+                      "--microbatches"),
+    "verify-checkpoint": (["verify-checkpoint", "ckpt", "--worker", "2"], "--worker", "--workers"),
+    "plan": (["plan", "--model", "tiny", "--gpu", "8"], "--gpu", "--gpus"),
+    "profile": (["profile", "--out", "p.json", "--repeat", "2"], "--repeat", "--repeats"),
+    "flag-reference": (["flag-reference", "--chek"], "--chek", "--check"),
+}
+PENDING = {"convert-hf": "convert_hf", "plan": "plan_parallelism", "profile": "profile_model"}
+CASES = [_pending(name, PENDING[name]) if name in PENDING else pytest.param(*case, id=name)
+         for name, case in MISTYPED.items()]
+
+
+def test_every_subcommand_has_a_case():
+    assert set(MISTYPED) == set(cli.SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("argv, flag, suggestion", CASES)
+def test_mistyped_flag_is_the_usage_line_and_one_error_line(argv, flag, suggestion, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["llamapipe"] + argv)   # cli.main renames sys.argv[0]
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    out = capsys.readouterr()
+    lines = out.err.splitlines()
+    assert out.out == "" and len(lines) == 2, out.err
+    assert lines[0].startswith("usage: ") and "--help" in lines[0]
+    assert lines[1].endswith(f": error: unrecognized argument {flag}; did you mean {suggestion}?"), lines[1]
+
+
+@pytest.mark.xfail(strict=True, reason=_PATCH.format("cli"))
+def test_mistyped_subcommand_names_the_closest_one(capsys):
+    assert cli.main(["preprocss", "--input", "x"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.splitlines()[1:] == [
+        "llamapipe: error: unknown subcommand 'preprocss'; did you mean preprocess?"]
+    assert len(out.err.splitlines()) == 2 and out.err.startswith("usage: llamapipe <subcommand>")
+    assert cli.main(["qqqq"]) == 2
+    assert capsys.readouterr().err.splitlines()[1].endswith(f"choose one of {', '.join(cli.SUBCOMMANDS)}")
