@@ -1,6 +1,6 @@
 """--enable-vocab-parallel through the CLI (arXiv 2411.05288): the output layer split over the pipeline trains the
 same per-iteration losses as the single-process run (fp32, rel 1e-5) under every schedule, at pp 2 and 4, with
-tp 2 + sequence parallelism, dp 2 with ZeRO-1, recompute and post-validation, and evaluates the same validation
+tp 2 + sequence parallelism, dp 2 with ZeRO-1, recompute, --compile and post-validation, and evaluates the same validation
 loss (forward-only S); its checkpoint loads without the split and a checkpoint without it loads with it (the
 logical output.weight is one tensor), and convert-hf exports the whole output layer from it. The vocabulary
 (250, padded to 256 or 512) leaves padding rows, at pp 4 whole padding shards."""
@@ -55,8 +55,8 @@ CASES = {
                       "--pipeline-profile-iters", "1"]),
     "pp2-dp2-zero1-v-half": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "v-half", *V2,
                                  "--use-distributed-optimizer"]),
-    "pp2-auto": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto", *V2,
-                     "--pipeline-profile-iters", "1"]),
+    "pp2-auto-compile": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto", *V2,
+                             "--pipeline-profile-iters", "1", "--compile"]),
 }
 
 
