@@ -106,6 +106,23 @@ class _TorchStage(nn.Module):
         return self.chunk()                         # hidden (s, b, h), or logits (b, s, v) on the last stage
 
 
+def _static_io(chunk: nn.Module, config, tokens: torch.Tensor, m: int) -> dict:
+    """The stage's input and output for one microbatch as meta tensors (torch's static mode).
+
+    Without them torch infers them on its first step by running the stage's forward AND backward on
+    uninitialized tensors (torch >= 2.13, `_backward_metadata_inference` via `torch.autograd.grad`). Our linears
+    write their weight gradients into `.grad` inside their backward (the zero-bubble W closures), so that
+    inference backward left garbage (NaN, or any value) in every linear's `.grad` on each stage with a
+    gradient input; torch clears gradients after inference only for FSDP modules."""
+    b, s = tokens.shape[0] // m, tokens.shape[1]
+    dtype = next(chunk.parameters()).dtype
+    hidden = torch.empty(s, b, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)   # (s, b, h)
+    first = torch.empty(b, s, dtype=tokens.dtype, device="meta")                                     # (b, s)
+    logits = torch.empty(b, s, config.vocab_size, dtype=dtype, device="meta", requires_grad=True)  # (b, s, v)
+    return {"input_args": first if chunk.pre_process else hidden,
+            "output_args": logits if chunk.post_process else hidden}
+
+
 class _CapturedWeightGrads:
     """torch's `dw_builder` for our model: torch calls it right after each input backward (I) and runs
     what it returns at the matching W. Our linears queue their weight gradients in the store their forward
@@ -144,7 +161,8 @@ def _torch_step(config, ps, name: str, m: int, tokens: torch.Tensor, labels: tor
     chunks = llama_chunks(config, ps, name, vpp)
     dw = _CapturedWeightGrads() if vpp == 2 else None
     stages = [PipelineStage(_TorchStage(c), stage_of(ps.pp_rank, i, ps.pp_size, placement(name, vpp)),
-                            ps.pp_size * vpp, torch.device("cpu"), group=ps.pp_group, dw_builder=dw)
+                            ps.pp_size * vpp, torch.device("cpu"), group=ps.pp_group, dw_builder=dw,
+                            **_static_io(c, config, tokens, m))
               for i, c in enumerate(chunks)]
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -267,7 +285,7 @@ def real_worker(rank: int, world: int, args) -> list[dict]:
         for name in TORCH_EQUIVALENT.values():
             try:
                 steps[name] = _torch_step(config, ps0, name, m, tokens, labels)
-                steps[name]()                          # torch infers shapes on its first step
+                steps[name]()                          # an API mismatch shows on the first step
             except Exception as err:  # an API mismatch is a result to report, not a crash
                 steps.pop(name)
                 errors[name] = f"{type(err).__name__}: {err}"
