@@ -14,7 +14,8 @@ def _pending(name: str, file: str):
     return pytest.param(*MISTYPED[name], marks=pytest.mark.xfail(strict=True, reason=_PATCH.format(file)), id=name)
 
 
-# subcommand -> (its words with one mistyped flag, the mistyped flag, the flag it should suggest)
+# subcommand -> (its words with one mistyped flag, the mistyped flag, the flag it should suggest); no typo is a
+# prefix of a flag, so a parser that still takes abbreviations fails here instead of running the tool
 MISTYPED = {
     "train": (["train", "--mock-data", "--pipeline-parallel-size", "2"], "--pipeline-parallel-size",
               "--pipeline-model-parallel-size"),
@@ -23,11 +24,11 @@ MISTYPED = {
     "preprocess": (["preprocess", "--input", "x.jsonl", "--output-prefx", "out"], "--output-prefx",
                    "--output-prefix"),
     "convert-hf": (["convert-hf", "import", "--hf-dirr", "x", "--save", "y"], "--hf-dirr", "--hf-dir"),
-    "plot-schedule": (["plot-schedule", "--schedule", "1f1b", "--microbatch", "4"], "--microbatch",
+    "plot-schedule": (["plot-schedule", "--schedule", "1f1b", "--microbatchs", "4"], "--microbatchs",
                       "--microbatches"),
-    "verify-checkpoint": (["verify-checkpoint", "ckpt", "--worker", "2"], "--worker", "--workers"),
-    "plan": (["plan", "--model", "tiny", "--gpu", "8"], "--gpu", "--gpus"),
-    "profile": (["profile", "--out", "p.json", "--repeat", "2"], "--repeat", "--repeats"),
+    "verify-checkpoint": (["verify-checkpoint", "ckpt", "--wokers", "2"], "--wokers", "--workers"),
+    "plan": (["plan", "--model", "tiny", "--gpsu", "8"], "--gpsu", "--gpus"),
+    "profile": (["profile", "--out", "p.json", "--repaets", "2"], "--repaets", "--repeats"),
     "flag-reference": (["flag-reference", "--chek"], "--chek", "--check"),
 }
 PENDING = {"convert-hf": "convert_hf", "plan": "plan_parallelism", "profile": "profile_model"}
@@ -40,7 +41,8 @@ def test_every_subcommand_has_a_case():
 
 
 @pytest.mark.parametrize("argv, flag, suggestion", CASES)
-def test_mistyped_flag_is_the_usage_line_and_one_error_line(argv, flag, suggestion, capsys, monkeypatch):
+def test_mistyped_flag_is_the_usage_line_and_one_error_line(argv, flag, suggestion, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)                               # nothing is written, but if it were: not here
     monkeypatch.setattr(sys, "argv", ["llamapipe"] + argv)   # cli.main renames sys.argv[0]
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit) as info:
