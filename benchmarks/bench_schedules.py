@@ -27,7 +27,7 @@ import time
 import torch
 from torch import nn
 
-from llamapipe.core.pipeline_parallel import weight_grad_store
+from llamapipe.core.tensor_parallel import weight_grad_store
 from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate

@@ -33,7 +33,7 @@ from llamapipe.core.host_memory import keep_freed_host_memory, minor_page_faults
 from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
-from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
+from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 
 SCHEDULES = [(name, spec.default_chunks) for name, spec in SPECS.items()]
 REAL_SCHEDULES = SCHEDULES + [("1f1b-fused", 1)]      # Megatron's 1F1B: a BW sends after its weight grads

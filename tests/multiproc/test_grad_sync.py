@@ -13,7 +13,7 @@ from llamapipe.core.distributed.grad_reduce import finalize_model_grads
 from llamapipe.core.distributed.grad_sync import GradSync
 from llamapipe.core.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from llamapipe.core.pipeline_parallel.schedule_specs import build
-from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
+from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.core.pipeline_parallel.executor import _last_backward_actions
 from llamapipe.core.tensor_parallel.layers import ColumnParallelLinear
 from tests.harness import run_distributed

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from llamapipe.core.pipeline_parallel import weight_grad_store
+from llamapipe.core.tensor_parallel import weight_grad_store
 from tests.harness import run_distributed
 
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ = 32, 16, 8, 2, 6

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
-from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
+from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from tests.harness import run_distributed
 from tests.multiproc.test_pipeline_executor import BATCH, LAYERS, SEQ, ToyChunk, _Linear, make_batches
 

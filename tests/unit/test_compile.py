@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
+from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.model.config import LlamaConfig
 from llamapipe.model.llama import LlamaModel
 from tests.harness import ROOT

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
+from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.model.config import LlamaConfig
 from llamapipe.model.hf_checkpoint import from_hf, to_hf
 from llamapipe.model.llama import LlamaModel

@@ -1,4 +1,4 @@
-"""The weight-gradient store the executor owns (core/pipeline_parallel/weight_grad_store.py): a parallel
+"""The weight-gradient store the executor owns (core/tensor_parallel/weight_grad_store.py): a parallel
 linear's forward remembers the current store, so its backward defers into that store from any thread
 (on GPU autograd runs backward on a device thread, where the caller's context variables are not set),
 and nothing is deferred without one."""
@@ -7,8 +7,8 @@ import threading
 import torch
 from torch import nn
 
-from llamapipe.core.pipeline_parallel import weight_grad_store
-from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
+from llamapipe.core.tensor_parallel import weight_grad_store
+from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.core.tensor_parallel.layers import ColumnParallelLinear
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llamapipe.core.distributed.grad_reduce import DEFAULT_BUCKET_SIZE, bucket_groups, group_size, unpack_bucket
-from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
+from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.core.tensor_parallel.layers import all_reduce_coalesced, grad_dtype
 
 

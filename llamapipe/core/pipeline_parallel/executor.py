@@ -33,7 +33,7 @@ from llamapipe.core.pipeline_parallel.p2p_communication import Message, P2PCommu
 from llamapipe.core.pipeline_parallel.schedule_ir import BACKWARD_KINDS, Action, Plan
 from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
 from llamapipe.core.pipeline_parallel.vocab_runtime import VocabStep, pack_targets, vocab_embedding, vocab_output
-from llamapipe.core.pipeline_parallel.weight_grad_store import WeightGradStore
+from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 
 
 def forward_only_actions(plan: Plan, pp_rank: int) -> tuple[Action, ...]:

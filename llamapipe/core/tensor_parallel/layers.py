@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from llamapipe.core.pipeline_parallel import weight_grad_store
+from llamapipe.core.tensor_parallel import weight_grad_store
 from llamapipe.core.tensor_parallel import mappings
 from llamapipe.core.tensor_parallel.graph_breaks import eager
 
