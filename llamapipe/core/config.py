@@ -68,6 +68,8 @@ class TrainingConfig:
     manual_gc_interval: int = 0                 # iterations between manual collections (0: none in training)
     manual_gc_eval: bool = True                 # collect around evaluation (--no-manual-gc-eval to not)
     compile: bool = False                       # --compile: torch.compile each decoder layer and the final norm
+    post_validation: bool = False               # --enable-optimizer-post-validation: the step's form and the
+                                                # profiled schedules' objective (zero-bubble paper, section 4)
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,6 @@ class OptimizerConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     use_distributed_optimizer: bool = False     # ZeRO-1: --data-parallel-sharding-strategy optim, resolved once
-    post_validation: bool = False       # --enable-optimizer-post-validation (zero-bubble paper, section 4)
     optimizer_cpu_offload: bool = False # fp32 masters, Adam moments and the update on the CPU
 
 

@@ -123,7 +123,7 @@ class Trainer:
         self.parts = StepParts(config, ps, self.chunks, self.optimizer, self.scheduler, self.batches,
                                fb_func, grad_sync, self.progress, self.state)
         step_form = SynchronousStep
-        if config.optimizer.post_validation:
+        if cfg.post_validation:
             from llamapipe.training.post_validated import PostValidatedStep
             step_form = PostValidatedStep
         self.step = step_form(self.parts, train_iters)

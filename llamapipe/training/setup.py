@@ -101,7 +101,7 @@ def build_forward_backward_func(config: Config, ps: ParallelState):
     options = AutoOptions(profile_iters=config.training.profile_iters,
                           memory_limit=config.parallel.pipeline_memory_limit,
                           memory_limit_bytes=config.parallel.pipeline_memory_limit_bytes,
-                          post_validation=config.optimizer.post_validation)
+                          post_validation=config.training.post_validation)
     return get_forward_backward_func(ps, config.parallel.pipeline_schedule, options=options)
 
 

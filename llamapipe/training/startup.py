@@ -67,7 +67,7 @@ def _numerics(config: Config) -> str:
                       else " (every layer)")
     on = {True: "on", False: "off"}
     return (f"precision {precision}, recompute {recompute}, compile {on[config.training.compile]}, "
-            f"optimizer post-validation {on[opt.post_validation]}")
+            f"optimizer post-validation {on[config.training.post_validation]}")
 
 
 def _validation(config: Config) -> str:

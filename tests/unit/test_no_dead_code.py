@@ -18,10 +18,7 @@ SOURCES = ("llamapipe", "tests", "benchmarks", "scripts", "examples", "pretrain_
 THIS_FILE = os.path.relpath(__file__, ROOT)
 
 # name -> why it stays although nothing in the repository references it
-ALLOWED: dict[str, str] = {
-    "copy_to_tensor_model_parallel_region": "unused; its removal waits for the tensor_parallel change in flight",
-    "scatter_to_sequence_parallel_region": "unused; its removal waits for the tensor_parallel change in flight",
-}
+ALLOWED: dict[str, str] = {}
 
 _ENTRY_POINT = re.compile(r"^[\w.]+:(\w+)$")
 

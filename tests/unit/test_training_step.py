@@ -101,3 +101,14 @@ def test_both_forms_share_the_decision_and_only_the_post_validated_one_overlaps(
     assert sync.drain() is None and pv.drain() is None          # nothing pending yet
     assert sync.summary() is None
     assert pv.summary() == "post-validation: 0 speculative updates rolled back, 0 iterations run again"
+
+
+def test_the_post_validation_flag_lives_in_the_config_the_step_reads():
+    """--enable-optimizer-post-validation chooses the step's form (and the profiled schedules' objective), so it
+    is TrainingConfig's; the optimizer never read it."""
+    import dataclasses
+    from llamapipe.training.arguments import parse_args
+    assert "post_validation" not in {f.name for f in dataclasses.fields(OptimizerConfig)}
+    config = parse_args(["--mock-data", "--enable-optimizer-post-validation", "--pipeline-model-parallel-size", "1"])
+    assert config.training.post_validation is True
+    assert parse_args(["--mock-data"]).training.post_validation is False

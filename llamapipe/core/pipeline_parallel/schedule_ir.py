@@ -45,8 +45,6 @@ class Dep(NamedTuple):
     stage: int       # LAST or ALL
 
 
-VOCAB_TRANSPORT = {"hidden": "p2p", "stats": "collective", "vgrad": "p2p"}
-
 KIND_SPECS: dict[str, KindSpec] = {spec.name: spec for spec in (
     KindSpec("F", ("F",), +1, "act"),
     KindSpec("B", ("B",), -1, "grad"),

@@ -57,17 +57,6 @@ def reduce_scatter(x: torch.Tensor, tp_group: Optional[Any]) -> torch.Tensor:
     return out
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp_group: Any) -> torch.Tensor:
-        ctx.tp_group = tp_group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_reduce(grad.contiguous(), ctx.tp_group), None
-
-
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp_group: Any) -> torch.Tensor:
@@ -100,17 +89,6 @@ class _GatherFromTP(torch.autograd.Function):
         return split(grad, ctx.tp_group, -1), None
 
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp_group: Any) -> torch.Tensor:
-        ctx.tp_group = tp_group
-        return split(x, tp_group, 0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_gather(grad, ctx.tp_group, 0), None
-
-
 class _GatherFromSP(torch.autograd.Function):
     """All-gather along the sequence; the backward reduce-scatters because the consumer is TP-partitioned."""
 
@@ -135,11 +113,6 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return all_gather(grad, ctx.tp_group, 0), None
 
 
-def copy_to_tensor_model_parallel_region(x: torch.Tensor, tp_group: Optional[Any]) -> torch.Tensor:
-    """Forward identity, backward all-reduce (input of a column-parallel layer)."""
-    return x if _tp_size(tp_group) == 1 else _CopyToTP.apply(x, tp_group)
-
-
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, tp_group: Optional[Any]) -> torch.Tensor:
     """Forward all-reduce, backward identity (output of a row-parallel layer)."""
     return x if _tp_size(tp_group) == 1 else _ReduceFromTP.apply(x, tp_group)
@@ -153,11 +126,6 @@ def scatter_to_tensor_model_parallel_region(x: torch.Tensor, tp_group: Optional[
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, tp_group: Optional[Any]) -> torch.Tensor:
     """Forward all-gather of the last dimension, backward split."""
     return x if _tp_size(tp_group) == 1 else _GatherFromTP.apply(x, tp_group)
-
-
-def scatter_to_sequence_parallel_region(x: torch.Tensor, tp_group: Optional[Any]) -> torch.Tensor:
-    """Forward split of the sequence (dim 0), backward all-gather."""
-    return x if _tp_size(tp_group) == 1 else _ScatterToSP.apply(x, tp_group)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, tp_group: Optional[Any]) -> torch.Tensor:

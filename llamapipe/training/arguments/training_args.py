@@ -99,7 +99,7 @@ def training_config(args: argparse.Namespace, par: ParallelConfig, seq_length: i
                           rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
                           calculate_per_token_loss=args.calculate_per_token_loss, manual_gc=args.manual_gc,
                           manual_gc_interval=args.manual_gc_interval, manual_gc_eval=args.manual_gc_eval,
-                          compile=args.compile)
+                          compile=args.compile, post_validation=args.enable_optimizer_post_validation)
 
 
 def optimizer_config(args: argparse.Namespace, par: ParallelConfig) -> OptimizerConfig:
@@ -116,5 +116,4 @@ def optimizer_config(args: argparse.Namespace, par: ParallelConfig) -> Optimizer
                            min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
                            hysteresis=args.hysteresis,
                            use_distributed_optimizer=par.data_parallel_sharding_strategy == "optim",
-                           post_validation=args.enable_optimizer_post_validation,
                            optimizer_cpu_offload=args.optimizer_cpu_offload)

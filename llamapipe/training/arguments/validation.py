@@ -13,9 +13,9 @@ import os
 
 import torch
 
-from llamapipe.core.config import FSDP_STRATEGIES, SCHEDULES, ArgumentError, ParallelConfig
+from llamapipe.core.config import FSDP_STRATEGIES, ArgumentError, ParallelConfig
 from llamapipe.core.pipeline_parallel.activation_memory import MemoryBytes
-from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule
+from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule, schedule_spec
 from llamapipe.training.arguments.pipeline import vpp_size
 from llamapipe.training.config import CheckpointConfig, LoggingConfig
 
@@ -81,8 +81,10 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
         raise ArgumentError("--distributed-backend nccl needs CUDA, which is not available; use gloo")
     vpp = vpp_size(args, num_layers)
     schedule = args.pipeline_schedule or default_schedule(vpp)
-    if schedule not in SCHEDULES:
-        raise ArgumentError(f"--pipeline-schedule {schedule} is unknown; choose one of {', '.join(SCHEDULES)}")
+    try:
+        schedule_spec(schedule)     # a name in the table, or file:PATH (read and verified)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 cannot be used together")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
