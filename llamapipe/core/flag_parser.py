@@ -53,11 +53,12 @@ class FlagParser(argparse.ArgumentParser):
         return [s for action in self._actions for s in action.option_strings if s.startswith("--")]
 
     def unknown_flags(self, argv: Sequence[str]) -> list[str]:
-        """The tokens before any `--` that look like flags (not negative numbers) and name none of ours."""
+        """The tokens before any `--` that argparse takes for flags (not negative numbers, no space) and that
+        name none of ours."""
         known = {s for action in self._actions for s in action.option_strings}
         words = list(argv)
         words = words[:words.index("--")] if "--" in words else words
-        return [w for w in words if w.startswith("-") and len(w) > 1 and not _NUMBER.match(w)
+        return [w for w in words if w.startswith("-") and len(w) > 1 and not _NUMBER.match(w) and " " not in w
                 and w.split("=", 1)[0] not in known]
 
     def format_usage(self) -> str:

@@ -64,3 +64,18 @@ def test_mistyped_subcommand_names_the_closest_one(capsys):
     assert len(out.err.splitlines()) == 2 and out.err.startswith("usage: llamapipe <subcommand>")
     assert cli.main(["qqqq"]) == 2
     assert capsys.readouterr().err.splitlines()[1].endswith(f"choose one of {', '.join(cli.SUBCOMMANDS)}")
+
+
+def test_unknown_flags_are_only_what_argparse_takes_for_flags(capsys):
+    from llamapipe.core.flag_parser import FlagParser
+    p = FlagParser(prog="t")
+    p.add_argument("--scale", type=float)
+    p.add_argument("words", nargs="*")
+    args = p.parse_args(["--scale", "-1.5", "-3", "two words", "--", "--not-a-flag"])
+    assert args.scale == -1.5 and args.words == ["-3", "two words", "--not-a-flag"]
+    assert p.unknown_flags(["--scale=-2", "-", "--scal", "--", "--after"]) == ["--scal"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--scal=2", "--requred"])        # both named, the close one with its suggestion
+    assert capsys.readouterr().err.splitlines() == [
+        "usage: t WORDS [flags]   (--help lists every flag)",
+        "t: error: unrecognized arguments --scal=2 (did you mean --scale?), --requred"]
