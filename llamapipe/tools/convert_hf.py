@@ -1,4 +1,4 @@
-"""Convert between HF transformers LLaMA directories and llamapipe checkpoints, in any parallel layout.
+"""Convert between HF transformers directories (LLaMA, Qwen2) and llamapipe checkpoints, in any parallel layout.
 
   llamapipe convert-hf import --hf-dir D --save DIR [--tensor-model-parallel-size T
       --pipeline-model-parallel-size P --num-layers-per-virtual-pipeline-stage V]
@@ -6,10 +6,11 @@
 
 Import writes iteration 0, model weights only (train from it with --finetune, or --no-load-optim).
 Export takes any checkpoint (any layout; DIR may be a save dir or one iter_XXXXXXX dir) and writes
-model.safetensors + config.json that transformers' LlamaForCausalLM.from_pretrained loads, every vocabulary
+model.safetensors + config.json that transformers' AutoModelForCausalLM.from_pretrained loads, every vocabulary
 row the checkpoint records (gathered over its TP shards), and the run's tokenizer (recorded in the
 checkpoint's metadata.json, or --tokenizer-model) in the form AutoTokenizer.from_pretrained loads.
-Bad input ends with one plain error line and exit status 2.
+The model family comes from config.json's model_type on import and from the checkpoint's recorded config on
+export (model/families.py). Bad input ends with one plain error line and exit status 2.
 """
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ from safetensors.torch import save_file
 
 from llamapipe.training.checkpointing import io as cio
 from llamapipe.core.config import ParallelConfig
+from llamapipe.core.flag_parser import FlagParser
 from llamapipe.training.config import Config
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.training.checkpointing.resharding import TensorSpec, spec_of
 from llamapipe.model.config import LlamaConfig
+from llamapipe.model.families import config_from_dict, family_of, family_of_hf
 from llamapipe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from llamapipe.data.tokenizers.hf_export import special_token_ids, write_hf_tokenizer
-from llamapipe.model.hf_checkpoint import from_hf, to_hf
 
 
 def read_hf_dir(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -67,8 +69,7 @@ def _weight_files(hf_dir: str) -> list[str]:
 def model_specs(config: LlamaConfig, tp: int) -> dict[str, TensorSpec]:
     """Partition specs of every logical name, from a weightless (meta) model; checks tp against shapes."""
     with torch.device("meta"):
-        from llamapipe.model.llama import LlamaModel
-        model = LlamaModel(config, ParallelState(tp_size=tp, world_size=tp))
+        model = family_of(config).model_class(config, ParallelState(tp_size=tp, world_size=tp))
     return {name: spec_of(param) for name, param in model.named_parameters()}
 
 
@@ -76,7 +77,7 @@ def import_hf(hf_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_s
               make_vocab_size_divisible_by: int = 128, virtual_stages: int | None = None) -> str:
     from tqdm import tqdm
     hf_state_dict, hf_config = read_hf_dir(hf_dir)
-    config, full = from_hf(hf_state_dict, hf_config, make_vocab_size_divisible_by)
+    config, full = family_of_hf(hf_config).from_hf(hf_state_dict, hf_config, make_vocab_size_divisible_by)
     vpp = 1
     if layers_per_virtual_stage is not None:
         if config.num_layers % (pp * layers_per_virtual_stage):
@@ -114,14 +115,14 @@ def export_hf(load: str, hf_dir: str, tokenizer_model: str | None = None,
             raise ValueError(f"--load {load} holds no complete checkpoint")
         path = found[1]
     reader = cio.CheckpointReader(path)
-    config = LlamaConfig(**reader.meta["model_config"])
+    config = config_from_dict(reader.meta["model_config"])
     tokenizer = _run_tokenizer(reader.meta, path, tokenizer_model, tokenizer_type)
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but checkpoint {path} records a vocabulary "
                          f"of {config.vocab_size}; give the --tokenizer-model it was trained with")
     full = {key: reader.logical(key) for key in reader.keys("model")}   # every TP shard's rows, padding dropped
     token_ids = special_token_ids(tokenizer) if tokenizer is not None else None
-    hf_state_dict, hf_config = to_hf(config, full, token_ids)
+    hf_state_dict, hf_config = family_of(config).to_hf(config, full, token_ids)
     if config.tie_word_embeddings:  # HF re-ties lm_head on load; safetensors refuses shared storage
         hf_state_dict.pop("lm_head.weight")
     os.makedirs(hf_dir, exist_ok=True)
@@ -150,7 +151,7 @@ def _run_tokenizer(meta: dict, path: str, tokenizer_model: str | None, tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="llamapipe convert-hf", description=__doc__.split("\n")[0])
+    parser = FlagParser(prog="llamapipe convert-hf", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="HF directory -> llamapipe checkpoint",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -1,10 +1,10 @@
 """Our V-Half, written to torch's CSV format here (schedule_csv.to_csv), run by torch.distributed.pipelining's own
 `_PipelineScheduleRuntime` (`_load_csv`, lowered to its send/recv actions, with its I/W split) on 2 gloo ranks:
 it runs to the end, every deferred weight gradient runs once, and its per-microbatch losses equal our executor's
-on the same plan (fp32, rel 1e-5). The model is our LlamaModel behind torch's stage interface, as the schedule
-benchmark runs it (benchmarks/schedules_real.py). Gradients are not compared: through this adapter torch's weight
-gradients differ from ours for torch's own ZB-V order too (our executor's equal the single-process run's,
-tests/e2e/test_e2e_training.py), so that difference is the adapter's, not the file's."""
+on the same plan (fp32, rel 1e-5), and so do every parameter's gradients (relative L2 1e-5). The model is our
+LlamaModel behind torch's stage interface, as the schedule benchmark runs it (benchmarks/schedules_real.py), with
+the stages' input and output given (torch's static mode: its inference on the first step would run a backward on
+uninitialized tensors, whose weight gradients our linears keep; tests/multiproc/test_torch_adapter_grads.py)."""
 from __future__ import annotations
 
 import os
@@ -23,7 +23,8 @@ def _worker(rank: int, world: int, csv_text: str, m: int) -> dict:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-    from benchmarks.schedules_real import _CapturedWeightGrads, _TorchStage, llama_chunks, llama_config, loss_step
+    from benchmarks.schedules_real import (_CapturedWeightGrads, _static_io, _TorchStage, llama_chunks, llama_config,
+                                           loss_step)
     from llamapipe.core.parallel_state import initialize_model_parallel
     from llamapipe.core.pipeline_parallel import executor
     from llamapipe.core.pipeline_parallel.schedule_csv import from_csv
@@ -37,9 +38,11 @@ def _worker(rank: int, world: int, csv_text: str, m: int) -> dict:
     our_losses = executor.run(plan, model_chunks=ours, forward_step_func=loss_step,
                               data_iterator=[iter(batches) for _ in ours], parallel_state=ps, num_microbatches=m)
 
+    tokens, labels = torch.cat([b["input_ids"] for b in batches]), torch.cat([b["labels"] for b in batches])
     theirs, dw = llama_chunks(config, ps, "v-half", 2), _CapturedWeightGrads()
     stages = [PipelineStage(_TorchStage(c), plan.stage_of(ps.pp_rank, i), 2 * world, torch.device("cpu"),
-                            group=ps.pp_group, dw_builder=dw) for i, c in enumerate(theirs)]
+                            group=ps.pp_group, dw_builder=dw, **_static_io(c, config, tokens, m))
+              for i, c in enumerate(theirs)]
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="sum")
@@ -50,14 +53,16 @@ def _worker(rank: int, world: int, csv_text: str, m: int) -> dict:
             fh.write(csv_text)
         schedule._load_csv(path)
     lowered = [str(a) for a in schedule.pipeline_order_with_comms[ps.pp_rank]]
-    tokens, labels = torch.cat([b["input_ids"] for b in batches]), torch.cat([b["labels"] for b in batches])
     first, last = any(c.pre_process for c in theirs), any(c.post_process for c in theirs)
     torch_losses: list = []
     with dw.capturing():           # asserts at the end that every deferred weight gradient ran
         schedule.step(*((tokens,) if first else ()), target=labels if last else None,
                       losses=torch_losses if last else None)
+    grad_error = {key: float((p.grad - q.grad).norm() / q.grad.norm())
+                  for mine, other in zip(ours, theirs)
+                  for (key, q), (_, p) in zip(mine.named_parameters(), other.named_parameters())}
     return {"ours": [float(x["loss_sum"]) for x in our_losses], "torch": [float(x.detach()) for x in torch_losses],
-            "lowered": lowered, "weight_passes": dw.count}
+            "lowered": lowered, "weight_passes": dw.count, "grad_error": grad_error}
 
 
 def test_our_v_half_file_runs_in_torchs_runtime_with_our_losses():
@@ -69,6 +74,8 @@ def test_our_v_half_file_runs_in_torchs_runtime_with_our_losses():
     for rank, r in enumerate(results):
         assert any(a.startswith(f"{3 - rank}SEND_") or "RECV_" in a for a in r["lowered"])   # torch lowered it
         assert r["weight_passes"] == 2 * m                     # one I (and its W) per microbatch and chunk
+        worst = max(r["grad_error"].items(), key=lambda kv: kv[1] if kv[1] == kv[1] else float("inf"))
+        assert len(r["grad_error"]) > 10 and worst[1] <= 1e-5, f"rank {rank}: torch's gradient off for {worst}"
     holders = [r for r in results if r["ours"]]
     assert len(holders) == 1 and len(holders[0]["ours"]) == m   # the last stage: rank 0's second chunk
     torch.testing.assert_close(torch.tensor(holders[0]["torch"]), torch.tensor(holders[0]["ours"]), rtol=1e-5,

@@ -31,7 +31,7 @@ MISTYPED = {
     "profile": (["profile", "--out", "p.json", "--repaets", "2"], "--repaets", "--repeats"),
     "flag-reference": (["flag-reference", "--chek"], "--chek", "--check"),
 }
-PENDING = {"convert-hf": "convert_hf", "plan": "plan_parallelism", "profile": "profile_model"}
+PENDING = {"plan": "plan_parallelism", "profile": "profile_model"}
 CASES = [_pending(name, PENDING[name]) if name in PENDING else pytest.param(*case, id=name)
          for name, case in MISTYPED.items()]
 
