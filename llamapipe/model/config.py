@@ -1,4 +1,4 @@
-"""LLaMA model configuration and named presets (nanoGPT/gpt-fast style `from_name`).
+"""LLaMA model configuration (every family's base config) and named presets (nanoGPT/gpt-fast `from_name`).
 
 A preset fixes the architecture; explicit shape flags on the command line override single fields
 (llamapipe.training.arguments.model_args builds the config from the flags).
@@ -29,6 +29,7 @@ class LlamaConfig:
     kv_channels: Optional[int] = None  # Megatron's head dim; None: hidden_size // num_attention_heads
     rotary_percent: float = 1.0        # RoPE rotates the first rotary_percent of each head's dims
     use_flash_attn: bool = False       # CUDA: SDPA restricted to its FlashAttention kernel
+    family: str = "llama"              # the model family (model/families.py); a family's config subclass sets it
 
     @property
     def head_dim(self) -> int:
@@ -46,6 +47,11 @@ class LlamaConfig:
 
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)
+
+    def __post_init__(self) -> None:
+        own = type(self).__dataclass_fields__["family"].default
+        if self.family != own:
+            raise ValueError(f"{type(self).__name__} is the {own} family's config, not {self.family}'s")
 
     @classmethod
     def from_name(cls, name: str) -> "LlamaConfig":

@@ -4,7 +4,9 @@ Our RoPE uses HF's rotate_half convention, so q/k weights need NO rotary permuta
 exists only between Meta's interleaved-pair checkpoints and HF). GQA needs nothing either: k/v
 projections keep their (num_query_groups * head_dim, hidden) shape. The vocabulary is padded with zero
 rows to `padded_vocab_size(1)`; `LlamaModel.load_logical_state_dict` adapts it to any TP layout.
-Reading and writing files belongs to the checkpointing code.
+Reading and writing files belongs to the checkpointing code. A family of the same shape reuses the
+pieces: `hf_config_fields` / `hf_config_dict` for the shared config keys, `convert_from_hf` / `convert_to_hf`
+with its own layer name map (model/qwen2_hf.py).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from llamapipe.model.config import LlamaConfig
 
-_LAYER_NAMES = {  # ours -> HF, inside layers.<i>
+LAYER_NAMES = {  # ours -> HF, inside layers.<i>
     "input_norm.weight": "input_layernorm.weight",
     "attention.q_proj.weight": "self_attn.q_proj.weight",
     "attention.k_proj.weight": "self_attn.k_proj.weight",
@@ -25,14 +27,15 @@ _LAYER_NAMES = {  # ours -> HF, inside layers.<i>
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
 }
+HF_ARCHITECTURE, HF_MODEL_TYPE = "LlamaForCausalLM", "llama"
 _TOP_NAMES = {"embedding.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 
 
-def _name_map(num_layers: int, tied: bool) -> dict[str, str]:
+def _name_map(num_layers: int, tied: bool, layer_names: dict[str, str]) -> dict[str, str]:
     names = {ours: hf for ours, hf in _TOP_NAMES.items() if not (tied and ours == "output.weight")}
     for i in range(num_layers):
-        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{hf}" for ours, hf in _LAYER_NAMES.items()})
+        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{hf}" for ours, hf in layer_names.items()})
     return names
 
 
@@ -45,63 +48,73 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
+def hf_config_fields(hf: dict[str, Any], make_vocab_size_divisible_by: int = 128) -> dict[str, Any]:
+    """Our config's fields from the keys LLaMA-shaped HF configs share (config.json as a dict)."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"HF hidden_act {hf['hidden_act']!r} is not supported; LLaMA uses silu")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    return dict(kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
+                num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+                ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
+                num_query_groups=hf.get("num_key_value_heads") or heads, vocab_size=hf["vocab_size"],
+                max_position_embeddings=hf["max_position_embeddings"], rope_theta=_rope_theta(hf),
+                norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                init_method_std=hf.get("initializer_range", 0.02))
+
+
 def config_from_hf(hf_config: Union[Any, dict], make_vocab_size_divisible_by: int = 128) -> LlamaConfig:
     """LlamaConfig from a transformers LlamaConfig or a config.json dict."""
     hf = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("HF checkpoints with attention or MLP biases are not LLaMA-shaped; ours have no biases")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"HF hidden_act {hf['hidden_act']!r} is not supported; LLaMA uses silu")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    return LlamaConfig(kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
-                       num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-                       ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
-                       num_query_groups=hf.get("num_key_value_heads") or heads, vocab_size=hf["vocab_size"],
-                       max_position_embeddings=hf["max_position_embeddings"], rope_theta=_rope_theta(hf),
-                       norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                       make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                       init_method_std=hf.get("initializer_range", 0.02))
+    return LlamaConfig(**hf_config_fields(hf, make_vocab_size_divisible_by))
 
 
-def config_to_hf(config: LlamaConfig, token_ids: Optional[dict[str, Optional[int]]] = None) -> dict[str, Any]:
-    """config.json contents for transformers' LlamaForCausalLM; `token_ids` (bos/eos/pad_token_id from the
-    tokenizer) tell `generate` where to stop. The vocabulary is the model's true one, unpadded."""
+def hf_config_dict(config: LlamaConfig, architecture: str, model_type: str,
+                   token_ids: Optional[dict[str, Optional[int]]] = None) -> dict[str, Any]:
+    """The config.json keys LLaMA-shaped HF configs share, for `architecture` / `model_type`."""
     if config.rotary_dim != config.head_dim:
-        raise ValueError(f"rotary_percent {config.rotary_percent}: HF LlamaForCausalLM rotates every head dim")
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        raise ValueError(f"rotary_percent {config.rotary_percent}: HF {architecture} rotates every head dim")
+    return {"architectures": [architecture], "model_type": model_type, "hidden_act": "silu",
             "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
             "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
             "num_key_value_heads": config.num_query_groups, "head_dim": config.head_dim,
             "vocab_size": config.vocab_size, "max_position_embeddings": config.max_position_embeddings,
             "rope_theta": config.rope_theta, "rope_scaling": None, "rms_norm_eps": config.norm_epsilon,
-            "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": config.tie_word_embeddings,
             "initializer_range": config.init_method_std, "torch_dtype": "float32", **(token_ids or {})}
 
 
-def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: Union[Any, dict],
-            make_vocab_size_divisible_by: int = 128) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """(our config, our full logical state dict) from a LlamaForCausalLM state dict and its config."""
-    config = config_from_hf(hf_config, make_vocab_size_divisible_by)
+def config_to_hf(config: LlamaConfig, token_ids: Optional[dict[str, Optional[int]]] = None) -> dict[str, Any]:
+    """config.json contents for transformers' LlamaForCausalLM; `token_ids` (bos/eos/pad_token_id from the
+    tokenizer) tell `generate` where to stop. The vocabulary is the model's true one, unpadded."""
+    return {**hf_config_dict(config, HF_ARCHITECTURE, HF_MODEL_TYPE, token_ids),
+            "attention_bias": False, "mlp_bias": False}
+
+
+def convert_from_hf(config: LlamaConfig, hf_state_dict: dict[str, torch.Tensor],
+                    layer_names: dict[str, str] = LAYER_NAMES) -> dict[str, torch.Tensor]:
+    """Our full logical state dict from an HF one, with the family's layer name map (ours -> HF)."""
     rows = config.padded_vocab_size(1)
     state_dict = {}
-    for ours, hf in _name_map(config.num_layers, config.tie_word_embeddings).items():
+    for ours, hf in _name_map(config.num_layers, config.tie_word_embeddings, layer_names).items():
         if hf not in hf_state_dict:
             raise ValueError(f"HF state dict lacks {hf}")
         tensor = hf_state_dict[hf]
         if ours in ("embedding.weight", "output.weight"):
             tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], tensor.shape[1])])
         state_dict[ours] = tensor
-    return config, state_dict
+    return state_dict
 
 
-def to_hf(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
-          token_ids: Optional[dict[str, Optional[int]]] = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """(LlamaForCausalLM state dict, config.json dict) from our full logical state dict: every vocabulary row
-    of config.vocab_size (the padding rows dropped)."""
+def convert_to_hf(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
+                  layer_names: dict[str, str] = LAYER_NAMES) -> dict[str, torch.Tensor]:
+    """An HF state dict from our full logical one: every vocabulary row of config.vocab_size (padding dropped)."""
     hf_state_dict = {}
-    for ours, hf in _name_map(config.num_layers, config.tie_word_embeddings).items():
+    for ours, hf in _name_map(config.num_layers, config.tie_word_embeddings, layer_names).items():
         tensor = state_dict[ours]
         if ours in ("embedding.weight", "output.weight"):
             assert tensor.shape[0] >= config.vocab_size, f"{ours} has {tensor.shape[0]} rows < {config.vocab_size}"
@@ -109,4 +122,18 @@ def to_hf(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
         hf_state_dict[hf] = tensor
     if config.tie_word_embeddings:
         hf_state_dict["lm_head.weight"] = hf_state_dict["model.embed_tokens.weight"]
-    return hf_state_dict, config_to_hf(config, token_ids)
+    return hf_state_dict
+
+
+def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: Union[Any, dict],
+            make_vocab_size_divisible_by: int = 128) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """(our config, our full logical state dict) from a LlamaForCausalLM state dict and its config."""
+    config = config_from_hf(hf_config, make_vocab_size_divisible_by)
+    return config, convert_from_hf(config, hf_state_dict)
+
+
+def to_hf(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
+          token_ids: Optional[dict[str, Optional[int]]] = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(LlamaForCausalLM state dict, config.json dict) from our full logical state dict: every vocabulary row
+    of config.vocab_size (the padding rows dropped)."""
+    return convert_to_hf(config, state_dict), config_to_hf(config, token_ids)

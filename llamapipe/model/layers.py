@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from llamapipe.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, parallel_linear,
+from llamapipe.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, add_bias, parallel_linear,
                                          set_tensor_model_parallel_attributes, tp_size_rank)
 from llamapipe.model.config import LlamaConfig
 
@@ -147,7 +147,10 @@ class _RotaryFunction(torch.autograd.Function):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention; heads and query groups split over TP ranks."""
+    """Causal grouped-query self-attention; heads and query groups split over TP ranks. A family whose q/k/v
+    projections have biases (Qwen2) subclasses it with `qkv_bias = True`."""
+
+    qkv_bias = False
 
     def __init__(self, config: LlamaConfig, tp_group: Optional[Any], *, sequence_parallel: bool,
                  params_dtype: torch.dtype, recompute_core: bool) -> None:
@@ -159,15 +162,16 @@ class Attention(nn.Module):
         self.head_dim, self.tp_group, self.recompute_core = d, tp_group, recompute_core
         self.use_flash_attn = config.use_flash_attn
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
-        self.q_proj = ColumnParallelLinear(h, config.num_attention_heads * d, tp_group, **kw)
-        self.k_proj = ColumnParallelLinear(h, config.num_query_groups * d, tp_group, **kw)
-        self.v_proj = ColumnParallelLinear(h, config.num_query_groups * d, tp_group, **kw)
+        self.q_proj = ColumnParallelLinear(h, config.num_attention_heads * d, tp_group, bias=self.qkv_bias, **kw)
+        self.k_proj = ColumnParallelLinear(h, config.num_query_groups * d, tp_group, bias=self.qkv_bias, **kw)
+        self.v_proj = ColumnParallelLinear(h, config.num_query_groups * d, tp_group, bias=self.qkv_bias, **kw)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, h, tp_group, **kw)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         # x: (s, b, h) or (s/tp, b, h) -> same
-        weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-        q, k, v = parallel_linear(x, weights, self.tp_group, self.q_proj.input_mode)  # (s, b, heads*d) ...
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        outputs = parallel_linear(x, [p.weight for p in projections], self.tp_group, self.q_proj.input_mode)
+        q, k, v = (add_bias(y, p.bias) for y, p in zip(outputs, projections))  # (s, b, heads*d) ...
         s, b = q.shape[:2]
         q = q.view(s, b, self.heads, self.head_dim)
         k = k.view(s, b, self.groups, self.head_dim)
@@ -215,13 +219,15 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
+    attention_class = Attention
+
     def __init__(self, config: LlamaConfig, tp_group: Optional[Any], *, sequence_parallel: bool,
                  params_dtype: torch.dtype) -> None:
         super().__init__()
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         self.input_norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw)
-        self.attention = Attention(config, tp_group, recompute_core=config.recompute_granularity == "selective",
-                                   **kw)
+        self.attention = self.attention_class(config, tp_group,
+                                              recompute_core=config.recompute_granularity == "selective", **kw)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw)
         self.mlp = MLP(config, tp_group, **kw)
 

@@ -54,9 +54,12 @@ def _check_config(config: LlamaConfig, tp_size: int, layer_range: tuple[int, int
 
 
 def init_logical_tensor(name: str, shape: Sequence[int], config: LlamaConfig, seed: int) -> torch.Tensor:
-    """The full (unsharded) initial value of parameter `name`: ones for norms, else seeded normal."""
+    """The full (unsharded) initial value of parameter `name`: ones for norms, zeros for biases (as HF and
+    Megatron start them), else seeded normal."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     std = config.init_method_std
     if name.endswith(_SCALED_INIT):  # Megatron's scaled init for the projections into the residual stream
         std /= math.sqrt(2.0 * config.num_layers)
@@ -65,7 +68,10 @@ def init_logical_tensor(name: str, shape: Sequence[int], config: LlamaConfig, se
 
 
 class LlamaModel(nn.Module):
-    """A LLaMA chunk: [embedding] -> layers[start:end] -> [final norm, output head, loss]."""
+    """A LLaMA chunk: [embedding] -> layers[start:end] -> [final norm, output head, loss]. Another family
+    with LLaMA's chunk structure subclasses it with its own `layer_class` (model/qwen2.py)."""
+
+    layer_class = DecoderLayer
 
     def __init__(self, config: LlamaConfig, parallel_state: Optional[ParallelState] = None, *,
                  layer_range: Optional[tuple[int, int]] = None, pre_process: bool = True,
@@ -90,7 +96,8 @@ class LlamaModel(nn.Module):
         if pre_process:
             self.embedding = VocabParallelEmbedding(padded_vocab, config.hidden_size, self.tp_group, **kw)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, self.tp_group, **kw) for i in range(*layer_range)})
+        self.layers = nn.ModuleDict({str(i): self.layer_class(config, self.tp_group, **kw)
+                                     for i in range(*layer_range)})
         if post_process:
             self.final_norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw)
             if not config.tie_word_embeddings and not vocab_parallel:

@@ -2,8 +2,9 @@
 iteration, plus the model-wide norms some of them report.
 
 Only global rank 0 writes; the loss it reports has already been reduced over data- and pipeline-parallel
-ranks by the training loop. FLOPs per token come from model/counts.py (Megatron's accounting: the padded
-vocabulary, --kv-channels and GQA honoured), the formula the planner and the memory check use too.
+ranks by the training loop. FLOPs per token come from the model's family (model/families.py; LLaMA's
+is model/counts.py, Megatron's accounting: the padded vocabulary, --kv-channels and GQA honoured), the formula
+the planner and the memory check use too.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from llamapipe.core.distributed.grad_reduce import all_reduce_over
 from llamapipe.core.logger import get_logger
 from llamapipe.core.optimizer.clip_grads import counts_for_norm, global_grad_norm
 from llamapipe.core.parallel_state import ParallelState
-from llamapipe.model.counts import flops_per_token  # noqa: F401  (the one formula; progress imports it here)
+from llamapipe.model.families import flops_per_token  # noqa: F401  (the family's formula; progress imports it here)
 from llamapipe.training.config import LoggingConfig
 
 log = get_logger()

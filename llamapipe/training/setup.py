@@ -47,9 +47,10 @@ def chunk_stages(config: Config, ps: ParallelState) -> list[int]:
 
 def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState,
                        device: torch.device) -> tuple[list[torch.nn.Module], list[tuple[bool, bool]]]:
-    """This rank's model chunks and their (pre_process, post_process) roles; under --compile they are
-    compiled here, before training (llamapipe/model/compile.py)."""
-    from llamapipe.model.llama import LlamaModel
+    """This rank's model chunks (the chunk class of the config's model family) and their (pre_process,
+    post_process) roles; under --compile they are compiled here, before training (llamapipe/model/compile.py)."""
+    from llamapipe.model.families import family_of
+    model_class = family_of(model_cfg).model_class
     if config.training.compile:
         from llamapipe.model.compile import check_compiler
         check_compiler(device)   # fail in one sentence before building anything
@@ -64,7 +65,7 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
     vocab_parallel = par.vocab_parallel and ps.pp_size > 1
     for index, stage in enumerate(chunk_stages(config, ps)):
         role = (stage == 0 and not vocab_parallel, stage == num_stages - 1)   # vocab: the embedding runs apart
-        chunk = LlamaModel(model_cfg, ps, layer_range=ranges[stage],
+        chunk = model_class(model_cfg, ps, layer_range=ranges[stage],
                            pre_process=role[0], post_process=role[1],
                            sequence_parallel=config.parallel.sequence_parallel,
                            params_dtype=params_dtype(config), seed=config.training.seed,

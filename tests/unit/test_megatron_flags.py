@@ -44,7 +44,7 @@ MEGATRON_DEFAULTS = {
     "--rotary-percent": 1.0, "--vocab-size": None, "--untie-embeddings-and-output-weights": False,
     "--swiglu": False, "--use-rotary-position-embeddings": False, "--recompute-granularity": None,
     "--recompute-method": None, "--recompute-num-layers": None, "--recompute-activations": False,
-    "--use-flash-attn": False,
+    "--use-flash-attn": False, "--add-qkv-bias": False,
     "--global-batch-size": None, "--rampup-batch-size": None, "--train-iters": None, "--train-samples": None,
     "--seq-length": None, "--seed": 1234, "--eval-iters": 100,
     "--eval-interval": None,     # None since core_v0.17 (ValidationConfig); 1000 up to core_v0.16
@@ -85,7 +85,7 @@ DIVERGENCES = {
     "--normalization": ("LayerNorm", "RMSNorm", "the model is LLaMA"),
     "--position-embedding-type": ("learned_absolute", "rope", "the model is LLaMA"),
 }
-# Megatron adds biases unless --disable-bias-linear is given; the model here never has any.
+# Megatron adds biases unless --disable-bias-linear is given; the model here has none but --add-qkv-bias's.
 ALWAYS_ON = ("--disable-bias-linear",)
 LLAMAPIPE_ONLY = ("--model", "--parallel-order", "--pipeline-schedule", "--pipeline-memory-limit",
                   "--pipeline-profile-iters", "--release-host-memory", "--skip-nonfinite-steps", "--keep-last-n",

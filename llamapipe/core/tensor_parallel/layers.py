@@ -1,7 +1,11 @@
 """Tensor-parallel layers (Megatron-LM, arXiv 1909.08053) with sequence parallelism (arXiv 2205.05198).
 
 `ColumnParallelLinear` splits the output features over TP ranks, `RowParallelLinear` the input
-features, `VocabParallelEmbedding` the vocabulary rows. LLaMA has no biases, so there are none.
+features, `VocabParallelEmbedding` the vocabulary rows. LLaMA has no biases; a column-parallel layer may
+have one (`bias=True`, Qwen2's q/k/v): it is split like the output rows (partition_dim 0), added to this
+rank's output slice by plain autograd, so its gradient (a sum over tokens) is computed in B, never deferred to
+W, like the norm weights'. Under sequence parallelism the column output is whole in the sequence, so the bias
+gradient is complete on each rank and needs no sequence-parallel all-reduce.
 Every linear product goes through ONE autograd function, `LinearWithDeferredWeightGrad`, whose backward
 computes the input gradient and hands the weight-gradient GEMM to the store its forward ran under
 (`weight_grad_store.current`), so the zero-bubble schedules (arXiv 2401.10241) can run it later. Under
@@ -107,7 +111,8 @@ class ColumnParallelLinear(nn.Module):
     """y = x A^T with A split along its output rows; the output stays split over TP."""
 
     def __init__(self, in_features: int, out_features: int, tp_group: Optional[Any] = None, *,
-                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32) -> None:
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                 bias: bool = False) -> None:
         super().__init__()
         tp_size, _ = tp_size_rank(tp_group)
         assert out_features % tp_size == 0, f"{out_features} output features do not split over {tp_size} ranks"
@@ -115,11 +120,20 @@ class ColumnParallelLinear(nn.Module):
         self.input_mode = INPUT_GATHER if sequence_parallel else INPUT_COPY
         self.weight = nn.Parameter(torch.empty(out_features // tp_size, in_features, dtype=params_dtype))
         set_tensor_model_parallel_attributes(self.weight, 0)
+        self.bias: Optional[nn.Parameter] = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features // tp_size, dtype=params_dtype))
+            set_tensor_model_parallel_attributes(self.bias, 0)
 
     @eager
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (s, b, in) or (s/tp, b, in) with sequence parallel -> (s, b, out/tp)
-        return parallel_linear(x, [self.weight], self.tp_group, self.input_mode)[0]
+        return add_bias(parallel_linear(x, [self.weight], self.tp_group, self.input_mode)[0], self.bias)
+
+
+def add_bias(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """y + bias when there is one: autograd computes the bias gradient in B (see the module docstring)."""
+    return y if bias is None else y + bias
 
 
 class RowParallelLinear(nn.Module):

@@ -9,7 +9,7 @@ import argparse
 
 from llamapipe.core.config import SCHEDULES, SHARDING_STRATEGIES
 from llamapipe.core.pipeline_parallel.activation_memory import memory_limit
-from llamapipe.model.config import PRESETS
+from llamapipe.model.families import PRESETS
 
 
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
@@ -70,7 +70,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                              "--max-position-embeddings and --seq-length; a --model preset supplies them instead, "
                              "and with neither the tiny preset is trained.")
     g.add_argument("--model", default=None, choices=tuple(PRESETS),
-                   help="named architecture; shape flags override single fields of it")
+                   help="named architecture (of a model family: docs/model.md); shape flags override single "
+                        "fields of it")
     shape = (("--num-layers", int, "transformer layers"), ("--hidden-size", int, "hidden size"),
              ("--ffn-hidden-size", int, "MLP hidden size; None: the preset's, or Megatron's rule "
                                         "int(4 * hidden * 2 / 3 / 64) * 64 with --swiglu, else 4 * hidden"),
@@ -112,7 +113,10 @@ def _add_llama_shape_flags(g: argparse._ArgumentGroup) -> None:
     """Flags of Megatron's LLaMA scripts that describe what the model here always is."""
     g.add_argument("--swiglu", action="store_true",
                    help="SwiGLU MLP (always, here); also picks Megatron's --ffn-hidden-size rule")
-    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers (always, here)")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in linear layers (always, here, but q/k/v under --add-qkv-bias)")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="biases on the q, k and v projections: the qwen2 model family (Megatron's Qwen2 flag)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true", help="RoPE (always, here)")
     g.add_argument("--normalization", choices=("RMSNorm",), default="RMSNorm",
                    help="only RMSNorm (LLaMA); Megatron's default LayerNorm is not available")

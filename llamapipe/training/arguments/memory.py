@@ -15,7 +15,7 @@ import torch
 
 from llamapipe.core.config import ArgumentError, ParallelConfig, TrainingConfig
 from llamapipe.model.config import LlamaConfig
-from llamapipe.model.counts import model_parameters
+from llamapipe.model.families import model_parameters
 
 
 def machine_memory_bytes(backend: str) -> Optional[int]:

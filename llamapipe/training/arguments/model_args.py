@@ -15,7 +15,9 @@ from typing import Optional
 import torch
 
 from llamapipe.core.config import ArgumentError, ParallelConfig
-from llamapipe.model.config import PRESETS, LlamaConfig
+from llamapipe.model import families
+from llamapipe.model.config import LlamaConfig
+from llamapipe.model.families import PRESETS
 from llamapipe.training.arguments.pipeline import check_layer_split
 
 FALLBACK_PRESET = "tiny"
@@ -112,7 +114,20 @@ def model_config(args: argparse.Namespace, notices: list[str]) -> LlamaConfig:
         fields["recompute_num_layers"] = None   # Megatron uniform, 1 layer per group: every layer
     if args.use_flash_attn:
         _check_flash_attn(args, notices)
-    return LlamaConfig(**fields, rotary_percent=args.rotary_percent, use_flash_attn=args.use_flash_attn)
+    config_class = _family(args).config_class
+    return config_class(**fields, rotary_percent=args.rotary_percent, use_flash_attn=args.use_flash_attn)
+
+
+def _family(args: argparse.Namespace) -> families.ModelFamily:
+    """The preset's family; --add-qkv-bias (Megatron's Qwen2 flag) asks for the family with q/k/v biases."""
+    preset = preset_name(args)
+    family = families.family_of_preset(preset) if preset is not None else families.FAMILIES["llama"]
+    if getattr(args, "add_qkv_bias", False) and family.name != families.BIAS_FAMILY:
+        if args.model is not None and family.name != "llama":
+            raise ArgumentError(f"--add-qkv-bias asks for the {families.BIAS_FAMILY} family but --model "
+                                f"{args.model} is a {family.name} model")
+        family = families.FAMILIES[families.BIAS_FAMILY]
+    return family
 
 
 def run_vocab_size(args: argparse.Namespace, model: LlamaConfig, notices: list[str]) -> LlamaConfig:

@@ -35,7 +35,8 @@ from llamapipe.model.config import LlamaConfig
 
 # Model fields a checkpoint fixes, with the flag that sets each (RoPE base and norm epsilon change the
 # function without changing any shape, so they are checked too).
-_MODEL_FIELDS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
+_MODEL_FIELDS = {"family": "--model (or --add-qkv-bias)", "num_layers": "--num-layers", "hidden_size": "--hidden-size",
+                 "ffn_hidden_size": "--ffn-hidden-size",
                  "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
                  "vocab_size": "--vocab-size (or --tokenizer-model)",
                  "tie_word_embeddings": "--tie-embeddings-and-output-weights", "rope_theta": "--rotary-base",

@@ -1,0 +1,44 @@
+"""Conversion between HF transformers `Qwen2ForCausalLM` weights/config and ours (in memory).
+
+LLaMA's conversion (model/hf_checkpoint.py) plus the q/k/v biases. HF Qwen2 has no `attention_bias` key (its
+biases are always there) and may use sliding-window attention, which ours does not: such a config is refused.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+
+from llamapipe.model import hf_checkpoint as llama_hf
+from llamapipe.model.config import LlamaConfig
+from llamapipe.model.qwen2 import Qwen2Config
+
+HF_ARCHITECTURE, HF_MODEL_TYPE = "Qwen2ForCausalLM", "qwen2"
+_LAYER_NAMES = {**llama_hf.LAYER_NAMES, **{f"attention.{p}_proj.bias": f"self_attn.{p}_proj.bias" for p in "qkv"}}
+
+
+def config_from_hf(hf_config: Union[Any, dict], make_vocab_size_divisible_by: int = 128) -> Qwen2Config:
+    """Qwen2Config from a transformers Qwen2Config or a config.json dict."""
+    hf = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    if hf.get("use_sliding_window"):
+        raise ValueError("HF Qwen2 config has use_sliding_window true; only full causal attention is supported")
+    return Qwen2Config(**llama_hf.hf_config_fields(hf, make_vocab_size_divisible_by))
+
+
+def config_to_hf(config: LlamaConfig, token_ids: Optional[dict[str, Optional[int]]] = None) -> dict[str, Any]:
+    """config.json contents for transformers' Qwen2ForCausalLM (full attention in every layer)."""
+    return {**llama_hf.hf_config_dict(config, HF_ARCHITECTURE, HF_MODEL_TYPE, token_ids),
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": config.num_layers}
+
+
+def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: Union[Any, dict],
+            make_vocab_size_divisible_by: int = 128) -> tuple[Qwen2Config, dict[str, torch.Tensor]]:
+    """(our config, our full logical state dict) from a Qwen2ForCausalLM state dict and its config."""
+    config = config_from_hf(hf_config, make_vocab_size_divisible_by)
+    return config, llama_hf.convert_from_hf(config, hf_state_dict, _LAYER_NAMES)
+
+
+def to_hf(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
+          token_ids: Optional[dict[str, Optional[int]]] = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(Qwen2ForCausalLM state dict, config.json dict) from our full logical state dict."""
+    return llama_hf.convert_to_hf(config, state_dict, _LAYER_NAMES), config_to_hf(config, token_ids)
