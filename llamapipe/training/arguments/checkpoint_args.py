@@ -12,6 +12,7 @@ import json
 import os
 
 from llamapipe.core.config import ArgumentError
+from llamapipe.model.families import BIAS_FAMILY
 from llamapipe.training.checkpointing.io import METADATA, latest_checkpoint
 
 _FILLED = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
@@ -55,4 +56,5 @@ def with_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> argpar
     tie = bool(model.get("tie_word_embeddings"))
     return argparse.Namespace(**{**vars(args), **values, "tie_embeddings_and_output_weights": tie,
                                  "untie_embeddings_and_output_weights": not tie,
-                                 "group_query_attention": model["num_query_groups"] != model["num_attention_heads"]})
+                                 "group_query_attention": model["num_query_groups"] != model["num_attention_heads"],
+                                 "add_qkv_bias": model.get("family") == BIAS_FAMILY or getattr(args, "add_qkv_bias", False)})
