@@ -57,4 +57,5 @@ def with_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> argpar
     return argparse.Namespace(**{**vars(args), **values, "tie_embeddings_and_output_weights": tie,
                                  "untie_embeddings_and_output_weights": not tie,
                                  "group_query_attention": model["num_query_groups"] != model["num_attention_heads"],
-                                 "add_qkv_bias": model.get("family") == BIAS_FAMILY or getattr(args, "add_qkv_bias", False)})
+                                 "add_qkv_bias": (model.get("family") == BIAS_FAMILY
+                                                  or getattr(args, "add_qkv_bias", False))})
