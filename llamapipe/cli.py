@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from llamapipe.core.flag_parser import closest
+
 # subcommand -> (module, one-line summary)
 SUBCOMMANDS = {
     "train": ("llamapipe.train", "pretrain in this process (use torchrun for several)"),
@@ -28,10 +30,20 @@ SUBCOMMANDS = {
 }
 
 
+USAGE = "usage: llamapipe <subcommand> [flags]   (llamapipe --help lists the subcommands)\n"
+
+
 def usage() -> str:
     width = max(map(len, SUBCOMMANDS))
     rows = "\n".join(f"  {name:<{width}}  {summary}" for name, (_, summary) in SUBCOMMANDS.items())
     return f"usage: llamapipe <subcommand> [flags]   (llamapipe <subcommand> --help for its flags)\n\n{rows}\n"
+
+
+def unknown_subcommand(name: str) -> str:
+    """The usage line and one error line: the closest subcommand, or all of them when none is close."""
+    near = closest(name, list(SUBCOMMANDS))
+    hint = f"did you mean {near}?" if near else f"choose one of {', '.join(SUBCOMMANDS)}"
+    return f"{USAGE}llamapipe: error: unknown subcommand {name!r}; {hint}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
-        sys.stderr.write(f"llamapipe: error: unknown subcommand {name!r}; choose one of {', '.join(SUBCOMMANDS)}\n")
+        sys.stderr.write(unknown_subcommand(name))
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
     sys.argv[0] = f"llamapipe {name}"

@@ -19,7 +19,7 @@ tests/multiproc/test_planner_memory.py, docs/planner.md):
   recompute. The schedule's plan is walked action by action with these per-chunk bytes (F adds M_B, B swaps it
   for M_W, W frees M_W), so uneven layouts and the V placement's two different chunks are exact.
 
-Time: a step's FLOPs (llamapipe.model.counts: 6 x matmul weights x tokens plus attention, plus one forward
+Time: a step's FLOPs (the model family's, llamapipe.model.families; LLaMA's and Qwen2's: 6 x matmul weights x tokens plus attention, plus one forward
 again under full recompute) at `efficiency` x the device's peak, per-action costs fed to the simulator for
 the pipeline makespan, plus TP all-reduces on the links and the DP gradient all-reduce.
 """
@@ -33,7 +33,8 @@ from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 from llamapipe.model.config import LlamaConfig
-from llamapipe.model.counts import flops_per_token, layer_matmul_parameters
+from llamapipe.model.counts import layer_matmul_parameters
+from llamapipe.model.families import flops_per_token
 
 GIB = 2 ** 30
 PARAM_BYTES = {"bf16": 2, "fp32": 4}

@@ -20,8 +20,10 @@ import dataclasses
 import sys
 from typing import Optional
 
+from llamapipe.core.flag_parser import FlagParser
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
-from llamapipe.model.config import PRESETS, LlamaConfig
+from llamapipe.model.config import LlamaConfig
+from llamapipe.model.families import FAMILIES, PRESETS, family_of_preset
 from llamapipe.tools import profile_plan, profile_schema
 from llamapipe.tools.parallel_estimate import DEVICES, GIB, Estimate, Layout, estimate
 
@@ -31,7 +33,7 @@ RECOMPUTE_FLAGS = {"none": [], "selective": ["--recompute-activations"],
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llamapipe plan", description=__doc__.split("\n")[0])
+    p = FlagParser(prog="llamapipe plan", description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=tuple(PRESETS), default=None, help="named architecture")
     for flag in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
                  "--num-query-groups", "--vocab-size"):
@@ -65,7 +67,8 @@ def model_from_args(args: argparse.Namespace) -> LlamaConfig:
         raise SystemExit("llamapipe plan: give --model or --" + ", --".join(m.replace("_", "-") for m in missing))
     fields.setdefault("ffn_hidden_size", int(4 * fields["hidden_size"] * 2 / 3 / 64) * 64)
     fields.setdefault("num_query_groups", fields["num_attention_heads"])
-    return LlamaConfig(**fields)
+    family = family_of_preset(args.model) if args.model else FAMILIES["llama"]
+    return family.config_class(**fields)
 
 
 def _divisors(n: int) -> list[int]:

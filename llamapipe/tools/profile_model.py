@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from llamapipe.core.config import ArgumentError, OptimizerConfig
+from llamapipe.core.flag_parser import FlagParser
 from llamapipe.core.optimizer.adamw import make_adamw
 from llamapipe.core.optimizer.clip_grads import local_squared_norm
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
@@ -33,6 +34,7 @@ from llamapipe.core.pipeline_parallel.profile_costs import PassCosts, pass_media
 from llamapipe.core.pipeline_parallel.schedule_ir import Action
 from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.model.config import LlamaConfig
+from llamapipe.model.families import family_of
 from llamapipe.model.llama import LlamaModel
 from llamapipe.tools import profile_comm, profile_schema
 from llamapipe.training.arguments.flags_model import add_model_flags
@@ -42,7 +44,7 @@ RECOMPUTE = ("none", "full")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llamapipe profile", description=__doc__.split("\n")[0])
+    p = FlagParser(prog="llamapipe profile", description=__doc__.split("\n")[0])
     add_model_flags(p)
     p.add_argument("--seq-length", type=int, default=None, help="tokens per sequence; None: the preset's")
     p.add_argument("--micro-batch-size", type=int, nargs="+", default=[1], help="micro-batch sizes to measure")
@@ -114,11 +116,11 @@ def measure_chunk(chunk: LlamaModel, make_batch: Callable[[], dict], repeats: in
 
 
 def _chunks(m: LlamaConfig, layers: int, dtype: torch.dtype, device: torch.device) -> dict[str, LlamaModel]:
-    kw = dict(params_dtype=dtype)
-    chunks = {"layer": LlamaModel(m, layer_range=(0, layers), pre_process=False, post_process=False, **kw),
-              "embedding": LlamaModel(m, layer_range=(0, 0), pre_process=True, post_process=False, **kw),
-              "head": LlamaModel(m, layer_range=(m.num_layers, m.num_layers), pre_process=False, post_process=True,
-                                 **kw)}
+    kw, chunk_class = dict(params_dtype=dtype), family_of(m).model_class
+    chunks = {"layer": chunk_class(m, layer_range=(0, layers), pre_process=False, post_process=False, **kw),
+              "embedding": chunk_class(m, layer_range=(0, 0), pre_process=True, post_process=False, **kw),
+              "head": chunk_class(m, layer_range=(m.num_layers, m.num_layers), pre_process=False, post_process=True,
+                                  **kw)}
     return {name: chunk.to(device) for name, chunk in chunks.items()}
 
 
@@ -148,7 +150,8 @@ def measure_entry(m: LlamaConfig, seq: int, mbs: int, recompute: str, dtype: tor
 
 def measure_optimizer(m: LlamaConfig, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
     """Seconds per parameter of the trainer's AdamW step plus its grad norm, on one decoder layer's weights."""
-    layer = LlamaModel(m, layer_range=(0, 1), pre_process=False, post_process=False, params_dtype=dtype).to(device)
+    layer = family_of(m).model_class(m, layer_range=(0, 1), pre_process=False, post_process=False,
+                                     params_dtype=dtype).to(device)
     params = [p for p in layer.parameters()]
     for p in params:
         p.grad = torch.randn_like(p)

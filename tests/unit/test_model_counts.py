@@ -49,6 +49,6 @@ def test_log_line_planner_and_memory_check_import_the_one_formula():
     from llamapipe.model import families
     assert log.flops_per_token is families.flops_per_token          # dispatches to the config's family
     assert families.FAMILIES["llama"].flops_per_token is counts.flops_per_token
-    assert parallel_estimate.flops_per_token is counts.flops_per_token
+    assert parallel_estimate.flops_per_token is families.flops_per_token
     assert memory.model_parameters is families.model_parameters
     assert families.FAMILIES["llama"].parameters is counts.model_parameters
