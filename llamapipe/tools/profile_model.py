@@ -10,7 +10,8 @@ the output layer with its loss,
 as the executor runs them, and measures the activation bytes each holds from F to B and from B to W
 (`activation_memory.ActivationProbe`). The times go through the one path that `auto`'s in-run profiling uses
 (`profile_costs.pass_medians`). It also times the optimizer step (the trainer's AdamW and grad norm) per
-parameter. Under torchrun with several ranks, `profile_comm` adds p2p latency and bandwidth and all-reduce
+parameter, and the runtime's overhead beyond the passes per action, per iteration and per parameter
+(`profile_overhead`). Under torchrun with several ranks, `profile_comm` adds p2p latency and bandwidth and all-reduce
 bandwidth between the ranks. Rank 0 writes one JSON profile (`profile_schema`).
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.model.config import LlamaConfig
 from llamapipe.model.families import family_of
 from llamapipe.model.llama import LlamaModel
-from llamapipe.tools import profile_comm, profile_schema
+from llamapipe.tools import profile_comm, profile_overhead, profile_schema
 from llamapipe.training.arguments.flags_model import add_model_flags
 from llamapipe.training.arguments.model_args import model_config, run_seq_length
 
@@ -180,12 +181,18 @@ def profile(args: argparse.Namespace, m: LlamaConfig, seq: int) -> dict:
     entries = [measure_entry(m, seq, mbs, rc, dtype, device, args.repeats, layers)
                for mbs in args.micro_batch_size for rc in args.recompute] if rank0 else []
     optimizer = measure_optimizer(m, dtype, device, args.repeats) if rank0 else 0.0
+    overhead = profile_overhead.measure(m, seq, args.micro_batch_size[0], dtype, device, args.repeats,
+                                        measure_chunk) if rank0 else None
+    comm = profile_comm.measure(device, seq * max(args.micro_batch_size) * m.hidden_size * (2 if args.bf16 else 4))
+    pipeline = profile_overhead.measure_pipeline(m, seq, args.micro_batch_size[0], dtype, device, args.repeats, comm,
+                                                 measure_chunk)
+    if overhead is not None and pipeline is not None:
+        overhead["pipeline_action_s"] = pipeline
     return profile_schema.make_profile(
         model=dataclasses.asdict(m), seq_length=seq, dtype="bf16" if args.bf16 else "fp32",
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         threads=torch.get_num_threads(), entries=entries,
-        optimizer_s_per_param=optimizer,
-        comm=profile_comm.measure(device, seq * max(args.micro_batch_size) * m.hidden_size * (2 if args.bf16 else 4)))
+        optimizer_s_per_param=optimizer, overhead=overhead, comm=comm)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -133,6 +133,9 @@ def run(args: argparse.Namespace, layouts_fn) -> int:
                          f"recompute setting ({', '.join(f'{b}/{r}' for b, r in profile_schema.settings(profile))})")
     print(f"time model: measured profile {args.profile} ({profile['device']}, {profile['threads']} thread(s) per "
           f"rank), simulated per stage; predicted step per layout at its best layer split")
+    note = profile_schema.notice(profile, args.profile)
+    if note:
+        print(f"note: {note}")
     print(table(rows, args.top))
     print(f"\n{len(rows)} layouts predicted. Top row:\n  "
           f"{command(profile, rows[0][0], args.global_batch_size, args.post_validation)}")

@@ -10,6 +10,10 @@ schedule's plan (for zb-h2 the one fitted to the slowest stage's costs, as at ru
 and the measured p2p time of one activation message; the step is its makespan (with post-validation the
 longest stage span), plus the optimizer step of the most loaded rank (measured seconds per parameter) and
 the data-parallel gradient all-reduce (4 bytes per parameter, ring over dp at the measured bus bandwidth).
+The runtime's overhead as `profile_overhead` measured it enters twice: its cost per action is part of every
+simulated action (so it adds up along the critical path as at run time; with pp > 1 the one measured in a
+pipeline, p2p calls included), and its cost per iteration and per
+parameter of the most loaded rank is added to the step (`overhead_s`).
 
 On a CPU, ranks share the machine's cores: with more threads in all (ranks x the profile's threads per rank)
 than cores, every compute time is stretched by that ratio (`oversubscription`).
@@ -43,6 +47,7 @@ class Prediction:
     bubble: float               # idle share of all pipeline ranks over the makespan
     optimizer_s: float
     dp_s: float
+    overhead_s: float           # per-iteration and per-parameter runtime overhead outside the plan
     layer_counts: tuple
     slowdown: float             # CPU oversubscription factor applied to compute
 
@@ -171,8 +176,10 @@ def predict(profile: dict, lay: Layout, global_batch: int, *, counts: Optional[S
     message = profile["seq_length"] * lay.micro_batch * profile["model"]["hidden_size"] * \
         ELEMENT_BYTES[profile["dtype"]] / lay.tp
     hop = comm["p2p_latency_s"] + message / comm["p2p_bandwidth_Bps"] if lay.pp > 1 else 0.0
+    over = profile_schema.overhead(profile)
     costs = stage_costs(parts["layer"], parts["embedding"], parts["head"], counts, comm=hop,
-                        vocab_parallel=lay.vocab_parallel)
+                        vocab_parallel=lay.vocab_parallel,
+                        action_s=over["pipeline_action_s" if lay.pp > 1 else "action_s"] * slowdown)
     result = simulate(_plan(lay, m, costs, post_validation), costs)
     pipeline = (max(result.span) if post_validation else result.makespan) + \
         embedding_passes_s(parts, comm, lay, m, message * lay.tp)
@@ -180,6 +187,7 @@ def predict(profile: dict, lay: Layout, global_batch: int, *, counts: Optional[S
     params = rank_params(model, dataclasses.replace(lay, pipeline_layout=layout_string(counts)))
     optimizer = max(params) / (lay.dp if lay.dist_opt else 1) * profile["optimizer_s_per_param"] * slowdown
     dp = allreduce_s(comm, 4 * max(params), lay.dp)
-    return Prediction(step_s=pipeline + optimizer + dp, pipeline_s=pipeline, busy_s=tuple(result.busy),
-                      bubble=result.makespan_bubble_rate, optimizer_s=optimizer, dp_s=dp,
+    outside = (over["iteration_s"] + over["param_s"] * max(params)) * slowdown
+    return Prediction(step_s=pipeline + optimizer + dp + outside, pipeline_s=pipeline, busy_s=tuple(result.busy),
+                      bubble=result.makespan_bubble_rate, optimizer_s=optimizer, dp_s=dp, overhead_s=outside,
                       layer_counts=tuple(counts), slowdown=slowdown)

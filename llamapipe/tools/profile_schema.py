@@ -8,12 +8,16 @@ look-ups, in one place so the writer and the reader cannot drift.
      "optimizer_s_per_param": s,
      "comm": null | {"world_size": n, "p2p_latency_s": s, "p2p_bandwidth_Bps": B/s, "allreduce_latency_s": s,
                      "allreduce_bus_bandwidth_Bps": B/s, ...},
+     "overhead": {"action_s": s, "iteration_s": s, "param_s": s, "pipeline_action_s": s},   # optional
      "machine": {...}}
 
 Times are seconds for one microbatch, `f`/`b`/`w` the forward, the input gradient and the weight gradients
 (the embedding's weight gradient is part of its B, as in the trainer), bytes those one microbatch holds from
 F to B (`act_bytes`) and from B to W (`w_bytes`). `layer` is one decoder layer, `head` the final norm, output
-layer and loss.
+layer and loss. `overhead` (`profile_overhead`; profiles written before it have none, and the planner then
+leaves that time out) is the step's time beyond these: per plan action, per iteration, and per parameter of
+the rank outside the AdamW update; `pipeline_action_s` (written under torchrun) per action of a pipeline whose
+stages exchange p2p messages, measured across the job's ranks.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ COMPONENTS = ("layer", "embedding", "head")
 PASS_FIELDS = ("f", "b", "w", "act_bytes", "w_bytes")
 COMM_FIELDS = ("world_size", "p2p_latency_s", "p2p_bandwidth_Bps", "allreduce_latency_s",
                "allreduce_bus_bandwidth_Bps")
+OVERHEAD_FIELDS = ("action_s", "iteration_s", "param_s")
 
 
 class ProfileError(ValueError):
@@ -37,10 +42,11 @@ class ProfileError(ValueError):
 
 
 def make_profile(*, model: dict, seq_length: int, dtype: str, device: str, threads: int, entries: list,
-                 optimizer_s_per_param: float, comm: Optional[dict]) -> dict:
+                 optimizer_s_per_param: float, comm: Optional[dict],
+                 overhead: Optional[dict] = None) -> dict:
     return {"schema": SCHEMA, "device": device, "threads": threads, "dtype": dtype, "seq_length": seq_length,
             "model": model, "entries": entries, "optimizer_s_per_param": optimizer_s_per_param, "comm": comm,
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_1min": os.getloadavg()[0]}}
+            "overhead": overhead, "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_1min": os.getloadavg()[0]}}
 
 
 def _number(where: str, value, positive: bool = False) -> None:
@@ -75,7 +81,29 @@ def validate(profile: dict, name: str = "profile") -> dict:
     if profile.get("comm") is not None:
         for field in COMM_FIELDS:
             _number(f"{name}: comm.{field}", profile["comm"].get(field), positive=field.endswith(("Bps", "size")))
+    if profile.get("overhead") is not None:
+        for field in OVERHEAD_FIELDS:
+            _number(f"{name}: overhead.{field}", profile["overhead"].get(field))
+        if "pipeline_action_s" in profile["overhead"]:
+            _number(f"{name}: overhead.pipeline_action_s", profile["overhead"]["pipeline_action_s"])
     return profile
+
+
+def overhead(profile: dict) -> dict[str, float]:
+    """The step's overhead figures; zeros for a profile written before they were measured (see `notice`).
+    `pipeline_action_s` is `action_s` where no pipeline was measured."""
+    measured = profile.get("overhead") or {}
+    figures = {field: float(measured.get(field, 0.0)) for field in OVERHEAD_FIELDS}
+    figures["pipeline_action_s"] = float(measured.get("pipeline_action_s", figures["action_s"]))
+    return figures
+
+
+def notice(profile: dict, name: str = "profile") -> Optional[str]:
+    """One line for a profile without overhead figures, else None."""
+    if profile.get("overhead") is None:
+        return (f"{name} has no overhead figures (written before `llamapipe profile` measured them): predictions "
+                "leave out the per-action and per-iteration time outside the passes; profile again to include it")
+    return None
 
 
 def load(path: str) -> dict:
@@ -123,6 +151,12 @@ def summary(profile: dict) -> str:
                  f"{e[c]['act_bytes'] / 2 ** 20:.2f} MiB" for c in COMPONENTS]
         lines.append(f"  mbs {e['micro_batch_size']} recompute {e['recompute']}: " + "; ".join(parts))
     lines.append(f"  optimizer {profile['optimizer_s_per_param'] * 1e9:.2f} ns per parameter")
+    if profile.get("overhead"):
+        o = profile["overhead"]
+        lines.append(f"  overhead {o['action_s'] * 1e3:.3f} ms per action, {o['iteration_s'] * 1e3:.2f} ms per "
+                     f"iteration, {o['param_s'] * 1e9:.2f} ns per parameter" + (
+                         f", {o['pipeline_action_s'] * 1e3:.3f} ms per pipelined action" if "pipeline_action_s" in o
+                         else ""))
     comm = profile.get("comm")
     if comm:
         lines.append(f"  {comm['world_size']} ranks: p2p {comm['p2p_latency_s'] * 1e6:.0f} us + "

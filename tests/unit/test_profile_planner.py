@@ -172,6 +172,7 @@ def test_profile_cli_on_tiny_measures_times_and_the_activation_bytes_the_memory_
     profile = profile_schema.load(str(out))
     assert profile_schema.settings(profile) == [(1, "none"), (1, "full"), (2, "none"), (2, "full")]
     assert profile["comm"] is None and profile["threads"] == 1
+    assert set(profile["overhead"]) == set(profile_schema.OVERHEAD_FIELDS), "no pipeline figure without torchrun"
     m = profile_schema.model_of(profile)
     for mbs, recompute in profile_schema.settings(profile):
         parts = profile_schema.entry(profile, mbs, recompute)
