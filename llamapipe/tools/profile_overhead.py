@@ -168,7 +168,7 @@ def measure_pipeline(m: LlamaConfig, seq: int, mbs: int, dtype: torch.dtype, dev
     ps = ParallelState(rank=rank, world_size=world, pp_size=world, pp_rank=rank, pp_ranks=tuple(range(world)),
                        pp_group=dist.group.WORLD, mp_group=dist.group.WORLD)
     fb = get_forward_backward_func(ps, "1f1b")
-    loader = torch.utils.data.DataLoader(MockGPTDataset(1 << 30, seq, m.vocab_size, seed=0), batch_size=mbs)
+    loader = torch.utils.data.DataLoader(MockGPTDataset(1 << 30, seq, tiny.vocab_size, seed=0), batch_size=mbs)
     data = iter(loader) if rank in (0, world - 1) else None
     few, many = MICROBATCHES
     measured = {n: _pipeline_step_s(fb, chunk, data, n, repeats) for n in (few, many)}
