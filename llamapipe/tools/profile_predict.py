@@ -11,8 +11,8 @@ and the measured p2p time of one activation message; the step is its makespan (w
 longest stage span), plus the optimizer step of the most loaded rank (measured seconds per parameter) and
 the data-parallel gradient all-reduce (4 bytes per parameter, ring over dp at the measured bus bandwidth).
 The runtime's overhead as `profile_overhead` measured it enters twice: its cost per action is part of every
-simulated action (so it adds up along the critical path as at run time; with pp > 1 the one measured in a
-pipeline, p2p calls included), and its cost per iteration and per
+simulated action (so it adds up along the critical path as at run time), plus, per p2p message the action
+receives or sends to another rank, what an action of the measured pipeline cost beyond it; and its cost per iteration and per
 parameter of the most loaded rank is added to the step (`overhead_s`).
 
 On a CPU, ranks share the machine's cores: with more threads in all (ranks x the profile's threads per rank)
@@ -178,8 +178,8 @@ def predict(profile: dict, lay: Layout, global_batch: int, *, counts: Optional[S
     hop = comm["p2p_latency_s"] + message / comm["p2p_bandwidth_Bps"] if lay.pp > 1 else 0.0
     over = profile_schema.overhead(profile)
     costs = stage_costs(parts["layer"], parts["embedding"], parts["head"], counts, comm=hop,
-                        vocab_parallel=lay.vocab_parallel,
-                        action_s=over["pipeline_action_s" if lay.pp > 1 else "action_s"] * slowdown)
+                        vocab_parallel=lay.vocab_parallel, action_s=over["action_s"] * slowdown,
+                        message_s=max(0.0, over["pipeline_action_s"] - over["action_s"]) * slowdown)
     result = simulate(_plan(lay, m, costs, post_validation), costs)
     pipeline = (max(result.span) if post_validation else result.makespan) + \
         embedding_passes_s(parts, comm, lay, m, message * lay.tp)

@@ -94,3 +94,17 @@ def test_measure_on_a_tiny_model_gives_sane_figures():
     assert 0 <= figures["param_s"] < 50e-9
     assert profile_overhead.measure_pipeline(m, 32, 1, torch.float32, torch.device("cpu"), 1, None,
                                              profile_model.measure_chunk) is None
+
+
+def test_messages_are_counted_per_remote_hop_not_per_action():
+    """ZB-V on 2 ranks: the V's turn (stages 1 -> 2 on rank 1) and W are local, so every F and B has one remote
+    message and W none; 1F1B on 4 ranks: a middle stage's F receives and sends, two messages."""
+    from llamapipe.core.pipeline_parallel.profile_costs import remote_messages
+    from llamapipe.core.pipeline_parallel.schedule_specs import build
+    zbv = build("zbv", 2, 2, 4)
+    for rank in range(2):
+        counts = {(a.kind, remote_messages(zbv, rank, a)) for a in zbv.actions[rank]}
+        assert counts == {("F", 1), ("B", 1), ("W", 0)}, counts
+    pp4 = build("1f1b", 4, 1, 4)
+    assert {remote_messages(pp4, 1, a) for a in pp4.actions[1]} == {2}
+    assert {remote_messages(pp4, 0, a) for a in pp4.actions[0]} == {1}

@@ -65,10 +65,12 @@ class StageCosts(Costs):
     """`Costs` whose F/B/W times and activation bytes differ per virtual stage (`stages[s]`); the base fields
     (f, b, w, act_mem, w_mem) are the stages' largest, for builders that plan with one cost per pass. Memory is
     in bytes here (the simulator's units are whatever the costs say). `action_s` is the runtime's cost of one
-    action beyond its compute (`profile_overhead`), added to the first part of every action, so it adds up
-    along the critical path as it does at run time."""
+    action beyond its compute and `message_s` its cost per p2p message to or from another rank
+    (`profile_overhead`), added to the first part of every action, so they add up along the critical path as
+    they do at run time."""
     stages: tuple = ()
     action_s: float = 0.0
+    message_s: float = 0.0
 
     def part_durations(self, plan: Plan, rank: int, a: Action) -> list[float]:
         if a.kind in VOCAB_PASSES:
@@ -77,7 +79,20 @@ class StageCosts(Costs):
             stage = self.stages[plan.stage_of(rank, a.chunk)]
             by_part = {"F": stage.f, "B": stage.b, "W": stage.w}
             times = [by_part[part] for part in KIND_SPECS[a.kind].parts]
-        return [times[0] + self.action_s, *times[1:]]
+        return [times[0] + self.action_s + self.message_s * remote_messages(plan, rank, a), *times[1:]]
+
+
+def remote_messages(plan: Plan, rank: int, a: Action) -> int:
+    """p2p messages `a` receives or sends from or to another rank: an F from the previous stage and to the next,
+    a B/BW from the next and to the previous (a hop within one rank is a local hand-off), an S or T one (the
+    hidden state in, the partial gradient out), a W none."""
+    if a.kind in VOCAB_PASSES:
+        return 1
+    if a.kind == "W":
+        return 0
+    stage = plan.stage_of(rank, a.chunk)
+    return sum(0 <= other < plan.num_stages and plan.rank_chunk_of(other)[0] != rank
+               for other in (stage - 1, stage + 1))
 
     def action_mem_delta(self, plan: Plan, rank: int, a: Action) -> float:
         if a.kind in VOCAB_PASSES:
@@ -88,10 +103,11 @@ class StageCosts(Costs):
 
 
 def stage_costs(layer: PassCosts, embedding: PassCosts, head: PassCosts, layer_counts: Sequence[int], *,
-                comm: float = 0.0, vocab_parallel: bool = False, action_s: float = 0.0) -> StageCosts:
+                comm: float = 0.0, vocab_parallel: bool = False, action_s: float = 0.0,
+                message_s: float = 0.0) -> StageCosts:
     """Per-stage costs of a layer split: stage s runs layer_counts[s] decoder layers, stage 0 the embedding,
     the last stage the output layer and loss (with `vocab_parallel` neither: every rank runs 1/pp of the
-    output layer as S/T, and of the embedding outside the plan); `action_s`: see `StageCosts`."""
+    output layer as S/T, and of the embedding outside the plan); `action_s`, `message_s`: see `StageCosts`."""
     last = len(layer_counts) - 1
     stages = []
     for s, n in enumerate(layer_counts):
@@ -106,13 +122,14 @@ def stage_costs(layer: PassCosts, embedding: PassCosts, head: PassCosts, layer_c
     head_fields = dict(head_f=head.f, head_b=head.b + head.w, head_mem=head.act_bytes) if vocab_parallel else {}
     return StageCosts(f=max(max(st.f for st in stages), 1e-9), b=max(max(st.b for st in stages), 1e-9),
                       w=max(st.w for st in stages), comm=comm, act_mem=act, w_mem=w_mem, stages=tuple(stages),
-                      action_s=action_s, **head_fields)
+                      action_s=action_s, message_s=message_s, **head_fields)
 
 
 def uniform_costs(costs: StageCosts) -> Costs:
     """One time per pass, the slowest stage's (what `auto_schedule.measured_costs` hands the cost-fitted builders
     at run time: each rank's median, then the MAX over the world), for predicting the plan zb-h2 / auto fit.
-    The per-action overhead is part of each pass, as it is of the action times measured at run time."""
-    a = costs.action_s
-    return Costs(f=costs.f + a, b=costs.b + a, w=costs.w + a, comm=costs.comm,
+    The per-action overhead is part of each pass, as it is of the action times measured at run time (F and B
+    with one message each, as on most stages)."""
+    a, msg = costs.action_s, costs.message_s
+    return Costs(f=costs.f + a + msg, b=costs.b + a + msg, w=costs.w + a, comm=costs.comm,
                  head_f=costs.head_f, head_b=costs.head_b)
