@@ -87,8 +87,20 @@ def _build_and_train(config: Config, device: torch.device) -> int:
         trainer.metrics.close()  # no collective here: a rank-local failure must exit, not wait in a barrier
         trainer.save_lock.release()     # after the last save is finalized; errors before this: atexit
     dist.barrier()
-    dist.destroy_process_group()
+    _release_groups(trainer)
     return status
+
+
+def _release_groups(trainer: "Trainer") -> None:
+    """Destroy the process groups while the interpreter runs, not at its exit: a gloo group still referenced
+    at interpreter teardown (by the module's ParallelState, or by chunks, optimizer and communicators waiting
+    for the cycle collector) is destroyed among C++ statics and can abort a finished run ('terminate called
+    without an active exception', exit -6 after 'training done', seen about once per full test suite)."""
+    from llamapipe.core.parallel_state import destroy_model_parallel
+    trainer.__dict__.clear()         # chunks, optimizer, step, communicators: their group handles go with them
+    destroy_model_parallel()
+    gc.collect()
+    dist.destroy_process_group()
 
 
 class Trainer:
