@@ -99,7 +99,6 @@ def _release_groups(trainer: "Trainer") -> None:
     from llamapipe.core.parallel_state import destroy_model_parallel
     trainer.__dict__.clear()         # chunks, optimizer, step, communicators: their group handles go with them
     destroy_model_parallel()
-    gc.collect()
     dist.destroy_process_group()
 
 
