@@ -1,0 +1,217 @@
+"""Causal attention over a sequence split across context-parallel ranks: ring (p2p) and all-gather.
+
+Every CP rank holds its queries, keys and values in the load-balanced layout of sharding.py (global chunks r
+and 2cp-1-r). The result on each rank is causal attention over the global sequence, restricted to its
+queries, with exact gradients for q, k and v.
+
+- `p2p`, ring attention (arXiv 2310.01889; Megatron-LM's default): K/V travel around the ring in cp steps,
+  the next step's transfer in flight (batch_isend_irecv) while the current block is computed. Which query
+  chunk attends which key chunk follows from the global chunk indices (`attention_blocks`): the rank's own
+  block is causal, a block from a lower rank is attended by both local chunks, one from a higher rank only by
+  the tail chunk: every rank computes the same amount at each step. The partial results are merged by
+  log-sum-exp. The backward runs the ring again with the global output and log-sum-exp (as
+  ring-flash-attention does) while dK/dV accumulators travel the ring with the blocks back to their owners.
+  Saved for backward: q, k, v, out, lse, all O(s / cp).
+- `allgather` (LLaMA 3, arXiv 2407.21783 section 3.3.2): one all-gather of K/V, then each local query chunk
+  attends the keys up to its own end. The backward gathers K/V again (so only local tensors are saved) and
+  reduce-scatters their gradients to the owners. Transient memory is O(s) for K/V.
+
+Ulysses (`a2a`) is not built. torch's own `context_parallel` API does not run here: see
+docs/context_parallel.md for why.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from llamapipe.core.context_parallel.kernels import attend, attend_backward
+from llamapipe.core.context_parallel.sharding import chunk_ids, shard_sequence, unshard_sequence
+from llamapipe.core.tensor_parallel.graph_breaks import eager
+from llamapipe.core.tensor_parallel.mappings import reduce_scatter
+
+COMM_TYPES = ("p2p", "allgather")
+Block = tuple[int, int, int, int, bool]   # query chunks [q0, q1), key chunks [k0, k1), causal diagonal?
+
+
+def attention_blocks(q_chunks: Sequence[int], k_chunks: Sequence[int]) -> list[Block]:
+    """The kernel calls that cover causal attention of local query chunks to a set of key chunks.
+
+    Chunks are given by global index, each list in increasing order. Query chunk i attends key chunk j fully
+    when j < i, causally when j == i, not at all when j > i. Identical lists are one causal call; otherwise
+    each diagonal pair is a causal call and the full pairs of neighbouring query chunks that attend the same
+    (contiguous) key chunks share one call."""
+    q_chunks, k_chunks = list(q_chunks), list(k_chunks)
+    assert q_chunks == sorted(q_chunks) and k_chunks == sorted(k_chunks)
+    if q_chunks == k_chunks:
+        return [(0, len(q_chunks), 0, len(k_chunks), True)]
+    blocks: list[Block] = []
+    for i, qc in enumerate(q_chunks):
+        full = [j for j, kc in enumerate(k_chunks) if kc < qc]
+        if full:
+            assert full == list(range(full[0], full[-1] + 1)), "full key chunks must be contiguous"
+            last = blocks[-1] if blocks else None
+            if last and not last[4] and last[1] == i and last[2:4] == (full[0], full[-1] + 1):
+                blocks[-1] = (last[0], i + 1, last[2], last[3], False)
+            else:
+                blocks.append((i, i + 1, full[0], full[-1] + 1, False))
+        blocks += [(i, i + 1, j, j + 1, True) for j, kc in enumerate(k_chunks) if kc == qc]
+    return blocks
+
+
+def _forward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block], chunk: int,
+                    scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Attend q's rows to k/v per block; merge into the running fp32 `out` and `lse` by log-sum-exp."""
+    for q0, q1, k0, k1, causal in blocks:
+        rows, cols = slice(q0 * chunk, q1 * chunk), slice(k0 * chunk, k1 * chunk)
+        block_out, block_lse = attend(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale)
+        old_out, old_lse = out[:, :, rows], lse[:, :, rows]
+        new_lse = torch.logaddexp(old_lse, block_lse)
+        old_out.mul_((old_lse - new_lse).exp_().unsqueeze(-1))
+        old_out.add_(block_out.float() * (block_lse - new_lse).exp_().unsqueeze(-1))
+        old_lse.copy_(new_lse)
+
+
+def _backward_blocks(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, blocks: list[Block], chunk: int, scale: float, dq: torch.Tensor,
+                     dkv: torch.Tensor) -> None:
+    """Add each block's gradients into the fp32 `dq` (like q) and `dkv` (2, like k): global out and lse."""
+    for q0, q1, k0, k1, causal in blocks:
+        rows, cols = slice(q0 * chunk, q1 * chunk), slice(k0 * chunk, k1 * chunk)
+        dq_b, dk_b, dv_b = attend_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                                           out[:, :, rows], lse[:, :, rows], causal, scale)
+        dq[:, :, rows] += dq_b
+        dkv[0][:, :, cols] += dk_b
+        dkv[1][:, :, cols] += dv_b
+
+
+class _Ring:
+    """Non-blocking sends to the next CP rank and receives from the previous one (batch_isend_irecv)."""
+
+    def __init__(self, group: Any) -> None:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.group = group
+        self.next = dist.get_global_rank(group, (rank + 1) % size)
+        self.prev = dist.get_global_rank(group, (rank - 1) % size)
+
+    def start(self, send: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
+        recv = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
+               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
+        return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    """p2p: K/V around the ring, forward and backward; dK/dV accumulators follow them home."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float) -> torch.Tensor:
+        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        ring, chunk = _Ring(group), q.shape[2] // 2
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])  # (2, b, groups, s_local, d): one message per step
+        for step in range(cp_size):
+            if step + 1 < cp_size:
+                kv_next, works = ring.start(kv, tag=0)
+            src = (cp_rank - step) % cp_size
+            blocks = attention_blocks(chunk_ids(cp_size, cp_rank), chunk_ids(cp_size, src))
+            _forward_blocks(q, kv[0], kv[1], blocks, chunk, scale, out, lse)
+            if step + 1 < cp_size:
+                _wait(works)
+                kv = kv_next
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        ring, chunk = _Ring(group), q.shape[2] // 2
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv, dkv_in, dkv_works = torch.stack([k, v]), None, []
+        for step in range(cp_size):
+            if step + 1 < cp_size:
+                kv_next, kv_works = ring.start(kv, tag=0)
+            src = (cp_rank - step) % cp_size
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # grads of src's K/V
+            blocks = attention_blocks(chunk_ids(cp_size, cp_rank), chunk_ids(cp_size, src))
+            _backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, chunk, scale, dq, dkv)
+            if step > 0:    # what the ranks before me added to src's K/V gradients
+                _wait(dkv_works)
+                dkv += dkv_in
+            dkv_in, dkv_works = ring.start(dkv, tag=1)   # onwards; after the last step, to src itself
+            if step + 1 < cp_size:
+                _wait(kv_works)
+                kv = kv_next
+        _wait(dkv_works)
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
+
+
+def _gather_kv(kv: torch.Tensor, group: Any) -> torch.Tensor:
+    """(2, b, groups, s_local, d) on each rank -> (2, b, groups, s, d) in global sequence order."""
+    parts = [torch.empty_like(kv) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, kv, group=group)
+    return unshard_sequence(parts, dim=3)
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    """allgather: every rank gathers K/V and attends its two query chunks to the keys before them."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float) -> torch.Tensor:
+        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        kv = _gather_kv(torch.stack([k, v]), group)  # (2, b, groups, s, d)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        blocks = attention_blocks(chunk_ids(cp_size, cp_rank), range(2 * cp_size))
+        _forward_blocks(q, kv[0], kv[1], blocks, q.shape[2] // 2, scale, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        kv = _gather_kv(torch.stack([k, v]), group)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        blocks = attention_blocks(chunk_ids(cp_size, cp_rank), range(2 * cp_size))
+        _backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, q.shape[2] // 2, scale, dq, dkv)
+        per_rank = torch.cat([shard_sequence(dkv, 3, cp_size, r) for r in range(cp_size)])  # (cp * 2, ...)
+        mine = reduce_scatter(per_rank, group)   # (2, b, groups, s_local, d): my K/V's, summed over ranks
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
+
+
+@eager   # under --compile: collectives on gloo do not trace
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Optional[Any],
+                               comm_type: str = "p2p", *, scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of the local queries over the global sequence split across `cp_group`.
+
+    q: (b, heads, s_local, d), k/v: (b, groups, s_local, d) in the load-balanced layout (sharding.py) ->
+    (b, heads, s_local, d). A group of one (or None) is plain causal SDPA."""
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"--cp-comm-type {comm_type} is not supported (Ulysses all-to-all is not built); "
+                         f"use one of {', '.join(COMM_TYPES)}")
+    assert q.shape[1] % k.shape[1] == 0, f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} groups"
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if cp_group is None or dist.get_world_size(cp_group) == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    assert q.shape[2] % 2 == 0, f"{q.shape[2]} local tokens do not form the two chunks of the balanced layout"
+    function = _RingAttention if comm_type == "p2p" else _AllGatherAttention
+    return function.apply(q, k, v, cp_group, scale)

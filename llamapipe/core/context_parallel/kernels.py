@@ -1,0 +1,77 @@
+"""Attention on one block of queries and keys that also returns the log-sum-exp, and its backward.
+
+Context-parallel attention (attention.py) computes causal attention over a sequence it holds in pieces: it
+attends the local queries to one block of keys at a time and merges the partial results by their
+log-sum-exp (FlashAttention's online softmax, arXiv 2205.14135; ring attention, arXiv 2310.01889). So each
+block needs a kernel that returns the row-wise log-sum-exp of the scaled scores along with its output, and a
+backward that takes the *global* output and log-sum-exp: then the block's probabilities are exp(S - lse_global),
+already normalised over every key block, and the block gradients simply add up (ring-flash-attention's
+backward). On CPU that kernel is aten's FlashAttention for CPU (what `F.scaled_dot_product_attention` runs
+there; grouped-query attention is native). Elsewhere a plain-matmul version computes the same quantities,
+in fp32, with the block's scores materialised (it is checked against the CPU kernel in the tests).
+
+q: (b, heads, sq, d); k, v: (b, groups, sk, d) with heads a multiple of groups. A causal block is a diagonal
+block: query i attends keys 0..i (sq == sk). lse: (b, heads, sq) fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+_ATEN = torch.ops.aten
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (b, heads, sq, d) in q's dtype, lse (b, heads, sq) fp32) of one block."""
+    if q.device.type == "cpu":
+        out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    return attend_math(q, k, v, causal, scale)
+
+
+def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block given the rows' global `out` and `lse` (the merged result over all blocks)."""
+    if q.device.type == "cpu":
+        return _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                         scale=scale)
+    return attend_math_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """Scaled scores (b, heads, sq, sk) in fp32, -inf above the diagonal of a causal block."""
+    rep = q.shape[1] // k.shape[1]
+    scores = q.float() @ k.float().repeat_interleave(rep, dim=1).transpose(-1, -2) * scale
+    if causal:
+        above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu_(1)
+        scores.masked_fill_(above, float("-inf"))
+    return scores
+
+
+def attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend` with plain matmuls (any device)."""
+    rep = q.shape[1] // k.shape[1]
+    scores = _scores(q, k, causal, scale)
+    lse = scores.logsumexp(dim=-1)
+    probs = (scores - lse.unsqueeze(-1)).exp_()
+    out = probs @ v.float().repeat_interleave(rep, dim=1)
+    return out.to(q.dtype), lse
+
+
+def attend_math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, causal: bool,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attend_backward` with plain matmuls: dS = P * (dP - rowsum(dO * O)), P from the global lse."""
+    b, groups, sk, d = k.shape
+    rep = q.shape[1] // groups
+    probs = (_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp_()  # (b, heads, sq, sk)
+    dout = dout.float()
+    dv = probs.transpose(-1, -2) @ dout  # (b, heads, sk, d)
+    dprobs = dout @ v.float().repeat_interleave(rep, dim=1).transpose(-1, -2)
+    delta = (dout * out.float()).sum(dim=-1, keepdim=True)
+    dscores = probs.mul_(dprobs.sub_(delta)).mul_(scale)
+    dq = dscores @ k.float().repeat_interleave(rep, dim=1)
+    dk = dscores.transpose(-1, -2) @ q.float()  # (b, heads, sk, d)
+    fold = (b, groups, rep, sk, d)   # the heads of a group share its key and value: sum their gradients
+    return dq.to(q.dtype), dk.view(fold).sum(2).to(k.dtype), dv.view(fold).sum(2).to(v.dtype)
