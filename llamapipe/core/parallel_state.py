@@ -1,117 +1,205 @@
-"""Rank grid and process groups for tensor, pipeline, data and virtual-pipeline parallelism.
+"""The job's parallel dimensions, by name: the rank grid and the process groups.
 
-The rank math is pure (`RankGrid`), so it is testable without processes. `initialize_model_parallel`
-creates every group once and returns a frozen `ParallelState` that model, schedules and optimizer receive
-explicitly (docs/design.md section 2). There are no Megatron-style accessors over a module global (they
-silently return the wrong group once a process holds two layouts); the global only refuses a second
-`initialize_model_parallel` before `destroy_model_parallel`.
+`AXES` is the one description of the axes a job may have (docs/design.md section 2 says how to add one).
+The rank math is pure (`RankGrid`: any axes, any order, fastest-varying first), so it is testable without
+processes. `initialize_model_parallel` creates every group of `GROUPS` once and returns a frozen
+`ParallelState` that model, schedules and optimizer receive explicitly; they read an axis by name
+(`ps.size("cp")`, `ps.group("dp", "cp")`, or the spelled-out `ps.cp_size`, `ps.dp_cp_group`). There are no
+Megatron-style accessors over a module global (they silently return the wrong group once a process holds two
+layouts); the global only refuses a second `initialize_model_parallel` before `destroy_model_parallel`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
-_AXES = ("tp", "dp", "pp")
+# name -> what it splits. Megatron's default rank order is this order, fastest-varying first (tp-cp-dp-pp).
+AXES = {
+    "tp": "tensor: heads and feature dimensions of every layer",
+    "cp": "context: the sequence, two of 2N causal-balanced chunks per rank",
+    "dp": "data: the global batch (and, with ZeRO, optimizer state, gradients and weights)",
+    "pp": "pipeline: the layers, in stages",
+}
+DEFAULT_ORDER = "-".join(AXES)
+_FIRST_AXES = ("tp", "dp", "pp")    # the axes every job has; a later one (cp, ep one day) may be of size 1
+
+# group name -> the axes its members differ along
+GROUPS = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "dp": ("dp",),            # ranks that read different samples
+    "pp": ("pp",),
+    "dp_cp": ("dp", "cp"),    # replicas of the same weights: gradient reduction, optimizer shards, ZeRO
+    "tp_cp": ("tp", "cp"),    # ranks that hold parts of the same tokens' activations
+    "mp": ("tp", "pp"),       # the shards of one model: norms, overflow checks
+}
 
 
-@dataclass(frozen=True)
+def full_order(order: str) -> str:
+    """`order` with every axis of AXES; an axis it leaves out (an older order string without cp) goes right
+    after the axis that precedes it in DEFAULT_ORDER, as Megatron places cp after tp."""
+    axes = order.split("-")
+    if len(set(axes)) != len(axes) or not set(axes) <= set(AXES):
+        raise ValueError(f"rank order {order} must name each of {', '.join(AXES)} at most once")
+    for i, axis in enumerate(AXES):
+        if axis not in axes:
+            before = [a for a in list(AXES)[:i] if a in axes]
+            axes.insert(axes.index(before[-1]) + 1 if before else 0, axis)
+    return "-".join(axes)
+
+
 class RankGrid:
-    """Mixed-radix rank layout; `order` lists axes fastest-varying first (Megatron default tp-dp-pp)."""
-    world_size: int
-    tp: int
-    pp: int
-    order: str = "tp-dp-pp"
+    """Mixed-radix rank layout over the named axes; `order` lists them fastest-varying first. The data-parallel
+    size is what the world leaves: world_size / (product of the other sizes)."""
 
-    def __post_init__(self) -> None:
-        assert self.world_size % (self.tp * self.pp) == 0, "world size must be divisible by tp*pp"
-        assert sorted(self.order.split("-")) == sorted(_AXES), f"bad order {self.order}"
+    def __init__(self, world_size: int, tp: int = 1, pp: int = 1, order: str = DEFAULT_ORDER, **sizes: int):
+        unknown = set(sizes) - set(AXES)
+        assert not unknown and "dp" not in sizes, f"unknown axes {sorted(unknown)} (dp is derived)"
+        sizes.update(tp=tp, pp=pp)
+        given = math.prod(sizes.values())
+        assert world_size % given == 0, f"world size {world_size} must be divisible by {given} ({sizes})"
+        self.world_size, self.order = world_size, full_order(order)
+        self.sizes = {axis: sizes.get(axis, 1) for axis in AXES}
+        self.sizes["dp"] = world_size // given
 
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+    def __getattr__(self, name: str) -> int:
+        if name in AXES:        # grid.tp, grid.dp, ...
+            return self.__dict__["sizes"][name]
+        raise AttributeError(name)
 
-    def _sizes(self) -> list[tuple[str, int]]:
-        size = {"tp": self.tp, "dp": self.dp, "pp": self.pp}
-        return [(axis, size[axis]) for axis in self.order.split("-")]
+    def _radix(self) -> list[tuple[str, int]]:
+        return [(axis, self.sizes[axis]) for axis in self.order.split("-")]
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Rank -> {"tp": tp_rank, "dp": dp_rank, "pp": pp_rank}."""
+        """Rank -> {axis: coordinate} for every axis."""
         out = {}
-        for axis, size in self._sizes():
+        for axis, size in self._radix():
             out[axis] = rank % size
             rank //= size
         return out
 
-    def rank(self, tp: int, dp: int, pp: int) -> int:
-        coords = {"tp": tp, "dp": dp, "pp": pp}
+    def rank(self, **coords: int) -> int:
+        """{axis: coordinate} (missing axes at 0) -> rank."""
         rank, stride = 0, 1
-        for axis, size in self._sizes():
-            rank += coords[axis] * stride
+        for axis, size in self._radix():
+            rank += coords.get(axis, 0) * stride
             stride *= size
         return rank
 
     def groups(self, axes: tuple[str, ...]) -> list[list[int]]:
-        """Rank lists whose members differ only along `axes` (sorted, deterministic order)."""
+        """Rank lists whose members differ only along `axes`, each sorted (so a one-axis group is ordered by
+        that axis: element i of a pp group holds stage i), the lists in a deterministic order."""
         found: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
             c = self.coords(rank)
-            key = tuple(c[a] for a in _AXES if a not in axes)
-            found.setdefault(key, []).append(rank)
+            found.setdefault(tuple(c[a] for a in AXES if a not in axes), []).append(rank)
         return sorted(sorted(v) for v in found.values())
 
-    def embedding_groups(self) -> list[list[int]]:
-        """First and last pipeline rank of every pipeline group (one rank when pp == 1)."""
-        return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
-
-    def tp_groups(self) -> list[list[int]]:
-        return self.groups(("tp",))
-
-    def pp_groups(self) -> list[list[int]]:
-        """Ordered by pipeline stage: element i is the rank holding stage i."""
-        out = []
-        for group in self.groups(("pp",)):
-            out.append(sorted(group, key=lambda r: self.coords(r)["pp"]))
-        return sorted(out)
-
-    def dp_groups(self) -> list[list[int]]:
-        return self.groups(("dp",))
-
-    def mp_groups(self) -> list[list[int]]:
-        return self.groups(("tp", "pp"))
+    def named_groups(self, name: str) -> list[list[int]]:
+        """The rank lists of a group of GROUPS, or "embedding": the first and last stage of every pipeline."""
+        if name == "embedding":
+            return [sorted({g[0], g[-1]}) for g in self.groups(("pp",))]
+        return self.groups(GROUPS[name])
 
 
-@dataclass(frozen=True)
+_SUFFIXES = ("size", "rank", "ranks", "group")
+
+
+@dataclass(frozen=True, init=False, eq=False)
 class ParallelState:
-    """Everything a rank needs to know about its place in the grid. Groups are None on one process."""
+    """Everything a rank needs to know about its place in the grid. Groups are None on one process.
+
+    Read by name: `size(*axes)`, `rank_in(*axes)`, `group(*axes)`, or the attribute spellings
+    `<name>_size`, `<name>_rank`, `<name>_ranks`, `<name>_group` for an axis or a group of GROUPS
+    (`ps.cp_rank`, `ps.dp_cp_group`, `ps.embedding_group`). Built by `initialize_model_parallel`, or by hand
+    with the same keywords: `ParallelState(rank=1, world_size=2, cp_size=2, cp_rank=1, cp_group=g)`.
+    """
     rank: int = 0
     world_size: int = 1
-    tp_size: int = 1
-    pp_size: int = 1
-    dp_size: int = 1
     vpp_size: int = 1
-    tp_rank: int = 0
-    pp_rank: int = 0
-    dp_rank: int = 0
-    order: str = "tp-dp-pp"
-    pp_ranks: tuple = (0,)              # global rank of each pipeline stage in my pipeline group
-    tp_ranks: tuple = (0,)
-    dp_ranks: tuple = (0,)
-    tp_group: Any = None
-    pp_group: Any = None
-    dp_group: Any = None
-    mp_group: Any = None
-    embedding_group: Any = None
+    order: str = DEFAULT_ORDER
+    sizes: Mapping[str, int] = field(default_factory=dict)
+    coords: Mapping[str, int] = field(default_factory=dict)
+    ranks: Mapping[str, tuple] = field(default_factory=dict)
+    groups: Mapping[str, Any] = field(default_factory=dict)
+
+    def __init__(self, rank: int = 0, world_size: int = 1, vpp_size: int = 1, order: str = DEFAULT_ORDER,
+                 sizes: Optional[Mapping] = None, coords: Optional[Mapping] = None,
+                 ranks: Optional[Mapping] = None, groups: Optional[Mapping] = None, **named: Any) -> None:
+        parts = {"size": dict(sizes or {}), "rank": dict(coords or {}), "ranks": dict(ranks or {}),
+                 "group": dict(groups or {})}
+        for key, value in named.items():
+            name, _, kind = key.rpartition("_")
+            known = AXES if kind in ("size", "rank") else (*GROUPS, "embedding")
+            if kind not in _SUFFIXES or name not in known:
+                raise TypeError(f"ParallelState got an unexpected keyword argument {key!r}")
+            parts[kind][name] = value
+        for name, value in (("rank", rank), ("world_size", world_size), ("vpp_size", vpp_size),
+                            ("order", full_order(order)), ("sizes", parts["size"]), ("coords", parts["rank"]),
+                            ("ranks", {k: tuple(v) for k, v in parts["ranks"].items()}),
+                            ("groups", parts["group"])):
+            object.__setattr__(self, name, value)
+
+    def size(self, *axes: str) -> int:
+        return math.prod(self.sizes.get(_axis(a), 1) for a in axes)
+
+    def rank_in(self, *axes: str) -> int:
+        """My rank within the group over `axes` (its position in the sorted member list, as torch numbers it)."""
+        if len(axes) == 1:
+            return self.coords.get(_axis(axes[0]), 0)
+        members = self.ranks.get(_group_name(axes))
+        if members is not None:
+            return members.index(self.rank)
+        rank, stride = 0, 1     # no member list (a state built by hand): mixed radix in the rank order
+        for axis in self.order.split("-"):
+            if axis in axes:
+                rank += self.coords.get(axis, 0) * stride
+                stride *= self.sizes.get(axis, 1)
+        return rank
+
+    def group(self, *axes: str) -> Any:
+        return self.groups.get(_group_name(axes))
+
+    def __getattr__(self, key: str) -> Any:
+        name, _, kind = key.rpartition("_")
+        if kind not in _SUFFIXES or not (name in AXES or name in GROUPS or name == "embedding"):
+            raise AttributeError(f"{type(self).__name__} has no attribute {key!r}")
+        axes = GROUPS.get(name, (name,))
+        if kind == "size":
+            return self.size(*axes)
+        if kind == "rank":
+            return self.rank_in(*axes)
+        if kind == "ranks":
+            return self.ranks.get(name, (self.rank,))
+        return self.groups.get(name)
 
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
 
+def _axis(axis: str) -> str:
+    if axis not in AXES:
+        raise KeyError(f"unknown parallel axis {axis!r}; the axes are {', '.join(AXES)}")
+    return axis
+
+
+def _group_name(axes: tuple[str, ...]) -> str:
+    for name, members in GROUPS.items():
+        if set(members) == set(axes) and len(members) == len(axes):
+            return name
+    raise KeyError(f"no process group over {'+'.join(axes)}; the groups are {', '.join(GROUPS)}")
+
+
 _STATE: Optional[ParallelState] = None
 
 
-def initialize_model_parallel(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-dp-pp") -> ParallelState:
-    """Create TP, PP, DP, model-parallel and embedding groups (collective: every rank calls it)."""
+def initialize_model_parallel(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = DEFAULT_ORDER,
+                              **sizes: int) -> ParallelState:
+    """Create the groups of GROUPS and the embedding group (collective: every rank calls it). `sizes` are the
+    other axes by name (cp=2); the data-parallel size is what the world leaves. Two group names with the same
+    members share one process group when they differ only by an added axis of size 1 (dp_cp is dp at cp 1)."""
     import torch.distributed as dist
 
     global _STATE
@@ -120,23 +208,26 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, vpp: int = 1, order: str
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialised before initialize_model_parallel")
     world, rank = dist.get_world_size(), dist.get_rank()
-    grid = RankGrid(world, tp, pp, order)
-    mine: dict[str, Any] = {}
-    for name, lists in (("tp", grid.tp_groups()), ("pp", grid.pp_groups()), ("dp", grid.dp_groups()),
-                        ("mp", grid.mp_groups()), ("embedding", grid.embedding_groups())):
-        for ranks in lists:
-            group = dist.new_group(ranks)  # every rank creates every group, in the same order
-            if rank in ranks:
-                mine[name], mine[name + "_ranks"] = group, tuple(ranks)
-    c = grid.coords(rank)
-    _STATE = ParallelState(rank=rank, world_size=world, tp_size=tp, pp_size=pp, dp_size=grid.dp, vpp_size=vpp,
-                           tp_rank=c["tp"], pp_rank=c["pp"], dp_rank=c["dp"], order=order,
-                           pp_ranks=mine["pp_ranks"], tp_ranks=mine["tp_ranks"], dp_ranks=mine["dp_ranks"],
-                           tp_group=mine["tp"], pp_group=mine["pp"], dp_group=mine["dp"], mp_group=mine["mp"],
-                           embedding_group=mine.get("embedding"))
+    grid = RankGrid(world, tp, pp, order, **sizes)
+    made: dict[tuple, Any] = {}
+    groups, ranks = {}, {}
+    for name in (*GROUPS, "embedding"):
+        # an added axis of size 1 adds nothing: dp_cp is the dp communicator at cp 1. The others stay apart as
+        # they always were (mp and pp at tp 1, the embedding group and pp at pp 2): separate communicators
+        axes = GROUPS.get(name, (name,))
+        key_axes = tuple(a for a in axes if a in _FIRST_AXES or a not in AXES or grid.sizes[a] > 1)
+        for members in grid.named_groups(name):
+            key = (key_axes, tuple(members)) if len(members) > 1 else tuple(members)
+            if key not in made:
+                made[key] = dist.new_group(members)  # every rank creates every group, in the same order
+            if rank in members:
+                groups[name], ranks[name] = made[key], tuple(members)
+    _STATE = ParallelState(rank=rank, world_size=world, vpp_size=vpp, order=grid.order, sizes=dict(grid.sizes),
+                           coords=grid.coords(rank), ranks=ranks, groups=groups)
     return _STATE
 
 
 def destroy_model_parallel() -> None:
     global _STATE
     _STATE = None
+

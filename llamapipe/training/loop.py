@@ -122,7 +122,7 @@ class Trainer:
         self._load()
         train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles, self.state.consumed_samples)
         fb_func, grad_sync = build_forward_backward_func(config, ps), None
-        if config.parallel.overlap_grad_reduce and ps.dp_size > 1:   # Megatron's overlap, during the backward
+        if config.parallel.overlap_grad_reduce and ps.dp_cp_size > 1:   # Megatron's overlap, during the backward
             from llamapipe.core.distributed.grad_sync import GradSync
             grad_sync = GradSync(self.chunks, ps, config.parallel.ddp_bucket_size)
         self.metrics = MetricsWriter(config.logging, enabled=dist.get_rank() == 0, run_config=config,

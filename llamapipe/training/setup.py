@@ -93,8 +93,8 @@ def vocab_stats_group(ps: ParallelState):
     all-gather behind it. Collective over the world (every rank builds its chunks)."""
     import torch.distributed as dist
     from llamapipe.core.parallel_state import RankGrid
-    grid = RankGrid(ps.world_size, ps.tp_size, ps.pp_size, ps.order)
-    return dist.new_subgroups_by_enumeration(grid.pp_groups())[0]
+    grid = RankGrid(ps.world_size, ps.tp_size, ps.pp_size, ps.order, cp=ps.cp_size)
+    return dist.new_subgroups_by_enumeration(grid.named_groups("pp"))[0]
 
 
 def build_forward_backward_func(config: Config, ps: ParallelState):

@@ -81,8 +81,8 @@ def run_schedule(parts: StepParts, iterators: list, *, forward_only: bool, num_m
     for out in losses:
         totals[0] += float(out["loss_sum"])
         totals[1] += float(out["num_tokens"])
-    for group, size in ((ps.dp_group, ps.dp_size), (ps.pp_group, ps.pp_size)):
-        if size > 1 and (reduce_pp or group is ps.dp_group):
+    for group, size in ((ps.dp_cp_group, ps.dp_cp_size), (ps.pp_group, ps.pp_size)):
+        if size > 1 and (reduce_pp or group is ps.dp_cp_group):
             dist.all_reduce(totals, group=group)
     if not reduce_pp and ps.tp_rank != 0:
         totals.zero_()

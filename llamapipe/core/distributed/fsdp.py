@@ -64,12 +64,12 @@ def apply_data_parallel_sharding(chunks: list[nn.Module], strategy: str, ps: Any
     Other strategies, and a data-parallel size of 1, leave the chunks as they are."""
     if strategy not in STRATEGIES:
         raise ValueError(f"--data-parallel-sharding-strategy {strategy} is not one of {', '.join(STRATEGIES)}")
-    if strategy not in FSDP_STRATEGIES or ps.dp_size == 1:
+    if strategy not in FSDP_STRATEGIES or ps.dp_cp_size == 1:
         return chunks
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     device = next(chunks[0].parameters()).device
-    mesh = DeviceMesh.from_group(ps.dp_group, device.type)
+    mesh = DeviceMesh.from_group(ps.dp_cp_group, device.type)
     reshard = strategy == "optim_grads_params"
     for chunk in chunks:
         attrs = {name: {a: getattr(p, a) for a in _TP_ATTRS if hasattr(p, a)} for name, p in chunk.named_parameters()}

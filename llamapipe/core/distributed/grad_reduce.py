@@ -123,7 +123,7 @@ def global_num_tokens(num_tokens: Optional[torch.Tensor], parallel_state: Parall
         dist.broadcast(packed, src=ps.pp_ranks[-1], group=ps.pp_group)
     if packed[0].item() == 0.0:
         return None
-    all_reduce_over(packed[1:], [ps.dp_group])
+    all_reduce_over(packed[1:], [ps.dp_cp_group])
     total = packed[1].item()
     if total <= 0:
         raise ValueError("the global batch has no loss tokens (every loss_mask entry is 0), so the loss is undefined")
@@ -157,8 +157,8 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module], parallel_state: Pa
         total = float(global_tokens)
     if grad_sync is not None:
         grad_sync.finish(total)
-    elif total is not None or group_size(ps.dp_group) > 1:  # dp=1 still divides in fp32, like dp>1
-        all_reduce_bucketed([p.grad for p in params], ps.dp_group, bucket_size, divisor=total,
+    elif total is not None or group_size(ps.dp_cp_group) > 1:  # dp=1 still divides in fp32, like dp>1
+        all_reduce_bucketed([p.grad for p in params], ps.dp_cp_group, bucket_size, divisor=total,
                             async_op=overlap_grad_reduce)
     return total
 

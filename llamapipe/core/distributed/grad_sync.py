@@ -44,7 +44,7 @@ class GradSync:
     def __init__(self, model_chunks: Sequence[nn.Module], parallel_state, bucket_size: int = DEFAULT_BUCKET_SIZE):
         if bucket_size <= 0:
             raise ValueError(f"--ddp-bucket-size {bucket_size} must be positive")
-        self.dp_group, self.tp_group = parallel_state.dp_group, parallel_state.tp_group
+        self.dp_group, self.tp_group = parallel_state.dp_cp_group, parallel_state.tp_group
         self.chunk_buckets: list[list[_Bucket]] = []
         self._where: dict[int, tuple[int, _Bucket]] = {}      # id(param) -> (chunk, bucket)
         self._hooks = []

@@ -61,10 +61,10 @@ class Optimizer:
         self.opt_cfg = opt_cfg
         self.parallel_state = ps
         self.fsdp = is_fsdp_sharded(model_chunks)           # ZeRO-2/3: each rank steps its FSDP shards
-        self.sharded = shard_over_dp and ps.dp_size > 1 and not self.fsdp
+        self.sharded = shard_over_dp and ps.dp_cp_size > 1 and not self.fsdp
         self.offload = opt_cfg.optimizer_cpu_offload
         self.layout = ShardLayout(tuple(p.numel() for p in self.params),
-                                  ps.dp_size if self.sharded else 1, ps.dp_rank if self.sharded else 0)
+                                  ps.dp_cp_size if self.sharded else 1, ps.dp_cp_rank if self.sharded else 0)
         self.segments = self.layout.segments()
         self.mains = [self._main_for(seg.param_index, seg.start, seg.end) for seg in self.segments]
         self._has_master = [self.params[s.param_index].dtype != torch.float32 or self.offload for s in self.segments]
@@ -76,7 +76,7 @@ class Optimizer:
         self.num_steps = 0
         self.device = self.params[0].device if self.params else torch.device("cpu")
         # together these groups cover every element exactly once (DP too when DP ranks hold disjoint shards)
-        self._reduce_groups = ([ps.dp_group] if self.sharded or self.fsdp else []) + [ps.mp_group]
+        self._reduce_groups = ([ps.dp_cp_group] if self.sharded or self.fsdp else []) + [ps.mp_group]
         self._snapshot = pv.Snapshot()          # post-validation's rollback copy, allocated on first use
 
     @property
@@ -230,7 +230,7 @@ class Optimizer:
         dtypes = {p.dtype for p in self.params}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         shard = pack_shard(self.layout, self.segments, self.mains, dtype, self.device)
-        full = gather_shards(shard, self.layout, self.parallel_state.dp_group)
+        full = gather_shards(shard, self.layout, self.parallel_state.dp_cp_group)
         for p, value in zip(self.params, unflatten(full, self.layout, [p.shape for p in self.params])):
             p.detach().copy_(value)
 
@@ -260,7 +260,7 @@ class Optimizer:
             param_state = gather_fsdp_param_state(self, STATE_KEYS if mixed else STATE_KEYS[:2], keep)
         for key in () if self.fsdp else STATE_KEYS if mixed else STATE_KEYS[:2]:
             shard = pack_shard(self.layout, self.segments, self._segment_values(key), torch.float32, self.device)
-            full = gather_shards(shard, self.layout, self.parallel_state.dp_group)
+            full = gather_shards(shard, self.layout, self.parallel_state.dp_cp_group)
             if not keep:
                 continue
             for name, p, value in zip(self.names, self.params, unflatten(full, self.layout, shapes)):

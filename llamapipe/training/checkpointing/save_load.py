@@ -27,7 +27,7 @@ from llamapipe.training.checkpointing.writer import (  # noqa: F401  (finalize a
     CheckpointSaveError, FileJob, SaveJob, finalize_async_save, start)
 from llamapipe.training.config import Config
 from llamapipe.core.logger import get_logger
-from llamapipe.core.parallel_state import ParallelState
+from llamapipe.core.parallel_state import AXES, ParallelState
 from llamapipe.training.checkpointing.resharding import (TensorSpec, gather_vocab_shards, named_tensors,
                                                           padded_rows_for, shard_of, spec_of, split_shard)
 from llamapipe.core.tensor_parallel.random import get_rng_tracker
@@ -55,8 +55,9 @@ def _barrier() -> None:
 
 
 def _layout(ps: ParallelState) -> dict:
-    return {"world_size": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vpp": ps.vpp_size,
-            "dp": ps.dp_size, "order": ps.order}
+    """The saving job's layout, every axis by name (what loading at another layout reshards from)."""
+    return {"world_size": ps.world_size, **{axis: ps.size(axis) for axis in AXES}, "vpp": ps.vpp_size,
+            "order": ps.order}
 
 
 def save_checkpoint(save_dir: str, iteration: int, *, model_chunks: list[nn.Module], optimizer: Any,
@@ -108,16 +109,16 @@ def _rank_files(model_chunks: list[nn.Module], optimizer: Any, ps: ParallelState
     params = named_tensors(model_chunks)
     specs = {name: spec_of(t) for name, t in params.items()}
     # collective under ZeRO-1; only dp_rank 0 (the writer) keeps the gathered state
-    optim_state = optimizer.state_dict(keep=ps.dp_rank == 0) if optimizer is not None else None
+    optim_state = optimizer.state_dict(keep=ps.dp_cp_rank == 0) if optimizer is not None else None
     files = []
     tensors = dict(params)
-    optim_tensors, key_specs = ({}, {}) if optim_state is None or ps.dp_rank else _optimizer_shard(optim_state, specs)
-    if ps.dp_rank == 0 and any(hasattr(t, "vocab_shards") for t in params.values()):
+    optim_tensors, key_specs = ({}, {}) if optim_state is None or ps.dp_cp_rank else _optimizer_shard(optim_state, specs)
+    if ps.dp_cp_rank == 0 and any(hasattr(t, "vocab_shards") for t in params.values()):
         # collective over pp: the vocabulary-parallel output layer as ordinary TP shards, on pp rank 0
         tensors = gather_vocab_shards(tensors, params, ps.pp_rank, ps.pp_group)
         optim_tensors = gather_vocab_shards(optim_tensors, params, ps.pp_rank, ps.pp_group)
     tensors = {name: _stage(name, t) if copy else t.detach() for name, t in tensors.items()}
-    if ps.dp_rank == 0:
+    if ps.dp_cp_rank == 0:
         files.append(FileJob(cio.shard_name("model", ps.tp_rank, ps.pp_rank), lambda path, rank: cio.write_shard_file(
             path, tensors, specs, ps.tp_rank, ps.pp_rank, rank)))
         if optim_state is not None:
