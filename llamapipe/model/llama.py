@@ -5,6 +5,9 @@ shards; `layer_range` / `pre_process` / `post_process` make it one pipeline chun
 logical (`embedding.weight`, `layers.<global index>...`, `final_norm.weight`, `output.weight`), and every
 parameter is initialised from (seed, name) on the full logical tensor before slicing, so every layout
 starts from identical weights (docs/design.md section 4). Activations travel sequence-first, (s, b, h).
+With context parallelism (the state's cp_size > 1) a chunk holds s/cp tokens of each sequence in the causal
+load-balanced layout of core/context_parallel/sharding.py (the caller shards the batch with `shard_batch`),
+its attention spans the CP group (`cp_comm_type` "p2p" or "allgather") and it returns those tokens' losses.
 With `vocab_parallel` (arXiv 2411.05288) the last chunk ends at the final norm, the first starts from the
 embedding output it is given (`set_input_tensor`, like any later chunk: `pre_process` is False), and the
 output layer and the embedding are `PipelineVocabOutput` / `PipelineVocabEmbedding` shards held by local chunk 0
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from llamapipe.core.context_parallel import COMM_TYPES, local_positions
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.tensor_parallel import mappings
 from llamapipe.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -77,12 +81,16 @@ class LlamaModel(nn.Module):
                  layer_range: Optional[tuple[int, int]] = None, pre_process: bool = True,
                  post_process: bool = True, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, seed: int = 1234, vocab_parallel: bool = False,
-                 vocab_shard: bool = False) -> None:
+                 vocab_shard: bool = False, cp_comm_type: str = "p2p") -> None:
         super().__init__()
-        tp_size = parallel_state.tp_size if parallel_state is not None else 1
-        self.tp_rank = parallel_state.tp_rank if parallel_state is not None else 0
-        self.tp_group = parallel_state.tp_group if tp_size > 1 else None
-        self.tp_size = tp_size
+        ps = parallel_state if parallel_state is not None else ParallelState()
+        tp_size = ps.tp_size
+        self.tp_size, self.tp_rank = tp_size, ps.tp_rank
+        self.tp_group = ps.tp_group if tp_size > 1 else None
+        self.cp_size, self.cp_rank = ps.cp_size, ps.cp_rank
+        cp_group = ps.cp_group if self.cp_size > 1 else None
+        if cp_comm_type not in COMM_TYPES:
+            raise ValueError(f"--cp-comm-type {cp_comm_type} is not supported; use one of {', '.join(COMM_TYPES)}")
         layer_range = tuple(layer_range) if layer_range is not None else (0, config.num_layers)
         _check_config(config, tp_size, layer_range)
         if config.tie_word_embeddings and (vocab_parallel or not (pre_process and post_process)):
@@ -96,7 +104,8 @@ class LlamaModel(nn.Module):
         if pre_process:
             self.embedding = VocabParallelEmbedding(padded_vocab, config.hidden_size, self.tp_group, **kw)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
-        self.layers = nn.ModuleDict({str(i): self.layer_class(config, self.tp_group, **kw)
+        self.layers = nn.ModuleDict({str(i): self.layer_class(config, self.tp_group, cp_group=cp_group,
+                                                              cp_comm_type=cp_comm_type, **kw)
                                      for i in range(*layer_range)})
         if post_process:
             self.final_norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw)
@@ -157,7 +166,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: Optional[torch.LongTensor] = None, labels: Optional[torch.LongTensor] = None,
                 position_ids: Optional[torch.LongTensor] = None) -> torch.Tensor:
-        """Hidden states (s, b, h) for the next stage, or logits (b, s, vocab), or per-token losses (b, s)."""
+        """Hidden states (s, b, h) for the next stage, or logits (b, s, vocab), or per-token losses (b, s).
+
+        Under context parallelism s is this rank's s/cp tokens and `position_ids` (b, s/cp) their global
+        positions (`shard_batch` makes them; None: the balanced layout's)."""
         if self.pre_process:
             if input_ids is None:
                 raise ValueError("the first pipeline chunk needs input_ids")
@@ -165,7 +177,9 @@ class LlamaModel(nn.Module):
         else:
             assert self.input_tensor is not None, "set_input_tensor must be called before forward"
             hidden = self.input_tensor
-        seq_len = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)
+        seq_len = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)   # this CP rank's tokens
+        if position_ids is None and self.cp_size > 1:   # the balanced layout's global positions, (1, s/cp)
+            position_ids = local_positions(seq_len * self.cp_size, self.cp_size, self.cp_rank)[None].to(hidden.device)
         rope = self.rotary(seq_len, position_ids, hidden.dtype)
         for i, layer in enumerate(self.layers.values()):
             if self._recompute_layer(i) and torch.is_grad_enabled():

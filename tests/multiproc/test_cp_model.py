@@ -1,0 +1,103 @@
+"""A LLaMA model under context parallelism (gloo ranks) against the single-rank model.
+
+Each CP rank runs the whole model (pp 1) on its load-balanced share of the sequence (`shard_batch`); its
+per-token losses, unsharded, and its parameter gradients, summed over the CP ranks (what the gradient
+reduction over dp x cp does), must equal the single-rank model's (fp32, rel 1e-5): for both comm types, with
+selective and full recompute, with the weight gradients deferred to W (zero-bubble B/W split), with GQA
+and without, and at cp 2 + tp 2 + sequence parallel.
+"""
+import torch
+
+from llamapipe.core.context_parallel import shard_batch, unshard_sequence
+from llamapipe.core.tensor_parallel.layers import allreduce_sequence_parallel_grads, gather_logical_tensor
+from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
+from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaModel
+from llamapipe.model.qwen2 import Qwen2Config, Qwen2Model
+from tests.harness import run_distributed
+
+CONFIG = LlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, num_query_groups=4,
+                     vocab_size=200, max_position_embeddings=32, make_vocab_size_divisible_by=100)
+B, S = 2, 16
+# (name, comm type, config changes, deferred weight grads)
+CASES = [("p2p", "p2p", {}, False), ("allgather", "allgather", {}, False),
+         ("p2p selective", "p2p", dict(recompute_granularity="selective"), False),
+         ("allgather full", "allgather", dict(recompute_granularity="full"), False),
+         ("p2p mha B/W split", "p2p", dict(num_query_groups=8), True),
+         ("qwen2 allgather", "allgather", dict(family="qwen2"), False)]
+DEFERRED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+            "up_proj.weight", "down_proj.weight", "output.weight")
+
+
+def _batch() -> dict:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, CONFIG.vocab_size, (B, S + 1), generator=g)
+    mask = torch.ones(B, S)
+    mask[0, 3] = 0.0      # a masked token, so the loss mask travels with its token
+    return {"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": mask}
+
+
+def _model(changes: dict, state=None, **kw) -> LlamaModel:
+    changes = dict(changes)
+    if changes.pop("family", None) == "qwen2":
+        return Qwen2Model(Qwen2Config(**{**CONFIG.__dict__, "family": "qwen2", **changes}), state, **kw)
+    return LlamaModel(CONFIG.replace(**changes), state, **kw)
+
+
+def _step(model: LlamaModel, batch: dict, tp_group, deferred: bool) -> tuple[torch.Tensor, dict, list]:
+    """Per-token losses, logical gradients of the loss summed over the global batch's tokens / (b * s), and
+    the parameters that had no gradient after B (when the weight gradients are deferred)."""
+    store = WeightGradStore()
+    with store.active():
+        losses = model(batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"))
+    loss = (losses * batch["loss_mask"]).sum() / (B * S)
+    with store.capture("mb") if deferred else store.active():
+        loss.backward()
+    after_b = sorted(n for n, p in model.named_parameters() if p.grad is None)
+    if deferred:
+        store.run("mb")
+    store.assert_empty()
+    allreduce_sequence_parallel_grads(model, tp_group)
+    grads = {n: gather_logical_tensor(p.grad, p, tp_group)[:CONFIG.vocab_size] if getattr(p, "vocab_padded", False)
+             else gather_logical_tensor(p.grad, p, tp_group) for n, p in model.named_parameters()}
+    return losses.detach(), grads, after_b
+
+
+def _worker(rank: int, world_size: int, tp: int, cases: list, sequence_parallel: bool) -> dict:
+    from llamapipe.core.parallel_state import initialize_model_parallel
+    state = initialize_model_parallel(tp=tp, cp=world_size // tp)
+    batch = shard_batch(_batch(), state.cp_size, state.cp_rank)
+    out = {"cp_rank": state.cp_rank, "tp_rank": state.tp_rank}
+    for name, comm, changes, deferred in cases:
+        model = _model(changes, state, cp_comm_type=comm, sequence_parallel=sequence_parallel)
+        out[name] = _step(model, batch, state.tp_group, deferred)
+    return out
+
+
+def _check(tp: int, cp: int, cases: list, sequence_parallel: bool = False) -> None:
+    results = run_distributed(_worker, tp * cp, tp, cases, sequence_parallel, timeout=300)
+    by_cp = sorted((r for r in results if r["tp_rank"] == 0), key=lambda r: r["cp_rank"])
+    assert [r["cp_rank"] for r in by_cp] == list(range(cp))
+    for name, _, changes, deferred in cases:
+        ref_losses, ref_grads, _ = _step(_model(changes), _batch(), None, False)
+        case = f"cp={cp} tp={tp} sp={sequence_parallel} {name}"
+        losses = unshard_sequence([r[name][0] for r in by_cp], dim=1)
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6, msg=case)
+        assert set(by_cp[0][name][1]) == set(ref_grads), case
+        for param, ref in ref_grads.items():
+            summed = sum(r[name][1][param] for r in by_cp)
+            torch.testing.assert_close(summed, ref, rtol=1e-5, atol=1e-7, msg=f"{case} {param}")
+        if deferred:   # B left exactly the linear layers' weight gradients to W
+            after_b = by_cp[0][name][2]
+            assert after_b and all(n.endswith(DEFERRED) for n in after_b), after_b
+            assert len(after_b) == 7 * CONFIG.num_layers + 1, after_b
+
+
+def test_cp2_matches_single_rank():
+    """cp 2, p2p and allgather, recompute, B/W split, MHA, Qwen2's biases: losses and summed grads (rel 1e-5)."""
+    _check(1, 2, CASES)
+
+
+def test_cp2_tp2_sequence_parallel_matches_single_rank():
+    """cp 2 x tp 2 with sequence parallelism (4 ranks): (s/cp/tp, b, h) activations, same losses and grads."""
+    _check(2, 2, [CASES[0], CASES[1]], sequence_parallel=True)
