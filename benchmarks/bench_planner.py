@@ -30,7 +30,7 @@ import time
 
 from benchmarks.launch import read_metrics, torchrun
 from benchmarks.results_io import write_json
-from llamapipe.tools import profile_schema
+from llamapipe.training import profile_schema
 from llamapipe.tools.parallel_estimate import Layout
 from llamapipe.tools.profile_plan import layout_flags, shape_flags
 from llamapipe.tools.profile_predict import balanced_counts, layout_string, predict

@@ -24,7 +24,8 @@ from llamapipe.core.flag_parser import FlagParser
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
 from llamapipe.model.config import LlamaConfig
 from llamapipe.model.families import FAMILIES, PRESETS, family_of_preset
-from llamapipe.tools import profile_plan, profile_schema
+from llamapipe.tools import profile_plan
+from llamapipe.training import profile_schema
 from llamapipe.tools.parallel_estimate import DEVICES, GIB, Estimate, Layout, estimate
 
 SCHEDULES = [name for name, spec in SPECS.items() if spec.planned and not spec.profiled]

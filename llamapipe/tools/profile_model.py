@@ -37,7 +37,8 @@ from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.model.config import LlamaConfig
 from llamapipe.model.families import family_of
 from llamapipe.model.llama import LlamaModel
-from llamapipe.tools import profile_comm, profile_overhead, profile_schema
+from llamapipe.tools import profile_comm, profile_overhead
+from llamapipe.training import profile_schema
 from llamapipe.training.arguments.flags_model import add_model_flags
 from llamapipe.training.arguments.model_args import model_config, run_seq_length
 

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from typing import Optional
 
-from llamapipe.tools import profile_schema
+from llamapipe.training import profile_schema
 from llamapipe.tools.parallel_estimate import Layout
 from llamapipe.tools.profile_predict import Prediction, balanced_counts, layer_counts, layout_string, predict
 

@@ -4,8 +4,8 @@ Per virtual stage, the pass times are the sum of its parts as measured: its deco
 the first stage, the output layer and loss on the last (`profile_costs.stage_costs`), or with vocabulary
 parallelism (arXiv 2411.05288) the output layer split over every rank as the S/T actions and the embedding's
 shards run on every rank before and after the plan (`embedding_passes_s`, as `vocab_runtime` runs them). Under tensor
-parallelism every part's compute is divided by tp and each layer's F and B (and B's recomputed forward under
-full recompute) pay two tp all-reduces of the (s, b, h) activations at the measured all-reduce bandwidth. The
+parallelism every part's compute is divided by tp and each pays its tp collectives one by one at the measured
+all-reduce latency and bandwidth (`stage_balance.tp_parts`, with --sequence-parallel as plan prints it). The
 schedule's plan (for zb-h2 the one fitted to the slowest stage's costs, as at run time) is simulated with these costs
 and the measured p2p time of one activation message; the step is its makespan (with post-validation the
 longest stage span), plus the optimizer step of the most loaded rank (measured seconds per parameter) and
@@ -18,9 +18,8 @@ parameter of the most loaded rank is added to the step (`overhead_s`).
 On a CPU, ranks share the machine's cores: with more threads in all (ranks x the profile's threads per rank)
 than cores, every compute time is stretched by that ratio (`oversubscription`).
 
-`balanced_counts` is the split of layers over the virtual stages that `plan` picks: starting from the even
-split, it moves one layer at a time off the most loaded pipeline rank (F + B + W of all its chunks) while that
-lowers the busiest rank's work; `layout_string` writes a split as --pipeline-model-parallel-layout.
+`balanced_counts` is the split of layers over the virtual stages that `plan` picks, `stage_balance`'s (shared
+with --pipeline-model-parallel-layout auto at run time) from this layout's costs.
 """
 from __future__ import annotations
 
@@ -32,9 +31,11 @@ from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.core.pipeline_parallel.profile_costs import PassCosts, StageCosts, stage_costs, uniform_costs
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import simulate
+from llamapipe.core.pipeline_parallel.stage_balance import allreduce_s, layout_string, stage_ranks, tp_parts
+from llamapipe.core.pipeline_parallel.stage_balance import balanced_counts as core_balanced_counts
 from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
-from llamapipe.tools import profile_schema
-from llamapipe.tools.parallel_estimate import Layout, rank_params, stage_ranks
+from llamapipe.training import profile_schema
+from llamapipe.tools.parallel_estimate import Layout, rank_params
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -68,30 +69,23 @@ def _comm(profile: dict, what: str, needed: bool) -> dict:
     return comm or {}
 
 
-def allreduce_s(comm: dict, nbytes: float, ranks: int) -> float:
-    if ranks == 1:
-        return 0.0
-    return comm["allreduce_latency_s"] + 2 * (ranks - 1) / ranks * nbytes / comm["allreduce_bus_bandwidth_Bps"]
-
-
 def component_costs(profile: dict, lay: Layout, slowdown: float) -> dict[str, PassCosts]:
-    """Layer, embedding and head costs for one tp rank of `lay`, tp communication included."""
+    """Layer, embedding and head costs for one tp rank of `lay`, tp collectives included (the trainer's tp
+    runs with --sequence-parallel, as `plan` prints it)."""
     parts = profile_schema.entry(profile, lay.micro_batch, lay.recompute)
     if parts is None:
         have = ", ".join(f"{b}/{r}" for b, r in profile_schema.settings(profile))
         raise profile_schema.ProfileError(f"the profile has no micro-batch size {lay.micro_batch} with recompute "
                                           f"{lay.recompute} (it has {have}); profile that setting")
-    scaled = {name: c.scaled(slowdown / lay.tp, 1.0 / lay.tp) for name, c in parts.items()}
-    if lay.tp == 1:
-        return scaled
-    comm = _comm(profile, "tensor-parallel all-reduces", True)
-    message = profile["seq_length"] * lay.micro_batch * profile["model"]["hidden_size"] * \
-        ELEMENT_BYTES[profile["dtype"]]
-    one = allreduce_s(comm, message, lay.tp)
-    forwards_in_b = 2 if lay.recompute == "full" else 1
-    tp = {"layer": PassCosts(2 * one, 2 * one * forwards_in_b), "embedding": PassCosts(one, 0.0),
-          "head": PassCosts(3 * comm["allreduce_latency_s"], one)}
-    return {name: scaled[name] + tp[name] for name in scaled}
+    comm = _comm(profile, "tensor-parallel collectives", lay.tp > 1)
+    return tp_parts(parts, lay.tp, slowdown, comm, message=_message(profile, lay) * lay.tp, sequence_parallel=True,
+                    recompute=lay.recompute, gloo=profile["device"] == "cpu")
+
+
+def _message(profile: dict, lay: Layout) -> float:
+    """Bytes of one activation message between pipeline stages (its sequence split over tp)."""
+    return profile["seq_length"] * lay.micro_batch * profile["model"]["hidden_size"] * \
+        ELEMENT_BYTES[profile["dtype"]] / lay.tp
 
 
 def layer_counts(profile: dict, lay: Layout) -> list[int]:
@@ -99,17 +93,8 @@ def layer_counts(profile: dict, lay: Layout) -> list[int]:
     return [end - start for start, end in ranges]
 
 
-def rank_work(parts: dict[str, PassCosts], lay: Layout, counts: Sequence[int]) -> list[float]:
-    """F + B + W of one microbatch on each pipeline rank (all its chunks) for a layer split."""
-    costs = stage_costs(parts["layer"], parts["embedding"], parts["head"], counts, vocab_parallel=lay.vocab_parallel)
-    work = [0.0] * lay.pp
-    for stage, rank in enumerate(stage_ranks(lay)):
-        st = costs.stages[stage]
-        work[rank] += st.f + st.b + st.w
-    if lay.vocab_parallel:
-        shared = parts["head"] + parts["embedding"]
-        work = [x + (shared.f + shared.b + shared.w) / lay.pp for x in work]
-    return work
+def layout_ranks(lay: Layout) -> list[int]:
+    return stage_ranks(lay.pp, lay.vpp, SPECS[lay.schedule].placement(lay.vpp))
 
 
 def embedding_passes_s(parts: dict[str, PassCosts], comm: dict, lay: Layout, m: int, message: float) -> float:
@@ -122,34 +107,9 @@ def embedding_passes_s(parts: dict[str, PassCosts], comm: dict, lay: Layout, m: 
 
 
 def balanced_counts(profile: dict, lay: Layout) -> list[int]:
-    """The split of layers over virtual stages that minimises the busiest pipeline rank's work, by moving
-    one layer at a time from a stage of the busiest rank to a stage of another rank (each keeps one layer)."""
+    """The split `stage_balance.balanced_counts` picks for `lay` from the profile's costs."""
     parts = component_costs(profile, lay, 1.0)
-    layers, stages = profile["model"]["num_layers"], lay.pp * lay.vpp
-    counts = [layers // stages + (s < layers % stages) for s in range(stages)]
-    ranks = stage_ranks(lay)
-    best = max(rank_work(parts, lay, counts))
-    while True:
-        work = rank_work(parts, lay, counts)
-        busiest = work.index(max(work))
-        moves = [(s, t) for s in range(stages) if ranks[s] == busiest and counts[s] > 1
-                 for t in range(stages) if ranks[t] != busiest]
-        trials = []
-        for s, t in moves:
-            trial = list(counts)
-            trial[s], trial[t] = trial[s] - 1, trial[t] + 1
-            trials.append((max(rank_work(parts, lay, trial)), trial))
-        if not trials or min(trials)[0] >= best - 1e-12:
-            return counts
-        best, counts = min(trials)
-
-
-def layout_string(counts: Sequence[int]) -> str:
-    """A --pipeline-model-parallel-layout string for per-stage layer counts: [3, 5] -> "Et*3|t*5L"."""
-    stages = [f"t*{n}" if n > 1 else "t" * n for n in counts]
-    stages[0] = "E" + stages[0]
-    stages[-1] += "L"
-    return "|".join(stages)
+    return core_balanced_counts(parts, profile["model"]["num_layers"], layout_ranks(lay), lay.vocab_parallel)
 
 
 def _plan(lay: Layout, m: int, costs: StageCosts, post_validation: bool):
@@ -173,8 +133,7 @@ def predict(profile: dict, lay: Layout, global_batch: int, *, counts: Optional[S
     parts = component_costs(profile, lay, slowdown)
     counts = list(counts) if counts is not None else layer_counts(profile, lay)
     comm = _comm(profile, "p2p between pipeline ranks", lay.pp > 1 or lay.dp > 1)
-    message = profile["seq_length"] * lay.micro_batch * profile["model"]["hidden_size"] * \
-        ELEMENT_BYTES[profile["dtype"]] / lay.tp
+    message = _message(profile, lay)
     hop = comm["p2p_latency_s"] + message / comm["p2p_bandwidth_Bps"] if lay.pp > 1 else 0.0
     over = profile_schema.overhead(profile)
     costs = stage_costs(parts["layer"], parts["embedding"], parts["head"], counts, comm=hop,

@@ -1,7 +1,7 @@
 """`llamapipe profile` under torchrun with 2 ranks adds the communication figures `plan --profile` needs."""
 from __future__ import annotations
 
-from llamapipe.tools import profile_schema
+from llamapipe.training import profile_schema
 from llamapipe.tools.parallel_estimate import Layout
 from llamapipe.tools.profile_predict import predict
 from tests.cli import torchrun

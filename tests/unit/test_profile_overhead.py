@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from llamapipe.model.config import LlamaConfig
-from llamapipe.tools import plan_parallelism, profile_model, profile_overhead, profile_schema
+from llamapipe.tools import plan_parallelism, profile_model, profile_overhead
+from llamapipe.training import profile_schema
 from llamapipe.tools.parallel_estimate import Layout, rank_params
 from llamapipe.tools.profile_predict import predict
 from tests.unit.test_profile_planner import MS, one_f_one_b, synthetic_profile

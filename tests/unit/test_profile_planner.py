@@ -19,7 +19,8 @@ from llamapipe.core.pipeline_parallel.profile_costs import (PassCosts, costs_fro
                                                             stage_costs)
 from llamapipe.core.pipeline_parallel.schedule_ir import Action
 from llamapipe.model.config import LlamaConfig
-from llamapipe.tools import plan_parallelism, profile_plan, profile_schema
+from llamapipe.tools import plan_parallelism, profile_plan
+from llamapipe.training import profile_schema
 from llamapipe.tools.parallel_estimate import Layout, layer_act_bytes, rank_params
 from llamapipe.tools.profile_predict import balanced_counts, layout_string, predict
 

@@ -81,6 +81,13 @@ class StageCosts(Costs):
             times = [by_part[part] for part in KIND_SPECS[a.kind].parts]
         return [times[0] + self.action_s + self.message_s * remote_messages(plan, rank, a), *times[1:]]
 
+    def action_mem_delta(self, plan: Plan, rank: int, a: Action) -> float:
+        if a.kind in VOCAB_PASSES:
+            return super().action_mem_delta(plan, rank, a)
+        stage = self.stages[plan.stage_of(rank, a.chunk)]
+        return {"F": stage.act_bytes, "B": stage.w_bytes - stage.act_bytes, "W": -stage.w_bytes,
+                "BW": -stage.act_bytes}[a.kind]
+
 
 def remote_messages(plan: Plan, rank: int, a: Action) -> int:
     """p2p messages `a` receives or sends from or to another rank: an F from the previous stage and to the next,
@@ -93,13 +100,6 @@ def remote_messages(plan: Plan, rank: int, a: Action) -> int:
     stage = plan.stage_of(rank, a.chunk)
     return sum(0 <= other < plan.num_stages and plan.rank_chunk_of(other)[0] != rank
                for other in (stage - 1, stage + 1))
-
-    def action_mem_delta(self, plan: Plan, rank: int, a: Action) -> float:
-        if a.kind in VOCAB_PASSES:
-            return super().action_mem_delta(plan, rank, a)
-        stage = self.stages[plan.stage_of(rank, a.chunk)]
-        return {"F": stage.act_bytes, "B": stage.w_bytes - stage.act_bytes, "W": -stage.w_bytes,
-                "BW": -stage.act_bytes}[a.kind]
 
 
 def stage_costs(layer: PassCosts, embedding: PassCosts, head: PassCosts, layer_counts: Sequence[int], *,

@@ -45,6 +45,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    action="store_false", help="with --manual-gc: do not collect around evaluation")
     g.add_argument("--pipeline-profile-iters", type=int, default=3,
                    help="auto and zb-h2 schedules: 1F1B iterations profiled before switching")
+    g.add_argument("--pipeline-profile", default=None, metavar="PROFILE.json",
+                   help="with --pipeline-model-parallel-layout auto: split the layers by the costs this "
+                        "`llamapipe profile` measured (without it: by the analytic FLOP model)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer and the final norm (inductor); works under every schedule")
     g.add_argument("--release-host-memory", action="store_true",

@@ -1,5 +1,6 @@
-"""The JSON profile `llamapipe profile` writes and `llamapipe plan --profile` reads: its schema, checks and
-look-ups, in one place so the writer and the reader cannot drift.
+"""The JSON profile `llamapipe profile` writes and `llamapipe plan --profile` and the trainer's --pipeline-profile
+read: its schema, checks and look-ups, in one place so the writer and the readers cannot drift (here in the
+application, which owns file formats, so that training reads it without importing the tools).
 
     {"schema": "llamapipe-profile/1", "device": "cpu", "threads": 1, "dtype": "fp32", "seq_length": 128,
      "model": {LlamaConfig fields},
@@ -106,16 +107,17 @@ def notice(profile: dict, name: str = "profile") -> Optional[str]:
     return None
 
 
-def load(path: str) -> dict:
-    """Read and validate a profile; one-line ProfileError for a missing or malformed file."""
+def load(path: str, flag: str = "--profile") -> dict:
+    """Read and validate a profile given as `flag` (plan's --profile, the trainer's --pipeline-profile);
+    one-line ProfileError naming the flag and the file for a missing or malformed one."""
     try:
         with open(path) as f:
             data = json.load(f)
     except OSError as e:
-        raise ProfileError(f"--profile {path}: cannot read it ({e.strerror})") from None
+        raise ProfileError(f"{flag} {path}: cannot read it ({e.strerror})") from None
     except json.JSONDecodeError as e:
-        raise ProfileError(f"--profile {path}: not JSON ({e.msg} at line {e.lineno})") from None
-    return validate(data, f"--profile {path}")
+        raise ProfileError(f"{flag} {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    return validate(data, f"{flag} {path}")
 
 
 def write(path: str, profile: dict) -> None:

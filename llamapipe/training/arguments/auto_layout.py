@@ -1,0 +1,161 @@
+"""--pipeline-model-parallel-layout auto: the run picks its split of layers over the (virtual) pipeline stages.
+
+Resolved once, at argument-parse time, into an ordinary layout string ("Et*5|t*3L"), so everything downstream
+(the checks, the model builder, checkpoint metadata, the schedule) sees an explicit layout. The split is
+`core.pipeline_parallel.stage_balance.balanced_counts` over this run's pipeline ranks and placement, the one
+`llamapipe plan --profile` prints, from:
+
+- the costs a `llamapipe profile` measured, given as --pipeline-profile PROFILE.json (its setting for this
+  run's micro-batch size and recompute, scaled to one tensor-parallel rank with its collectives), or
+- without a profile, the analytic FLOP model (`stage_balance.analytic_parts`, the embedding and the output layer
+  with its loss counted at the vocabulary size).
+
+Vocabulary parallelism stays the user's choice (--enable-vocab-parallel); with it the two vocabulary layers'
+cost is spread over every rank, so the balanced split is the even one. The chunks per rank come from
+--num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage (counted on the even split),
+else the schedule's fewest (2 for the V schedules). One notice line says which split and why.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Optional
+
+from llamapipe.core.config import ArgumentError
+from llamapipe.core.pipeline_parallel.layout import LAYOUT_FLAG
+from llamapipe.core.pipeline_parallel.profile_costs import PassCosts
+from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule, schedule_spec
+from llamapipe.core.pipeline_parallel.stage_balance import (ELEMENT_FLOPS, analytic_parts, balanced_counts,
+                                                            even_counts, layout_string, rank_work, stage_ranks,
+                                                            tp_parts)
+from llamapipe.model.config import LlamaConfig
+from llamapipe.training import profile_schema
+from llamapipe.training.arguments.pipeline import vpp_size
+
+AUTO = "auto"
+PROFILE_FLAG = "--pipeline-profile"
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+SAME_MODEL = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size", "family")
+
+
+def resolve_auto_layout(args: argparse.Namespace, model: LlamaConfig, seq_length: int, device: str,
+                        notices: list[str]) -> argparse.Namespace:
+    """`args` with --pipeline-model-parallel-layout auto replaced by the chosen layout string (a copy; `args`
+    as given when there is nothing to resolve). `device`: "cpu" or "cuda", for the analytic model."""
+    profile_path = getattr(args, "pipeline_profile", None)
+    if args.pipeline_model_parallel_layout != AUTO:
+        if profile_path is not None:
+            raise ArgumentError(f"{PROFILE_FLAG} {profile_path} is read only by {LAYOUT_FLAG} {AUTO}")
+        return args
+    _refuse_other_split_flags(args)
+    out = copy.copy(args)
+    pp = args.pipeline_model_parallel_size
+    if pp == 1:
+        out.pipeline_model_parallel_layout = None
+        notices.append(f"notice: {LAYOUT_FLAG} {AUTO} has nothing to split at --pipeline-model-parallel-size 1")
+        return out
+    vpp, schedule = _chunks(args, model.num_layers)
+    ranks = stage_ranks(pp, vpp, schedule_spec(schedule).placement(vpp))
+    vocab_parallel = bool(args.enable_vocab_parallel)
+    if profile_path is not None:
+        parts, unit, source = _profiled_parts(args, model, seq_length, profile_path), 1e3, \
+            f"the measured costs in {PROFILE_FLAG} {profile_path}"
+    else:
+        parts = analytic_parts(hidden=model.hidden_size, ffn_hidden=model.ffn_hidden_size,
+                               heads=model.num_attention_heads, kv_heads=model.num_query_groups,
+                               head_dim=model.head_dim, vocab=model.padded_vocab_size(args.tensor_model_parallel_size),
+                               seq_length=seq_length, micro_batch=args.micro_batch_size,
+                               recompute=_recompute(model), element_flops=ELEMENT_FLOPS[device])
+        unit = 1.0 / (parts["layer"].f + parts["layer"].b + parts["layer"].w)
+        source = (f"the analytic FLOP model (no {PROFILE_FLAG}; the embedding and the output layer + loss counted at "
+                  f"vocabulary {model.padded_vocab_size(args.tensor_model_parallel_size)})")
+    counts = balanced_counts(parts, model.num_layers, ranks, vocab_parallel)
+    out.pipeline_model_parallel_layout = layout_string(counts)
+    out.num_layers_per_virtual_pipeline_stage = None     # a chunk count here; the layout now gives the layers
+    out.num_virtual_stages_per_pipeline_rank = vpp if vpp > 1 else args.num_virtual_stages_per_pipeline_rank
+    notices.append(_notice(out.pipeline_model_parallel_layout, counts, parts, ranks, vocab_parallel, unit,
+                           "ms" if profile_path is not None else "decoder layers", source))
+    return out
+
+
+def _refuse_other_split_flags(args: argparse.Namespace) -> None:
+    given = [f"--decoder-{end}-pipeline-num-layers" for end in ("first", "last")
+             if getattr(args, f"decoder_{end}_pipeline_num_layers") is not None]
+    given += [f"--account-for-{part}-in-pipeline-split" for part in ("embedding", "loss")
+              if getattr(args, f"account_for_{part}_in_pipeline_split")]
+    if given:
+        raise ArgumentError(f"{LAYOUT_FLAG} {AUTO} picks the layer split itself; drop {' and '.join(given)}")
+
+
+def _chunks(args: argparse.Namespace, num_layers: int) -> tuple[int, str]:
+    """Model chunks per rank (the chunk flags', counted as on the even split, else the schedule's fewest) and
+    the schedule that runs them."""
+    explicit = copy.copy(args)
+    explicit.pipeline_model_parallel_layout = None
+    vpp = vpp_size(explicit, num_layers)
+    schedule = args.pipeline_schedule or default_schedule(vpp)
+    try:
+        spec = schedule_spec(schedule)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+    if not spec.accepts(vpp) and args.num_layers_per_virtual_pipeline_stage is None and \
+            args.num_virtual_stages_per_pipeline_rank is None:
+        vpp = spec.min_chunks
+    stages = args.pipeline_model_parallel_size * vpp
+    if num_layers < stages:
+        raise ArgumentError(f"{LAYOUT_FLAG} {AUTO} needs a decoder layer on each of the {stages} virtual stages, "
+                            f"but --num-layers is {num_layers}")
+    return vpp, schedule
+
+
+def _recompute(model: LlamaConfig) -> str:
+    return "full" if model.recompute_granularity == "full" else "none"
+
+
+def _profiled_parts(args: argparse.Namespace, model: LlamaConfig, seq_length: int,
+                    path: str) -> dict[str, PassCosts]:
+    said = f"{PROFILE_FLAG} {path}"
+    try:
+        profile = profile_schema.load(path, PROFILE_FLAG)
+    except profile_schema.ProfileError as err:
+        raise ArgumentError(str(err)) from None
+    profiled = profile["model"]
+    for field in SAME_MODEL:
+        if profiled.get(field) != getattr(model, field):
+            raise ArgumentError(f"{said} was made for a model with {field} {profiled.get(field)}, but this run's is "
+                                f"{getattr(model, field)}; profile this model with `llamapipe profile`")
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    for what, theirs, ours in (("--seq-length", profile["seq_length"], seq_length), ("precision", profile["dtype"],
+                                                                                      dtype)):
+        if theirs != ours:
+            raise ArgumentError(f"{said} was measured at {what} {theirs}, but this run's is {ours}")
+    recompute = _recompute(model)
+    parts = profile_schema.entry(profile, args.micro_batch_size, recompute)
+    if parts is None:
+        have = ", ".join(f"{b}/{r}" for b, r in profile_schema.settings(profile))
+        raise ArgumentError(f"{said} has no entry for --micro-batch-size {args.micro_batch_size} with recompute "
+                            f"{recompute} (it has micro-batch size/recompute {have})")
+    tp, comm = args.tensor_model_parallel_size, profile.get("comm")
+    message = seq_length * args.micro_batch_size * model.hidden_size * ELEMENT_BYTES[dtype]
+    return tp_parts(parts, tp if comm else 1, 1.0, comm, message=message,
+                    sequence_parallel=bool(args.sequence_parallel), recompute=recompute,
+                    gloo=profile["device"] == "cpu")
+
+
+def _notice(layout: str, counts: list[int], parts: dict[str, PassCosts], ranks: list[int], vocab_parallel: bool,
+            unit: float, unit_name: str, source: str) -> str:
+    def per_rank(split: list[int]) -> str:
+        return "/".join(f"{x * unit:.1f}" for x in rank_work(parts, split, ranks, vocab_parallel))
+    even = even_counts(sum(counts), len(counts))
+    vocab = ", the vocabulary layers split over every rank (--enable-vocab-parallel)" if vocab_parallel else ""
+    compare = "" if even == counts else f" (even split {'/'.join(map(str, even))}: {per_rank(even)} {unit_name})"
+    return (f"notice: {LAYOUT_FLAG} {AUTO} chose {layout!r} (layers per virtual stage {'/'.join(map(str, counts))}) "
+            f"from {source}{vocab}: F+B+W per microbatch on each pipeline rank {per_rank(counts)} "
+            f"{unit_name}{compare}")
+
+
+def device_of(args: argparse.Namespace) -> str:
+    """"cuda" when the run uses NCCL (or CUDA is there and no backend is named), else "cpu"."""
+    import torch
+    backend: Optional[str] = getattr(args, "distributed_backend", None)
+    return "cuda" if backend == "nccl" or (backend is None and torch.cuda.is_available()) else "cpu"
