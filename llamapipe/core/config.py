@@ -27,7 +27,9 @@ class ParallelConfig:
     pp_size: int = 1
     vpp_size: int = 1                   # model chunks per pipeline rank
     dp_size: int = 1
-    order: str = "tp-dp-pp"             # rank order, fastest-varying axis first
+    cp_size: int = 1                    # --context-parallel-size: ranks that split each sequence
+    cp_comm_type: str = "p2p"           # --cp-comm-type: ring (p2p) or all-gather attention across them
+    order: str = "tp-cp-dp-pp"          # rank order, fastest-varying axis first (Megatron's)
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"     # effective schedule; ignored when pp_size == 1
     pipeline_memory_limit: Optional[float] = None   # activation units per rank for `auto`
@@ -43,6 +45,11 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     vocab_parallel: bool = False                    # --enable-vocab-parallel: output layer split over pp (S/T)
     ddp_bucket_size: int = 25_000_000               # elements per DP all-reduce bucket
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The size of every parallel axis by name (core.parallel_state.AXES), as the rank grid reads them."""
+        return {"tp": self.tp_size, "cp": self.cp_size, "dp": self.dp_size, "pp": self.pp_size}
 
 
 @dataclass(frozen=True)

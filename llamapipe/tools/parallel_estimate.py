@@ -22,6 +22,10 @@ tests/multiproc/test_planner_memory.py, docs/planner.md):
 Time: a step's FLOPs (the model family's, llamapipe.model.families; LLaMA's and Qwen2's: 6 x matmul weights x tokens plus attention, plus one forward
 again under full recompute) at `efficiency` x the device's peak, per-action costs fed to the simulator for
 the pipeline makespan, plus TP all-reduces on the links and the DP gradient all-reduce.
+
+Context parallelism (`cp`): every rank holds seq / cp tokens of each sequence, so activations and the FLOPs per
+rank (attention included: the causal load balance gives each rank the same share) are divided by cp; the K/V
+traffic is added where it is not hidden (`context_parallel_seconds`), and gradients and ZeRO-1 shards span dp x cp.
 """
 from __future__ import annotations
 
@@ -55,6 +59,8 @@ class Layout:
     precision: str = "bf16"     # "bf16" (fp32 master weights) or "fp32"
     pipeline_layout: Optional[str] = None   # a --pipeline-model-parallel-layout string; None: even split
     vocab_parallel: bool = False            # output layer split over the pipeline ranks (--enable-vocab-parallel)
+    cp: int = 1                             # --context-parallel-size: ranks splitting each sequence
+    cp_comm: str = "p2p"                    # --cp-comm-type: ring (overlapped) or all-gather of K/V
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,9 @@ def rank_params(m: LlamaConfig, lay: Layout) -> list[float]:
 
 
 def _chunk_act_bytes(m: LlamaConfig, lay: Layout, seq: int) -> list[tuple[float, float]]:
-    """(M_B, M_W) bytes of each virtual stage for one microbatch."""
+    """(M_B, M_W) bytes of each virtual stage for one microbatch; a CP rank holds seq / cp of its tokens (ring
+    attention saves only local q, k, v, output and log-sum-exp; all-gathered K/V are transient)."""
+    seq = seq // lay.cp
     saved, held = layer_act_bytes(m, seq, lay.micro_batch, lay.recompute, lay.precision, lay.tp)
     head = _head_act_bytes(m, seq, lay.micro_batch, lay.precision, lay.tp)
     last = lay.pp * lay.vpp - 1
@@ -184,7 +192,7 @@ def rank_memory(m: LlamaConfig, lay: Layout, seq: int, global_batch: int) -> lis
     micro = global_batch // (lay.micro_batch * lay.dp)
     per_stage = _chunk_act_bytes(m, lay, seq)
     largest = max(b for b, _ in per_stage)
-    opt_bytes = OPTIMIZER_BYTES[lay.precision] / (lay.dp if lay.dist_opt else 1)
+    opt_bytes = OPTIMIZER_BYTES[lay.precision] / (lay.dp * lay.cp if lay.dist_opt else 1)   # ZeRO-1 over dp x cp
     return [RankMemory(PARAM_BYTES[lay.precision] * p, GRAD_BYTES * p, opt_bytes * p, act, act / largest)
             for p, act in zip(rank_params(m, lay), activation_peaks(m, lay, seq, micro))]
 
@@ -196,7 +204,7 @@ def estimate(m: LlamaConfig, lay: Layout, seq: int, global_batch: int, dev: Devi
     best = max(ranks, key=lambda r: r.total)
     step = _step_seconds(m, lay, seq, micro, dev, max(r.params for r in ranks) / PARAM_BYTES[lay.precision])
     model_flops = flops_per_token(m, seq, lay.tp) * global_batch * seq
-    mfu = model_flops / (step * lay.tp * lay.pp * lay.dp * dev.tflops * 1e12)
+    mfu = model_flops / (step * lay.tp * lay.pp * lay.dp * lay.cp * dev.tflops * 1e12)
     return Estimate(best.params, best.grads, best.optimizer, best.activations, step_s=step, mfu=mfu,
                     peak_units=best.peak_units)
 
@@ -205,10 +213,29 @@ def _allreduce_s(nbytes: float, ranks: int, gbps: float) -> float:
     return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes * 8 / (gbps * 1e9)
 
 
+def context_parallel_seconds(m: LlamaConfig, lay: Layout, seq: int, dev: Device) -> float:
+    """Exposed K/V communication of one microbatch on one chunk under context parallelism (F + B). Each rank's
+    K/V, (seq / cp) tokens x 2 kv-heads x head-dim / tp, reach the cp - 1 others in the forward; the backward
+    moves them again and their gradients back (3 x). The ring (p2p) overlaps each transfer with a block of
+    attention (hidden when attention is slower); the all-gather and its reduce-scatter are not overlapped."""
+    if lay.cp == 1:
+        return 0.0
+    kv_bytes = seq / lay.cp * lay.micro_batch * 2 * m.num_query_groups * m.head_dim / lay.tp * PARAM_BYTES[lay.precision]
+    gbps = dev.link_gbps if lay.tp * lay.cp <= dev.gpus_per_node else dev.internode_gbps
+    layers = m.num_layers / (lay.pp * lay.vpp)
+    comm = layers * 3 * (lay.cp - 1) * kv_bytes * 8 / (gbps * 1e9)
+    if lay.cp_comm == "allgather":
+        return comm
+    attention = (flops_per_token(m, seq, lay.tp) - flops_per_token(m, 0, lay.tp)) * seq * lay.micro_batch
+    attention_s = attention / (lay.tp * lay.pp * lay.vpp * lay.cp) / (dev.tflops * 1e12 * dev.efficiency)
+    return max(0.0, comm - attention_s)
+
+
 def _step_seconds(m: LlamaConfig, lay: Layout, seq: int, micro: int, dev: Device, params_on_rank: float) -> float:
-    tokens = seq * lay.micro_batch
+    tokens = seq * lay.micro_batch // lay.cp                      # this CP rank's tokens of one microbatch
     flops = flops_per_token(m, seq, lay.tp, lay.recompute == "full") * tokens / (lay.tp * lay.pp * lay.vpp)
     chunk = flops / (dev.tflops * 1e12 * dev.efficiency)          # F + B + W of one microbatch on one chunk
+    chunk += context_parallel_seconds(m, lay, seq, dev)
     tp_gbps = dev.link_gbps if lay.tp <= dev.gpus_per_node else dev.internode_gbps
     tp_comm = 4 * (m.num_layers / (lay.pp * lay.vpp)) * _allreduce_s(2 * tokens * m.hidden_size, lay.tp, tp_gbps)
     share = (0.25, 0.5, 0.25) if lay.recompute == "full" else (1 / 3, 1 / 3, 1 / 3)   # B re-runs the forward
@@ -221,5 +248,5 @@ def _step_seconds(m: LlamaConfig, lay: Layout, seq: int, micro: int, dev: Device
         plan = build(lay.schedule, lay.pp, lay.vpp, simulated)
         pipeline = simulate(plan, Costs(f=f, b=b, w=w, comm=hop)).makespan
         pipeline += (micro - simulated) * lay.vpp * (f + b + w)
-    dp_gbps = dev.link_gbps if lay.tp * lay.dp <= dev.gpus_per_node else dev.internode_gbps
-    return pipeline + _allreduce_s(4 * params_on_rank, lay.dp, dp_gbps)
+    dp_gbps = dev.link_gbps if lay.tp * lay.cp * lay.dp <= dev.gpus_per_node else dev.internode_gbps
+    return pipeline + _allreduce_s(4 * params_on_rank, lay.dp * lay.cp, dp_gbps)   # gradients over dp x cp

@@ -23,7 +23,10 @@ def _layout(config: Config) -> str:
     par = config.parallel
     chunks = f", {par.vpp_size} model chunks per pipeline rank (vpp)" if par.vpp_size > 1 else ""
     sp = "on" if par.sequence_parallel else "off"
-    return (f"{par.world_size} rank{'s' if par.world_size > 1 else ''} = tp {par.tp_size} x pp {par.pp_size} x dp "
+    cp = (f" x cp {par.cp_size} (context parallel, {par.cp_comm_type} attention: each rank holds "
+          f"{config.training.seq_length // par.cp_size} of every {config.training.seq_length} tokens)"
+          if par.cp_size > 1 else "")
+    return (f"{par.world_size} rank{'s' if par.world_size > 1 else ''} = tp {par.tp_size}{cp} x pp {par.pp_size} x dp "
             f"{par.dp_size} (order {par.order}){chunks}, sequence parallel {sp}, {par.distributed_backend}")
 
 
@@ -45,10 +48,11 @@ def _data_parallel(config: Config) -> str:
     par, opt = config.parallel, config.optimizer
     strategy = par.data_parallel_sharding_strategy
     line = f"data-parallel sharding {strategy} ({SHARDING[strategy]})"
-    if par.dp_size == 1:
+    if par.dp_size * par.cp_size == 1:
         return line + (", inactive at dp 1" if strategy != "no_shard" else "") + "; no gradient reduction"
     overlap = "during the backward (--overlap-grad-reduce)" if par.overlap_grad_reduce else "after the backward"
-    line += f"; gradients reduced {overlap}"
+    over = f" over dp x cp ({par.dp_size * par.cp_size} replicas)" if par.cp_size > 1 else ""
+    line += f"; gradients reduced{over} {overlap}"
     return line + ("; optimizer on the CPU" if opt.optimizer_cpu_offload else "")
 
 

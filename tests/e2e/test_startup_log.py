@@ -15,7 +15,7 @@ def test_two_ranks_log_the_block_once_and_the_validation_time():
                        "tp 1 x pp 2): there is no other data-parallel rank to shard with; every rank keeps its whole "
                        "optimizer state, gradients and parameters"]
     block = [line for line in lines if line.startswith("run: ")]
-    assert len(block) == 5 and block[0] == "run: 2 ranks = tp 1 x pp 2 x dp 1 (order tp-dp-pp), sequence parallel " \
+    assert len(block) == 5 and block[0] == "run: 2 ranks = tp 1 x pp 2 x dp 1 (order tp-cp-dp-pp), sequence parallel " \
                                            "off, gloo"
     assert lines.index(block[-1]) < lines.index("training 1 iterations from iteration 0")
     result = [line for line in lines if line.startswith("validation loss at iteration 1:")]

@@ -14,6 +14,7 @@ from tests.harness import ROOT
 FLAGS = """
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
 --adam-beta1 --adam-beta2 --add-qkv-bias --adam-eps --attention-dropout --bf16 --calculate-per-token-loss --clip-grad --compile
+--context-parallel-size --cp-comm-type
 --enable-optimizer-post-validation --enable-vocab-parallel
 --data-cache-path --data-parallel-sharding-strategy --data-path
 --ddp-bucket-size
@@ -63,7 +64,8 @@ def test_every_flag_has_a_help_line_and_help_shows_defaults():
     assert entry("--adam-beta2 ADAM_BETA2").endswith("(default: 0.999)")
     assert entry("--eval-iters EVAL_ITERS").endswith("(default: 100)")
     assert entry("--use-mcore-models").startswith("no effect: ")
-    assert entry("--context-parallel-size CONTEXT_PARALLEL_SIZE").startswith("refused unless 1 (off): context parallelism")
+    assert entry("--expert-model-parallel-size EXPERT_MODEL_PARALLEL_SIZE").startswith("refused unless 1 (off): ")
+    assert entry("--context-parallel-size CONTEXT_PARALLEL_SIZE").endswith("(default: 1)")
 
 
 def test_abbreviated_flags_are_refused():

@@ -169,7 +169,7 @@ def test_startup_block_names_layout_schedule_sharding_numerics_and_validation():
              "--micro-batch-size", "2", "--use-distributed-optimizer", "--bf16", "--recompute-granularity", "full",
              "--eval-iters", "7", "--eval-interval", "50", "--distributed-backend", "gloo"], world=8)
     assert startup_lines(c) == [
-        "run: 8 ranks = tp 2 x pp 2 x dp 2 (order tp-dp-pp), 2 model chunks per pipeline rank (vpp), sequence "
+        "run: 8 ranks = tp 2 x pp 2 x dp 2 (order tp-cp-dp-pp), 2 model chunks per pipeline rank (vpp), sequence "
         "parallel on, gloo",
         "run: schedule zbv, 2 microbatches per step (global batch 8 / (micro-batch 2 x dp 2))",
         "run: data-parallel sharding optim (distributed optimizer, ZeRO-1: optimizer state sharded over "

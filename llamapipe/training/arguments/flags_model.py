@@ -16,6 +16,13 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks per model")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages (ranks) per model")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="ranks that split each sequence (context parallelism: two of 2N causal-balanced chunks per "
+                        "rank, attention across them by --cp-comm-type)")
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
+                   help="context-parallel attention: p2p (ring: K/V passed around the CP ranks, overlapped with "
+                        "compute) or allgather (all-gather K/V, LLaMA 3's); Megatron's a2a and a2a+p2p are refused; "
+                        "one value, or one per layer all alike")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="layers per model chunk; several chunks per pipeline rank give the interleaved schedule")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
@@ -43,7 +50,9 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-memory-limit", type=memory_limit, default=None,
                    help="auto schedule: activation memory cap per rank, in microbatch-chunk units (a number) "
                         "or bytes (e.g. 24GiB, 512MB), measured while profiling")
-    g.add_argument("--parallel-order", default="tp-dp-pp", help="rank order, fastest-varying first")
+    g.add_argument("--parallel-order", default="tp-cp-dp-pp",
+                   help="rank order, fastest-varying first (Megatron's); an order without cp, e.g. tp-dp-pp, places "
+                        "it right after tp")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="None: nccl when CUDA is available, else gloo (Megatron's default is nccl)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,

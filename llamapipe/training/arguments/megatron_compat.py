@@ -4,7 +4,7 @@ Megatron's LLaMA and GPT example scripts (examples/llama/*.sh, examples/gpt3/*.s
 Megatron's own kernels, checkpoint formats and tools. So that those scripts run unchanged, every flag here
 is parsed with Megatron's arity. One that has no effect here gets one notice line at start-up (rank 0); one
 whose meaning llamapipe lacks stops the run with one line saying why and what to use instead, unless its
-value is the one that means "off" in Megatron (e.g. --context-parallel-size 1).
+value is the one that means "off" in Megatron (e.g. --expert-model-parallel-size 1).
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ class CompatFlag:
 _FUSION = "a switch of Megatron's fused CUDA kernels; llamapipe has none (torch picks its kernels)"
 _TB = "TensorBoard gets the loss, learning rate, grad norm and loss scale only"
 _PROFILE = "no built-in profiler; wrap the run in torch.profiler or nsys"
+_DYNAMIC_CP = ("dynamic context parallelism (a CP size per packed sequence) is not implemented; every sequence "
+               "is split over --context-parallel-size ranks")
 _FP8 = "FP8 training needs Transformer Engine, which llamapipe does not use; train with --bf16"
 
 NOTICES: tuple[CompatFlag, ...] = (
@@ -79,13 +81,18 @@ NOTICES: tuple[CompatFlag, ...] = (
     CompatFlag("--no-create-attention-mask-in-dataloader", "no attention mask is ever built (causal SDPA)"),
     CompatFlag("--no-mmap-bin-files", ".bin files are always memory-mapped"),
     CompatFlag("--num-dataset-builder-threads", "rank 0 builds the dataset indices in one thread", int),
+    CompatFlag("--max-seqlen-per-dp-cp-rank", "sequences are not packed (dynamic context parallelism); each "
+               "rank holds --seq-length / --context-parallel-size tokens of every sequence", int),
     CompatFlag("--tiktoken-pattern", "it is for Megatron's TikTokenizer; a tokenizer.json carries its own "
                "pre-tokenizer pattern", str),
 )
 
 REFUSED: tuple[CompatFlag, ...] = (
-    CompatFlag("--context-parallel-size", "context parallelism is not implemented; use --sequence-parallel with "
-               "--tensor-model-parallel-size, or a shorter --seq-length", int, off=(1,)),
+    CompatFlag("--hierarchical-context-parallel-sizes", "hierarchical context parallelism (the levels of "
+               "--cp-comm-type a2a+p2p) is not implemented; use --cp-comm-type p2p or allgather", int, "+"),
+    CompatFlag("--dynamic-context-parallel", _DYNAMIC_CP),
+    CompatFlag("--hybrid-context-parallel", _DYNAMIC_CP),
+    CompatFlag("--min-dynamic-context-parallel-size", _DYNAMIC_CP, int),
     CompatFlag("--expert-model-parallel-size", "LLaMA is a dense model and mixture-of-experts is not implemented",
                int, off=(1,)),
     CompatFlag("--num-experts", "LLaMA is a dense model and mixture-of-experts is not implemented; drop it",

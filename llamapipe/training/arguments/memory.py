@@ -1,8 +1,8 @@
 """Sizes that cannot fit in this machine's memory at all, refused before any process group (issue 32).
 
 Two lower bounds, each far below what a run really needs: a rank's share of the weights (parameters /
-(tp x pp), / dp under ZeRO-3) in the parameter dtype, and one microbatch's logits on the last stage
-(micro-batch x seq-length x vocabulary / tp). On CPU the ranks of a node share its memory, so the weights
+(tp x pp), / (dp x cp) under ZeRO-3) in the parameter dtype, and one microbatch's logits on the last stage
+(micro-batch x seq-length / cp x vocabulary / tp: context parallelism splits the sequence). On CPU the ranks of a node share its memory, so the weights
 count once per local rank; on GPU each rank has its device's memory. A run that passes may still run out
 of memory; one that fails could never start, and without this check would allocate for minutes first.
 """
@@ -41,19 +41,22 @@ def check_fits_memory(m: LlamaConfig, par: ParallelConfig, training: TrainingCon
     ranks = 1 if par.distributed_backend == "nccl" else max(local_ranks, 1)
     dtype, width = ("bf16/fp16", 2) if half else ("fp32", 4)
     zero3 = par.data_parallel_sharding_strategy == "optim_grads_params"
-    shards = par.tp_size * par.pp_size * (par.dp_size if zero3 else 1)
+    replicas = par.dp_size * par.cp_size        # ZeRO-3 shards over every rank holding the same weights
+    shards = par.tp_size * par.pp_size * (replicas if zero3 else 1)
     params = model_parameters(m, par.tp_size)
     weights = params / shards * width
     if weights * ranks > memory:
-        split = f"tp {par.tp_size} x pp {par.pp_size}" + (f" x dp {par.dp_size} (ZeRO-3)" if zero3 else "")
+        split = f"tp {par.tp_size} x pp {par.pp_size}" + (f" x dp x cp {replicas} (ZeRO-3)" if zero3 else "")
         on = f", x {ranks} ranks on this machine" if ranks > 1 else ""
         raise ArgumentError(f"the weights alone need {_gib(weights)} per rank ({params / 1e9:.2f} billion "
                             f"parameters in {dtype} / ({split}){on}), more than {where} {_gib(memory)} of memory; "
                             "use a larger --tensor-model-parallel-size or --pipeline-model-parallel-size, or a "
                             "smaller model")
-    logits = training.micro_batch_size * training.seq_length * m.padded_vocab_size(par.tp_size) / par.tp_size * 4
+    tokens = training.micro_batch_size * training.seq_length // par.cp_size
+    logits = tokens * m.padded_vocab_size(par.tp_size) / par.tp_size * 4
     if logits > memory:
+        cp = f" / cp {par.cp_size}" if par.cp_size > 1 else ""
         raise ArgumentError(f"one microbatch's logits need {_gib(logits)} (--micro-batch-size "
-                            f"{training.micro_batch_size} x --seq-length {training.seq_length} x vocabulary "
+                            f"{training.micro_batch_size} x --seq-length {training.seq_length}{cp} x vocabulary "
                             f"{m.padded_vocab_size(par.tp_size)} / tp {par.tp_size} in fp32), more than {where} "
                             f"{_gib(memory)} of memory; lower --micro-batch-size or --seq-length")

@@ -184,6 +184,7 @@ def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig, s
     if par.sequence_parallel and seq_length % tp:
         raise ArgumentError(f"--seq-length {seq_length} is not divisible by --tensor-model-parallel-size "
                             f"({tp}), which --sequence-parallel needs")
+    _check_context_parallel_length(par, seq_length)
     for flag in ("attention_dropout", "hidden_dropout"):
         if getattr(args, flag):
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not supported: LLaMA "
@@ -192,6 +193,15 @@ def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig, s
     if m.tie_word_embeddings and par.pp_size > 1:
         raise ArgumentError("--tie-embeddings-and-output-weights is supported only with "
                             f"--pipeline-model-parallel-size 1 (got {par.pp_size})")
+
+
+def _check_context_parallel_length(par: ParallelConfig, seq_length: int) -> None:
+    """Each CP rank holds 2 of 2 x cp equal chunks; under --sequence-parallel its s/cp tokens split over tp."""
+    cp, tp = par.cp_size, par.tp_size if par.sequence_parallel else 1
+    if cp > 1 and seq_length % (2 * cp * tp):
+        sp = f" x --tensor-model-parallel-size ({tp}) under --sequence-parallel" if tp > 1 else ""
+        raise ArgumentError(f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size ({cp}){sp}: "
+                            "context parallelism splits each sequence into 2 equal chunks per rank")
 
 
 def _check_recompute(args: argparse.Namespace, m: LlamaConfig) -> None:

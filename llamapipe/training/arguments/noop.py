@@ -26,7 +26,7 @@ def strategy_flag(args: argparse.Namespace) -> str:
 
 def _data_parallel(args: argparse.Namespace, par: ParallelConfig) -> list[str]:
     lines = []
-    if par.dp_size == 1:
+    if par.dp_size * par.cp_size == 1:     # at cp > 1 the CP ranks hold replicas of the weights to shard over
         why = (f"at data-parallel size 1 (world size {par.world_size} = tp {par.tp_size} x pp {par.pp_size}): "
                "there is no other data-parallel rank")
         if par.data_parallel_sharding_strategy != "no_shard":
@@ -77,5 +77,8 @@ def noop_notices(args: argparse.Namespace, par: ParallelConfig) -> list[str]:
     if args.sequence_parallel and par.tp_size == 1:
         lines.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1: there is no other "
                      "tensor-parallel rank to split the sequence over (turned off)")
+    if par.cp_size == 1 and args.cp_comm_type != ["p2p"]:
+        lines.append(f"--cp-comm-type {' '.join(args.cp_comm_type)} has no effect with --context-parallel-size 1: "
+                     "each rank holds whole sequences")
     lines += _data_parallel(args, par) + _pipeline(args, par) + _checkpoint(args)
     return ["notice: " + line for line in lines]

@@ -14,13 +14,15 @@ import os
 import torch
 
 from llamapipe.core.config import FSDP_STRATEGIES, ArgumentError, ParallelConfig
+from llamapipe.core.context_parallel import COMM_TYPES
+from llamapipe.core.parallel_state import AXES, DEFAULT_ORDER, full_order
 from llamapipe.core.pipeline_parallel.activation_memory import MemoryBytes
 from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule, schedule_spec
 from llamapipe.training.arguments.pipeline import vpp_size
 from llamapipe.training.config import CheckpointConfig, LoggingConfig
 
 
-_POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+_POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "num_layers_per_virtual_pipeline_stage",
              "num_virtual_stages_per_pipeline_rank",
              "micro_batch_size", "global_batch_size", "seq_length", "train_iters", "train_samples", "num_layers",
              "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "vocab_size",
@@ -68,13 +70,13 @@ def check_positive(args: argparse.Namespace, world_size: int) -> None:
 
 def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) -> ParallelConfig:
     """The layout; `num_layers` is the model's (from --num-layers or the --model preset)."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        raise ArgumentError(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) "
-                            f"x --pipeline-model-parallel-size ({pp})")
-    axes = args.parallel_order.split("-")
-    if sorted(axes) != ["dp", "pp", "tp"]:
-        raise ArgumentError(f"--parallel-order {args.parallel_order} must name tp, dp and pp once each, e.g. tp-dp-pp")
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if world_size % (tp * cp * pp):
+        cp_text = f" x --context-parallel-size ({cp})" if cp > 1 else ""
+        raise ArgumentError(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp})"
+                            f"{cp_text} x --pipeline-model-parallel-size ({pp})")
+    order = rank_order(args.parallel_order)
+    cp_comm_type = context_parallel_comm_type(args, cp)
     sequence_parallel = args.sequence_parallel and tp > 1     # at tp 1 a notice says so (noop.py)
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():
@@ -95,7 +97,7 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
                             "embedding's weight gradient is computed after the step's last action")
     limit = args.pipeline_memory_limit
     return ParallelConfig(world_size=world_size, tp_size=tp, pp_size=pp, vpp_size=vpp,
-                          dp_size=world_size // (tp * pp), order=args.parallel_order,
+                          dp_size=world_size // (tp * cp * pp), cp_size=cp, cp_comm_type=cp_comm_type, order=order,
                           sequence_parallel=sequence_parallel, pipeline_schedule=schedule,
                           pipeline_memory_limit=None if isinstance(limit, MemoryBytes) else limit,
                           pipeline_memory_limit_bytes=int(limit) if isinstance(limit, MemoryBytes) else None,
@@ -109,6 +111,30 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
                           overlap_grad_reduce=args.overlap_grad_reduce,
                           vocab_parallel=args.enable_vocab_parallel and pp > 1,   # pp 1: a notice (noop.py)
                           ddp_bucket_size=args.ddp_bucket_size or ParallelConfig.ddp_bucket_size)
+
+
+def rank_order(order: str) -> str:
+    """--parallel-order with every axis (full_order: one without cp gets it right after tp)."""
+    axes = order.split("-")
+    if not {"tp", "dp", "pp"} <= set(axes) or len(set(axes)) != len(axes) or not set(axes) <= set(AXES):
+        raise ArgumentError(f"--parallel-order {order} must name tp, dp and pp once each, and may name cp once, "
+                            f"e.g. {DEFAULT_ORDER} or tp-dp-pp")
+    return full_order(order)
+
+
+def context_parallel_comm_type(args: argparse.Namespace, cp: int) -> str:
+    """The one --cp-comm-type (Megatron also takes one per layer: accepted when all alike)."""
+    given = list(dict.fromkeys(args.cp_comm_type))
+    for value in given:
+        if value in ("a2a", "a2a+p2p"):
+            raise ArgumentError(f"--cp-comm-type {value} is not supported: Ulysses all-to-all attention is not "
+                                f"implemented; use {' or '.join(COMM_TYPES)}")
+        if value not in COMM_TYPES:
+            raise ArgumentError(f"--cp-comm-type {value} is not one of {', '.join(COMM_TYPES)}")
+    if len(given) > 1:
+        raise ArgumentError(f"--cp-comm-type {' '.join(args.cp_comm_type)} gives layers different communication "
+                            "types, which is not supported; give one")
+    return given[0]
 
 
 # flags whose code reads whole (unsharded) parameters or gradients, which ZeRO-2/3 keep only as shards
