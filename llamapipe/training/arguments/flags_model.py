@@ -35,7 +35,8 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-layout", default=None,
                    help="Megatron's layout string: E embedding, t decoder layer, L loss, | between virtual stages, "
                         "*N repeats, e.g. \"Et*3|(tt|)*2,tL\"; sets the layers of every virtual stage and the chunks "
-                        "per rank (stages / --pipeline-model-parallel-size)")
+                        "per rank (stages / --pipeline-model-parallel-size); auto: the split that balances the "
+                        "pipeline ranks' work (by --pipeline-profile's measured costs, else FLOPs)")
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
                    help="count the embedding as one layer when splitting layers over (virtual) stages")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 from llamapipe.core.config import ArgumentError, DataConfig, TrainingConfig
 from llamapipe.core.flag_parser import FlagParser
 from llamapipe.core.logger import get_logger
+from llamapipe.training.arguments.auto_layout import device_of, resolve_auto_layout
 from llamapipe.training.arguments.checkpoint_args import with_checkpoint_args
 from llamapipe.training.arguments.data_args import data_config
 from llamapipe.training.arguments.flags_data import add_checkpoint_flags, add_data_flags, add_logging_flags
@@ -70,6 +71,7 @@ def config_from_args(args: argparse.Namespace, world_size: int, check_memory: bo
     check_positive(args, world_size)
     model = model_config(args, notices)
     seq_length = run_seq_length(args)
+    args = resolve_auto_layout(args, model, seq_length, device_of(args), notices)   # an explicit layout from here on
     parallel = parallel_config(args, world_size, model.num_layers)
     check_model(args, model, parallel, seq_length)
     training = training_config(args, parallel, seq_length)
