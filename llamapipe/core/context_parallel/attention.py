@@ -88,6 +88,15 @@ def _backward_blocks(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         dkv[1][:, :, cols] += dv_b
 
 
+def _accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero fp32 output and -inf log-sum-exp for q's rows. The output is (b, heads, s, d) stored sequence-first,
+    (s, b, heads, d) in memory, so the model's (s, b, heads * d) view of it needs no copy (the saved output is
+    then the o projection's saved input too, as with SDPA's CPU kernel)."""
+    b, heads, s, d = q.shape
+    out = torch.zeros((s, b, heads, d), dtype=torch.float32, device=q.device).permute(1, 2, 0, 3)
+    return out, torch.full((b, heads, s), float("-inf"), dtype=torch.float32, device=q.device)
+
+
 class _Ring:
     """Non-blocking sends to the next CP rank and receives from the previous one (batch_isend_irecv)."""
 
@@ -116,8 +125,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float) -> torch.Tensor:
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         ring, chunk = _Ring(group), q.shape[2] // 2
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = _accumulators(q)
         kv = torch.stack([k, v])  # (2, b, groups, s_local, d): one message per step
         for step in range(cp_size):
             if step + 1 < cp_size:
@@ -173,8 +181,7 @@ class _AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float) -> torch.Tensor:
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         kv = _gather_kv(torch.stack([k, v]), group)  # (2, b, groups, s, d)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = _accumulators(q)
         blocks = attention_blocks(chunk_ids(cp_size, cp_rank), range(2 * cp_size))
         _forward_blocks(q, kv[0], kv[1], blocks, q.shape[2] // 2, scale, out, lse)
         out = out.to(q.dtype)
