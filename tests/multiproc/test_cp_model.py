@@ -9,6 +9,7 @@ and without, and at cp 2 + tp 2 + sequence parallel.
 import torch
 
 from llamapipe.core.context_parallel import shard_batch, unshard_sequence
+from llamapipe.core.pipeline_parallel.activation_memory import saved_storages
 from llamapipe.core.tensor_parallel.layers import allreduce_sequence_parallel_grads, gather_logical_tensor
 from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.model.config import LlamaConfig
@@ -101,3 +102,31 @@ def test_cp2_matches_single_rank():
 def test_cp2_tp2_sequence_parallel_matches_single_rank():
     """cp 2 x tp 2 with sequence parallelism (4 ranks): (s/cp/tp, b, h) activations, same losses and grads."""
     _check(2, 2, [CASES[0], CASES[1]], sequence_parallel=True)
+
+
+def _saved_bytes(state, comm: str, seq_len: int) -> int:
+    """Bytes the forward of one microbatch (b 1, `seq_len` tokens) saves for backward on this rank."""
+    config = CONFIG.replace(max_position_embeddings=seq_len)
+    model = LlamaModel(config, state, cp_comm_type=comm)
+    ids = torch.randint(0, config.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    cp_size, cp_rank = (state.cp_size, state.cp_rank) if state is not None else (1, 0)
+    batch = shard_batch({"tokens": ids[:, :-1], "labels": ids[:, 1:]}, cp_size, cp_rank)
+    losses = model(batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"))
+    weights = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    return sum(s.nbytes() for s in saved_storages(losses, weights).values())
+
+
+def _memory_worker(rank: int, world_size: int, seq_len: int) -> dict:
+    from llamapipe.core.parallel_state import initialize_model_parallel
+    state = initialize_model_parallel(cp=world_size)
+    return {comm: _saved_bytes(state, comm, seq_len) for comm in ("p2p", "allgather")}
+
+
+def test_cp_divides_saved_activations():
+    """Saved activations per rank at cp 2 are at most 0.52x of one rank's (issue 30 asks 0.55x at cp 2):
+    attention saves only the local q, k, v, output and log-sum-exp, never the gathered or passed K/V."""
+    seq_len = 512
+    single = _saved_bytes(None, "p2p", seq_len)
+    for rank, per_comm in enumerate(run_distributed(_memory_worker, 2, seq_len)):
+        for comm, saved in per_comm.items():
+            assert saved <= 0.52 * single, f"rank {rank} {comm}: {saved} bytes saved, {saved / single:.3f}x cp 1's"
