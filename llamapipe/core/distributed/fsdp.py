@@ -13,6 +13,16 @@ after the step's last W, runs FSDP's own reduce-scatter (a sum, fp32 for half-pr
 by the token count. So the zero-bubble B/W split works unchanged: the deferred weight-gradient closures
 write the gathered parameter's `.grad`, which is only reduced once every W ran.
 
+Vocabulary parallelism (`--enable-vocab-parallel`): the output layer's and the input embedding's vocabulary
+shards (`runs_outside_chunk`) are called by the plan's S/T actions and the embedding's pre-pass, outside their
+chunk's forward. Each is an FSDP unit of its own: its forward hooks gather its weight for S and for the
+pre-pass, the pre-backward hooks on S's logits and on the pre-pass's output gather it again for T and for the
+embedding's backward, and its gradient is reduce-scattered with the chunk's (the same `reduce_scatter_grads`).
+So they stay sharded like every other weight (the largest ones under a big vocabulary), and the optimizer,
+gradient norm and checkpoints see ordinary FSDP parameters. The chunk's FSDP state is initialised at wrap time
+(`_lazy_init`), because these units may run before the chunk's first forward (the pre-pass does), and FSDP
+makes the first module whose forward runs the root.
+
 Checkpoints: a chunk's `state_dict()` returns full (DP-gathered) `nn.Parameter`s carrying the TP attributes,
 as the ZeRO-1 checkpoint path expects; copying into such a tensor (loading) is written back to the shard by
 `sync_loaded_views`, which the optimizer's `load_state_dict`/`reload_model_params` call.
@@ -28,7 +38,8 @@ from torch.distributed.tensor import DTensor
 
 from llamapipe.core.config import FSDP_STRATEGIES, SHARDING_STRATEGIES as STRATEGIES
 
-_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "vocab_padded", "sequence_parallel", "shared")
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "vocab_padded", "sequence_parallel", "shared", "vocab_shard",
+             "vocab_shards")
 
 
 def is_sharded(chunks: list[nn.Module]) -> bool:
@@ -76,11 +87,12 @@ def apply_data_parallel_sharding(chunks: list[nn.Module], strategy: str, ps: Any
         half = any(p.dtype in (torch.float16, torch.bfloat16) for p in chunk.parameters())
         # half-precision grads accumulate over microbatches and are reduce-scattered in fp32 (Megatron's main_grad)
         mp = MixedPrecisionPolicy(reduce_dtype=torch.float32 if half else None)
-        for layer in chunk.layers.values():
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        units = [*chunk.layers.values(), *outside_modules(chunk)]
+        for unit in units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(chunk, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         chunk.set_requires_gradient_sync(False)     # reduced once per step, after the last W
-        for module in (*chunk.layers.values(), chunk):
+        for module in (*units, chunk):
             module.set_gradient_divide_factor(1.0)       # a sum: the caller divides by the global token count
             module.set_force_sum_reduction_for_comms(True)   # plain SUM (gloo has no PREMUL_SUM)
         for name, p in chunk.named_parameters():
@@ -88,7 +100,15 @@ def apply_data_parallel_sharding(chunks: list[nn.Module], strategy: str, ps: Any
                 setattr(p, key, value)
         chunk._dp_sharding = _ChunkSharding(chunk, attrs)
         chunk.register_state_dict_post_hook(_full_state_dict)
+        if len(units) > len(chunk.layers):
+            chunk._get_fsdp_state()._lazy_init()     # the chunk is the root, whichever unit runs first
     return chunks
+
+
+def outside_modules(chunk: nn.Module) -> list[nn.Module]:
+    """The chunk's submodules that the runtime calls outside the chunk's forward (the vocabulary-parallel output
+    layer and embedding shards): FSDP units of their own."""
+    return [m for m in chunk.children() if getattr(m, "runs_outside_chunk", False)]
 
 
 def _full_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

@@ -13,6 +13,10 @@ After a chunk's last backward-related action every one of its parameters is fina
 also covers parameters that received no gradient. Readiness only ever depends on this rank's plan, so
 every data-parallel replica launches the same buckets in the same order.
 
+Late gradients: a parameter marked `grad_after_plan` (the vocabulary-parallel input embedding's shard, whose
+backward runs after the plan's last action) is final only at the step's end, so it sits in buckets of its own
+that `finish` launches, after the others.
+
 The sums are the same as `core.distributed.all_reduce_bucketed`'s: fp32 flat buckets, summed over DP,
 then divided; sequence-parallel norm gradients are summed over TP first, within their bucket.
 """
@@ -56,7 +60,10 @@ class GradSync:
         per_chunk = [[p for p in chunk.parameters() if p.requires_grad and not self.fsdp] for chunk in model_chunks]
         if len({id(p) for params in per_chunk for p in params}) < sum(map(len, per_chunk)):
             raise ValueError("--overlap-grad-reduce cannot handle a parameter shared by two model chunks")
+        late = [p for params in per_chunk for p in params if getattr(p, "grad_after_plan", False)]
+        self.late_buckets = [_Bucket(group) for group in bucket_groups(late, bucket_size, grad_dtype)]
         for c, params in enumerate(per_chunk):
+            params = [p for p in params if not getattr(p, "grad_after_plan", False)]
             buckets = [_Bucket(group) for group in bucket_groups(params, bucket_size, grad_dtype)]
             self.chunk_buckets.append(buckets)
             for bucket in buckets:
@@ -67,7 +74,8 @@ class GradSync:
 
     @property
     def buckets(self) -> list[_Bucket]:
-        return [b for buckets in self.chunk_buckets for b in buckets]
+        """Every bucket, in launch order at `finish`: the chunks' ones, then the late ones."""
+        return [b for buckets in self.chunk_buckets for b in buckets] + self.late_buckets
 
     def _reset(self) -> None:
         self._armed: Optional[int] = None
@@ -150,8 +158,8 @@ class GradSync:
 
     # --- called by finalize_model_grads ------------------------------------------------------------
     def finish(self, divisor: Optional[float]) -> tuple[int, int, int]:
-        """Launch the buckets not yet launched, wait for all, divide, write back; returns how many
-        buckets were launched before, during and after this rank's last backward action."""
+        """Launch the buckets not yet launched (the late ones last), wait for all, divide, write back; returns
+        how many buckets were launched before, during and after this rank's last backward action."""
         self.end_step()
         for bucket in self.buckets:
             if bucket.flat is None:

@@ -39,7 +39,12 @@ class VocabTargets(NamedTuple):
 
 
 class PipelineVocabEmbedding(nn.Module):
-    """One (pipeline rank, TP rank)'s shard of the input embedding's vocabulary rows (same layout as the output's)."""
+    """One (pipeline rank, TP rank)'s shard of the input embedding's vocabulary rows (same layout as the output's).
+
+    Its weight gradient is computed after the plan's last action (`grad_after_plan`: an overlapped DP gradient
+    sync reduces it at the step's end), and the runtime calls it outside its chunk's forward
+    (`runs_outside_chunk`: ZeRO-2/3 make it an FSDP unit of its own, gathered by its own forward hooks)."""
+    runs_outside_chunk = True
 
     def __init__(self, padded_vocab_size: int, hidden_size: int, tp_group: Optional[Any], pp_rank: int,
                  pp_size: int, *, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32) -> None:
@@ -53,6 +58,7 @@ class PipelineVocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=params_dtype))
         set_tensor_model_parallel_attributes(self.weight, 0, vocab_padded=True,
                                              vocab_shard=tp_rank * pp_size + pp_rank, vocab_shards=shards)
+        self.weight.grad_after_plan = True
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """This shard's part of the embedding of `input_ids` (b, s): (s, b, h), or (s/tp, b, h) under sequence
@@ -85,7 +91,9 @@ class EmbeddingPrepass(nn.Module):
 
 
 class PipelineVocabOutput(nn.Module):
-    """One (pipeline rank, TP rank)'s shard of the output layer's vocabulary rows."""
+    """One (pipeline rank, TP rank)'s shard of the output layer's vocabulary rows. The plan's S/T call it outside
+    its chunk's forward (`runs_outside_chunk`, as for the embedding)."""
+    runs_outside_chunk = True
 
     def __init__(self, padded_vocab_size: int, hidden_size: int, vocab_size: int, tp_group: Optional[Any],
                  pp_rank: int, pp_size: int, *, sequence_parallel: bool = False,
