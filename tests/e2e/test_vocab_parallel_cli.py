@@ -1,9 +1,11 @@
 """--enable-vocab-parallel through the CLI (arXiv 2411.05288): the output layer split over the pipeline trains the
 same per-iteration losses as the single-process run (fp32, rel 1e-5) under every schedule, at pp 2 and 4, with
-tp 2 + sequence parallelism, dp 2 with ZeRO-1, recompute, --compile and post-validation, and evaluates the same validation
-loss (forward-only S); its checkpoint loads without the split and a checkpoint without it loads with it (the
-logical output.weight is one tensor), and convert-hf exports the whole output layer from it. The vocabulary
-(250, padded to 256 or 512) leaves padding rows, at pp 4 whole padding shards."""
+tp 2 + sequence parallelism, dp 2 with ZeRO-1, ZeRO-2 and ZeRO-3 (the vocabulary shards as FSDP units of their
+own) and --overlap-grad-reduce (the embedding's late gradient reduced at the step's end), recompute, --compile and
+post-validation, and evaluates the same validation loss (forward-only S); its checkpoint loads without the split
+and a checkpoint without it loads with it (the logical output.weight is one tensor), also under ZeRO-3, and
+convert-hf exports the whole output layer from it. The vocabulary (250, padded to 256 or 512) leaves padding
+rows, at pp 4 whole padding shards."""
 import json
 import math
 import os
@@ -57,6 +59,13 @@ CASES = {
                                  "--use-distributed-optimizer"]),
     "pp2-auto-compile": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "auto", *V2,
                              "--pipeline-profile-iters", "1", "--compile"]),
+    "pp2-dp2-zero3-1f1b-eval": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+                                    "--use-torch-fsdp2", *EVAL]),
+    "pp2-dp2-zero2-zbv": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", *V2,
+                              "--data-parallel-sharding-strategy", "optim_grads"]),
+    # buckets of 1000 elements: the layers' start during the backward, the embedding's only at the step's end
+    "pp2-dp2-overlap-zb-h1": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+                                  "--overlap-grad-reduce", "--ddp-bucket-size", "1000"]),
 }
 
 
@@ -90,6 +99,22 @@ def test_checkpoints_load_with_and_without_the_split(reference, saved, tmp_path)
     resumed = train(4, ITERS + VP + ["--load", str(root / "whole"), "--pipeline-model-parallel-size", "4",
                                      "--pipeline-schedule", "v-min", *V2], str(tmp_path / "b.jsonl"))
     assert_same(losses(resumed), ref[2:], "saved without the split, resumed with it (pp 4, v-min)")
+
+
+def test_zero3_checkpoints_load_with_and_without_the_split(reference, saved, tmp_path):
+    """Saved under ZeRO-3 + the split (pp 2 x dp 2, zbv) and resumed on one process without it; the checkpoint
+    saved without the split resumed under ZeRO-3 + the split (1F1B)."""
+    root, _, _ = saved
+    ref = losses(reference[0])
+    zero3 = ["--pipeline-model-parallel-size", "2", "--use-torch-fsdp2"]
+    split = train(4, ITERS + VP + zero3 + ["--pipeline-schedule", "zbv", *V2, "--exit-interval", "2",
+                                          "--save", str(tmp_path / "zero3")], str(tmp_path / "s.jsonl"))
+    assert_same(losses(split), ref[:2], "ZeRO-3 + the split, saved")
+    resumed = train(1, ITERS + ["--load", str(tmp_path / "zero3")], str(tmp_path / "a.jsonl"))
+    assert_same(losses(resumed), ref[2:], "saved under ZeRO-3 with the split, resumed on one process without it")
+    resumed = train(4, ITERS + VP + zero3 + ["--pipeline-schedule", "1f1b", "--load", str(root / "whole")],
+                    str(tmp_path / "b.jsonl"))
+    assert_same(losses(resumed), ref[2:], "saved without the split, resumed under ZeRO-3 with it")
 
 
 def test_convert_hf_exports_the_whole_output_layer(saved, tmp_path):
