@@ -193,8 +193,8 @@ def write_layout(save_dir: str, iteration: int, state_dict: dict[str, torch.Tens
                                  specs[n], tp, tp_rank, padded_rows) for n in names}
         fname = shard_name("model", tp_rank, pp_rank)
         files[fname] = write_shard_file(os.path.join(tmp, fname), shards, specs, tp_rank, pp_rank,
-                                        rank=pp_rank * tp + tp_rank)   # the tp-dp-pp rank of (tp_rank, pp_rank)
-    layout = {"world_size": tp * pp, "tp": tp, "pp": pp, "vpp": vpp, "dp": 1, "order": "tp-dp-pp"}
+                                        rank=pp_rank * tp + tp_rank)   # the tp-cp-dp-pp rank of (tp_rank, pp_rank)
+    layout = {"world_size": tp * pp, "tp": tp, "cp": 1, "pp": pp, "vpp": vpp, "dp": 1, "order": "tp-cp-dp-pp"}
     write_metadata(tmp, files, iteration=iteration, consumed_samples=0, model_config=model_config, config=config,
                    layout=layout, has_optimizer=False, scheduler=None)
     return commit(tmp, save_dir, iteration)

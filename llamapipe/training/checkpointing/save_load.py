@@ -1,12 +1,13 @@
-"""Distributed checkpoint save/load with exact resume and resharding between (tp, pp, vpp, dp) layouts.
+"""Distributed checkpoint save/load with exact resume and resharding between (tp, cp, pp, vpp, dp) layouts.
 
-`save_checkpoint` and `load_checkpoint` are collective (every rank calls them). dp_rank 0 of each
-(tp_rank, pp_rank) writes the model and optimizer shards, every rank writes its RNG state, each verifies
-what it wrote and rank 0 commits atomically (writer.py, catalog.py), inline or in the background
-(--async-save; `finalize_async_save` waits). A load takes the newest checkpoint whose files all pass their
-checksums (selection.py). Loading reads logical tensors by name, so a checkpoint from
-any layout loads into any other; optimizer state reshards like the parameters. RNG state is restored
-only when the layout is unchanged (it is per rank).
+`save_checkpoint` and `load_checkpoint` are collective (every rank calls them). Rank 0 of the dp x cp group
+of each (tp_rank, pp_rank) (the replicas of its weights: CP ranks hold whole weights too) writes the model and
+optimizer shards, every rank writes its RNG state, each verifies what it wrote and rank 0 commits atomically
+(writer.py, catalog.py), inline or in the background (--async-save; `finalize_async_save` waits). A load takes
+the newest checkpoint whose files all pass their checksums (selection.py). Loading reads logical tensors by
+name, so a checkpoint from any layout loads into any other; optimizer state reshards like the parameters. RNG
+state is restored only when the layout is unchanged (it is per rank; a layout recorded before an axis existed
+has that axis at size 1).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch.nn as nn
 from llamapipe.training.checkpointing import io as cio
 from llamapipe.training.checkpointing.catalog import remove_stale_tmp
 from llamapipe.training.checkpointing.io import latest_checkpoint  # noqa: F401  (part of this module's API)
-from llamapipe.training.checkpointing.selection import choose_checkpoint
+from llamapipe.training.checkpointing.selection import choose_checkpoint, same_layout
 from llamapipe.training.checkpointing.writer import (  # noqa: F401  (finalize and the error: this module's API)
     CheckpointSaveError, FileJob, SaveJob, finalize_async_save, start)
 from llamapipe.training.config import Config
@@ -276,7 +277,7 @@ def _rng_state() -> dict:
 
 
 def _load_rng(reader: cio.CheckpointReader, ps: ParallelState) -> None:
-    if reader.meta["layout"] != _layout(ps):
+    if not same_layout(reader.meta["layout"], _layout(ps)):
         if ps.rank == 0:
             get_logger().warning(f"checkpoint {reader.path} was saved with layout {reader.meta['layout']}; "
                                  "random states are per rank, so they are not restored in this layout")

@@ -49,6 +49,17 @@ def _first_defect(local: Optional[str]) -> Optional[str]:
     return local
 
 
+def same_layout(saved: Optional[dict], now: Optional[dict]) -> bool:
+    """Whether a checkpoint's recorded layout is this run's: an axis it does not record (cp, before context
+    parallelism) had size 1, and its order string gains that axis where full_order puts it (tp-dp-pp is
+    tp-cp-dp-pp)."""
+    from llamapipe.core.parallel_state import AXES, full_order
+
+    def normal(layout: dict) -> dict:
+        return {**{axis: 1 for axis in AXES}, **layout, "order": full_order(layout.get("order", "tp-dp-pp"))}
+    return saved is not None and now is not None and normal(saved) == normal(now)
+
+
 def verify_share(ckpt_dir: str, layout: Optional[dict]) -> Optional[str]:
     """This rank's part of verifying `ckpt_dir` (its files' sizes and checksums); the first defect or None."""
     rank, world = _rank_world()
@@ -56,7 +67,7 @@ def verify_share(ckpt_dir: str, layout: Optional[dict]) -> Optional[str]:
         meta = catalog.read_metadata(ckpt_dir)
     except (OSError, ValueError):
         return f"metadata.json is unreadable on rank {rank}"
-    owner = assign_files(meta["files"], world, same_layout=layout is not None and meta.get("layout") == layout)
+    owner = assign_files(meta["files"], world, same_layout=same_layout(meta.get("layout"), layout))
     return verify_files(ckpt_dir, meta["files"], {f for f, r in owner.items() if r == rank})
 
 
