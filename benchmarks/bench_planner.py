@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import statistics
 import tempfile
 import time
+from typing import Optional
 
 from benchmarks.launch import read_metrics, torchrun
 from benchmarks.results_io import write_json
@@ -111,44 +113,117 @@ def wait_for_load(limit: float | None, patience_s: float) -> float:
     return os.getloadavg()[0]
 
 
-def run(args: argparse.Namespace) -> dict:
-    load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        profile = make_profile(os.path.join(tmp, "profile.json"), args.repeats)
+def selected(profile: dict, names: Optional[str]) -> list[tuple[str, Layout]]:
+    """The benchmark's layouts, or those named in `names` (comma-separated), in the benchmark's order."""
+    rows = layouts(profile)
+    if names is None:
+        return rows
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in dict(rows)]
+    if unknown:
+        raise SystemExit(f"--layouts: unknown {', '.join(unknown)}; the layouts are {', '.join(n for n, _ in rows)}")
+    return [(n, lay) for n, lay in rows if n in wanted]
+
+
+def measure_rounds(chosen: list[tuple[str, Layout]], args: argparse.Namespace) -> dict[str, dict]:
+    """Each layout measured `args.rounds` times, the layouts in turn within each round (paired rounds: a load
+    change hits every layout alike); per layout the median over rounds of each round's median, the spread of
+    those, every step, and the mean CPU share bracketing its runs."""
+    runs: dict[str, list[dict]] = {name: [] for name, _ in chosen}
+    for round_ in range(args.rounds):
+        for name, lay in chosen:
+            ranks = lay.tp * lay.pp * lay.dp
+            load_at_start = wait_for_load(args.wait_for_load, args.patience)
+            share_before = cpu_share(ranks)
+            run = measure(lay, args.global_batch_size, args.iters, args.skip)
+            run.update(cpu_share=(share_before + cpu_share(ranks)) / 2, loadavg_1min_at_start=load_at_start)
+            runs[name].append(run)
+            print(f"round {round_ + 1}/{args.rounds} {name:<20} " + (
+                f"{run['measured_s'] * 1e3:8.1f} ms, cpu share {run['cpu_share']:.2f}" if "measured_s" in run
+                else run["error"]), flush=True)
+    out = {}
+    for name, done in runs.items():
+        ok = [r for r in done if "measured_s" in r]
+        if not ok:
+            out[name] = {"error": done[-1]["error"]}
+            continue
+        medians = [r["measured_s"] for r in ok]
+        out[name] = {"measured_s": statistics.median(medians), "spread_s": [min(medians), max(medians)],
+                     "round_medians_s": medians, "steps_s": [s for r in ok for s in r["steps_s"]],
+                     "cpu_share": statistics.mean(r["cpu_share"] for r in ok),
+                     "loadavg_1min_at_start": statistics.mean(r["loadavg_1min_at_start"] for r in ok),
+                     "loadavg_1min_after": ok[-1]["loadavg_1min_after"]}
+    return out
+
+
+def predicted_rows(profile: dict, chosen: list[tuple[str, Layout]], measured: dict[str, dict],
+                   global_batch: int) -> list[dict]:
+    """Per layout: the idle prediction (an otherwise idle machine), the one at its measured CPU share, the one
+    without the runtime overhead, and their ratios to the measured median."""
     bare = {**profile, "overhead": None}        # the prediction without the runtime overhead, for comparison
     rows = []
-    for name, lay in layouts(profile):
-        ranks = lay.tp * lay.pp * lay.dp
-        idle = predict(profile, lay, args.global_batch_size)
-        load_at_start = wait_for_load(args.wait_for_load, args.patience)
-        share_before = cpu_share(ranks)
+    for name, lay in chosen:
+        idle = predict(profile, lay, global_batch)
         row = {"layout": name, "flags": " ".join(layout_flags(lay)), "predicted_idle_s": idle.step_s,
-               "predicted_busy_s": list(idle.busy_s), "predicted_bubble": idle.bubble,
-               **measure(lay, args.global_batch_size, args.iters, args.skip)}
-        row["cpu_share"] = (share_before + cpu_share(ranks)) / 2       # brackets the run
-        row["loadavg_1min_at_start"] = load_at_start
-        shared = predict(profile, lay, args.global_batch_size, cpu_share=row["cpu_share"])
-        row["predicted_s"], row["predicted_overhead_s"] = shared.step_s, shared.overhead_s
-        row["predicted_without_overhead_s"] = predict(bare, lay, args.global_batch_size,
-                                                      cpu_share=row["cpu_share"]).step_s
+               "predicted_busy_s": list(idle.busy_s), "predicted_bubble": idle.bubble, **measured[name]}
         if "measured_s" in row:
+            shared = predict(profile, lay, global_batch, cpu_share=row["cpu_share"])
+            row["predicted_s"], row["predicted_overhead_s"] = shared.step_s, shared.overhead_s
+            row["predicted_without_overhead_s"] = predict(bare, lay, global_batch,
+                                                          cpu_share=row["cpu_share"]).step_s
             row["ratio"] = row["predicted_s"] / row["measured_s"]
             row["ratio_idle"] = row["predicted_idle_s"] / row["measured_s"]
             row["ratio_without_overhead"] = row["predicted_without_overhead_s"] / row["measured_s"]
         rows.append(row)
-        print(f"{name:<20} predicted {row['predicted_s'] * 1e3:8.1f} ms (idle {idle.step_s * 1e3:.1f}, cpu share "
-              f"{row['cpu_share']:.2f})  measured " + (f"{row['measured_s'] * 1e3:8.1f} ms  ratio {row['ratio']:.3f}"
-                                                       if "ratio" in row else row["error"]), flush=True)
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """How many predictions are within 10%, and the planner's first-ranked layout (smallest idle prediction)
+    against the fastest measured."""
     done = [r for r in rows if "ratio" in r]
     first = min(done, key=lambda r: r["predicted_idle_s"])
     fastest = min(done, key=lambda r: r["measured_s"])
-    return {"model": MODEL, "global_batch_size": args.global_batch_size, "iters": args.iters, "skip": args.skip,
-            "profile": profile, "rows": rows,
-            "within_10pct": sum(abs(r["ratio"] - 1) <= 0.10 for r in done), "layouts": len(rows),
+    return {"within_10pct": sum(abs(r["ratio"] - 1) <= 0.10 for r in done), "layouts": len(rows),
             "within_10pct_without_overhead": sum(abs(r["ratio_without_overhead"] - 1) <= 0.10 for r in done),
             "first_ranked": first["layout"], "fastest_measured": fastest["layout"],
-            "first_over_fastest": first["measured_s"] / fastest["measured_s"],
+            "first_over_fastest": first["measured_s"] / fastest["measured_s"]}
+
+
+def load_profile(path: str) -> dict:
+    """A profile file, or the profile a stored bench_planner result was measured with."""
+    with open(path) as f:
+        stored = json.load(f)
+    return profile_schema.validate(stored.get("profile", stored), f"--profile {path}")
+
+
+def run(args: argparse.Namespace) -> dict:
+    load_before = os.getloadavg()[0]
+    if args.profile:
+        profile = load_profile(args.profile)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            profile = make_profile(os.path.join(tmp, "profile.json"), args.repeats)
+    chosen = selected(profile, args.layouts)
+    rows = predicted_rows(profile, chosen, measure_rounds(chosen, args), args.global_batch_size)
+    return {"model": MODEL, "global_batch_size": args.global_batch_size, "iters": args.iters, "skip": args.skip,
+            "rounds": args.rounds, "profile": profile, "rows": rows, **summary(rows),
             "loadavg_before": load_before, "loadavg_after": os.getloadavg()[0]}
+
+
+def replay(path: str) -> dict:
+    """A stored result with its predictions made again by today's model from its own profile and CPU shares
+    (nothing is run): how a change to the model would have scored on the measurements already taken."""
+    with open(path) as f:
+        stored = json.load(f)
+    profile, chosen = stored["profile"], layouts(stored["profile"])
+    by_name = {r["layout"]: r for r in stored["rows"]}
+    chosen = [(n, lay) for n, lay in chosen if n in by_name]
+    keep = ("measured_s", "spread_s", "round_medians_s", "steps_s", "cpu_share", "loadavg_1min_at_start",
+            "loadavg_1min_after", "error")
+    measured = {n: {k: by_name[n][k] for k in keep if k in by_name[n]} for n, _ in chosen}
+    rows = predicted_rows(profile, chosen, measured, stored["global_batch_size"])
+    return {**stored, "rows": rows, **summary(rows), "replayed_from": path}
 
 
 def table(result: dict) -> str:
@@ -177,7 +252,15 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--skip", type=int, default=4, help="first iterations left out (warm-up, zb-h2's profiling)")
     p.add_argument("--repeats", type=int, default=20, help="profile repeats per pass")
-    p.add_argument("--out", default="benchmarks/results/bench_planner.json")
+    p.add_argument("--profile", default=None,
+                   help="use this profile (or a stored result's, e.g. benchmarks/results/bench_planner.json) instead "
+                        "of profiling first")
+    p.add_argument("--layouts", default=None, help="comma-separated layout names to run (default: all)")
+    p.add_argument("--rounds", type=int, default=1, help="paired rounds: every layout measured once per round")
+    p.add_argument("--replay", default=None, metavar="RESULT.json",
+                   help="run nothing: predict a stored result's layouts again with today's model and print the table")
+    p.add_argument("--out", default=None, help="JSON to write (default: benchmarks/results/bench_planner.json; "
+                                               "with --replay nothing unless given)")
     p.add_argument("--wait-for-load", type=float, default=None,
                    help="before each layout, wait until the 1-minute load average is at most this")
     p.add_argument("--patience", type=float, default=90.0, help="seconds to wait for --wait-for-load at most")
@@ -186,13 +269,19 @@ def main() -> None:
                         "negative needs root): on a machine shared with other sessions' work, a negative value lets "
                         "the measured runs approach the idle machine the profile predicts; recorded in the result")
     args = p.parse_args()
+    if args.replay:
+        result = replay(args.replay)
+        print(table(result))
+        if args.out:
+            write_json(args.out, result)
+        return
     if args.autogroup_nice is not None:
         with open("/proc/self/autogroup", "w") as f:
             f.write(str(args.autogroup_nice))
     result = run(args)
     result["autogroup_nice"] = args.autogroup_nice
     print(table(result))
-    write_json(args.out, result)
+    write_json(args.out or "benchmarks/results/bench_planner.json", result)
 
 
 if __name__ == "__main__":

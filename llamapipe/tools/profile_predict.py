@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.core.pipeline_parallel.profile_costs import PassCosts, StageCosts, stage_costs, uniform_costs
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
-from llamapipe.core.pipeline_parallel.simulator import simulate
+from llamapipe.core.pipeline_parallel.simulator import Result, simulate
 from llamapipe.core.pipeline_parallel.stage_balance import allreduce_s, layout_string, stage_ranks, tp_parts
 from llamapipe.core.pipeline_parallel.stage_balance import balanced_counts as core_balanced_counts
 from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
@@ -50,7 +50,7 @@ class Prediction:
     dp_s: float
     overhead_s: float           # per-iteration and per-parameter runtime overhead outside the plan
     layer_counts: tuple
-    slowdown: float             # CPU oversubscription factor applied to compute
+    slowdown: float             # CPU oversubscription factor applied to the pipeline's compute
 
 
 def oversubscription(profile: dict, ranks: int, cores: Optional[int] = None) -> float:
@@ -79,7 +79,8 @@ def component_costs(profile: dict, lay: Layout, slowdown: float) -> dict[str, Pa
                                           f"{lay.recompute} (it has {have}); profile that setting")
     comm = _comm(profile, "tensor-parallel collectives", lay.tp > 1)
     return tp_parts(parts, lay.tp, slowdown, comm, message=_message(profile, lay) * lay.tp, sequence_parallel=True,
-                    recompute=lay.recompute, gloo=profile["device"] == "cpu")
+                    recompute=lay.recompute, gloo=profile["device"] == "cpu",
+                    sync_s=profile_schema.collective_sync_s(profile))
 
 
 def _message(profile: dict, lay: Layout) -> float:
@@ -122,31 +123,59 @@ def _plan(lay: Layout, m: int, costs: StageCosts, post_validation: bool):
     return plan
 
 
-def predict(profile: dict, lay: Layout, global_batch: int, *, counts: Optional[Sequence[int]] = None,
-            post_validation: bool = False, cores: Optional[int] = None,
-            cpu_share: Optional[float] = None) -> Prediction:
-    """Predicted step of `lay` (layer split `counts`, default the layout's own) at `global_batch` sequences.
-    `cpu_share`: CPU seconds per second each rank gets, when measured (a machine shared with other work);
-    default: this machine's cores over the ranks' threads, at most 1 (`oversubscription`)."""
-    m = global_batch // (lay.micro_batch * lay.dp)
-    slowdown = 1.0 / cpu_share if cpu_share else oversubscription(profile, lay.tp * lay.pp * lay.dp, cores)
+def _pipeline(profile: dict, lay: Layout, m: int, counts: Sequence[int], post_validation: bool,
+              slowdown: float) -> tuple[float, Result]:
+    """The simulated plan's makespan (span under post-validation) with compute stretched by `slowdown`."""
     parts = component_costs(profile, lay, slowdown)
-    counts = list(counts) if counts is not None else layer_counts(profile, lay)
-    comm = _comm(profile, "p2p between pipeline ranks", lay.pp > 1 or lay.dp > 1)
-    message = _message(profile, lay)
-    hop = comm["p2p_latency_s"] + message / comm["p2p_bandwidth_Bps"] if lay.pp > 1 else 0.0
+    comm = _comm(profile, "p2p between pipeline ranks", lay.pp > 1)
+    hop = comm["p2p_latency_s"] + _message(profile, lay) / comm["p2p_bandwidth_Bps"] if lay.pp > 1 else 0.0
     over = profile_schema.overhead(profile)
     costs = stage_costs(parts["layer"], parts["embedding"], parts["head"], counts, comm=hop,
                         vocab_parallel=lay.vocab_parallel, action_s=over["action_s"] * slowdown,
                         message_s=max(0.0, over["pipeline_action_s"] - over["action_s"]) * slowdown)
     result = simulate(_plan(lay, m, costs, post_validation), costs)
-    pipeline = (max(result.span) if post_validation else result.makespan) + \
-        embedding_passes_s(parts, comm, lay, m, message * lay.tp)
+    return (max(result.span) if post_validation else result.makespan), result
+
+
+def contended(result: Result, replicas: int, cores: float) -> float:
+    """The simulated pipeline's time when its ranks share `cores` (processor sharing): each interval of the
+    timeline of an uncontended run stretched by the ranks computing in it (`replicas` per pipeline rank: tp x
+    dp processes run each) over the cores, at least 1. A rank waiting in the bubble does not compete, so a
+    pp 4 pipeline on 2 cores is not simply twice as slow."""
+    events = sorted((t, d * replicas) for row in result.timeline for s, e, _ in row for t, d in ((s, 1), (e, -1)))
+    total, busy, last = 0.0, 0, events[0][0] if events else 0.0
+    for t, delta in events:
+        total += (t - last) * max(1.0, busy / cores)
+        busy, last = busy + delta, t
+    return total
+
+
+def predict(profile: dict, lay: Layout, global_batch: int, *, counts: Optional[Sequence[int]] = None,
+            post_validation: bool = False, cores: Optional[int] = None,
+            cpu_share: Optional[float] = None) -> Prediction:
+    """Predicted step of `lay` (layer split `counts`, default the layout's own) at `global_batch` sequences.
+    `cpu_share`: CPU seconds per second each rank gets when all compute at once, when measured (a machine
+    shared with other work); default: this machine's cores over the ranks' threads, at most 1
+    (`oversubscription`). The pipeline's ranks share the cores as `contended` has it; what all ranks run at once
+    (the split embedding's passes, the optimizer step, the per-iteration overhead) is stretched by the whole
+    oversubscription."""
+    m = global_batch // (lay.micro_batch * lay.dp)
+    cap = 1.0 / cpu_share if cpu_share else oversubscription(profile, lay.tp * lay.pp * lay.dp, cores)
+    counts = list(counts) if counts is not None else layer_counts(profile, lay)
+    pipeline, result = _pipeline(profile, lay, m, counts, post_validation, 1.0)
+    if cap > 1.0:
+        shared = contended(result, lay.tp * lay.dp, lay.tp * lay.pp * lay.dp / cap)
+        pipeline, slowdown = pipeline * shared / max(result.makespan, 1e-12), shared / max(result.makespan, 1e-12)
+    else:
+        slowdown = 1.0
+    comm = _comm(profile, "the data-parallel all-reduce", lay.dp > 1)
+    pipeline += embedding_passes_s(component_costs(profile, lay, cap), comm, lay, m, _message(profile, lay) * lay.tp)
+    over = profile_schema.overhead(profile)
     model = profile_schema.model_of(profile)
     params = rank_params(model, dataclasses.replace(lay, pipeline_layout=layout_string(counts)))
-    optimizer = max(params) / (lay.dp if lay.dist_opt else 1) * profile["optimizer_s_per_param"] * slowdown
+    optimizer = max(params) / (lay.dp if lay.dist_opt else 1) * profile["optimizer_s_per_param"] * cap
     dp = allreduce_s(comm, 4 * max(params), lay.dp)
-    outside = (over["iteration_s"] + over["param_s"] * max(params)) * slowdown
+    outside = (over["iteration_s"] + over["param_s"] * max(params)) * cap
     return Prediction(step_s=pipeline + optimizer + dp + outside, pipeline_s=pipeline, busy_s=tuple(result.busy),
                       bubble=result.makespan_bubble_rate, optimizer_s=optimizer, dp_s=dp, overhead_s=outside,
                       layer_counts=tuple(counts), slowdown=slowdown)

@@ -99,6 +99,15 @@ def overhead(profile: dict) -> dict[str, float]:
     return figures
 
 
+def collective_sync_s(profile: dict) -> float:
+    """What a blocking collective costs beyond its transfer on a CPU (a wait and a wake-up, measured as a
+    pipelined action's overhead beyond a single-rank one); 0 on CUDA, whose collectives do not block the host."""
+    if profile["device"] != "cpu":
+        return 0.0
+    figures = overhead(profile)
+    return max(0.0, figures["pipeline_action_s"] - figures["action_s"])
+
+
 def notice(profile: dict, name: str = "profile") -> Optional[str]:
     """One line for a profile without overhead figures, else None."""
     if profile.get("overhead") is None:

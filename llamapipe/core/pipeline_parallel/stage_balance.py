@@ -129,15 +129,16 @@ def allgather_s(comm: dict, nbytes: float, ranks: int) -> float:
 
 
 def tp_comm_parts(comm: dict, message: float, tp: int, *, sequence_parallel: bool, recompute: str = "none",
-                  gloo: bool = True) -> dict[str, PassCosts]:
+                  gloo: bool = True, sync_s: float = 0.0) -> dict[str, PassCosts]:
     """Seconds of tensor-parallel collectives per microbatch in each component's F and B (see the module
-    docstring); `message` is the bytes of one (s, b, h) activation, whole."""
+    docstring); `message` is the bytes of one (s, b, h) activation, whole; `sync_s` is added to every collective
+    (what a blocking wait for another rank costs beyond the transfer, see `tp_parts`)."""
     if tp == 1:
         return {name: PassCosts(0.0, 0.0) for name in ("layer", "embedding", "head")}
-    reduce = allreduce_s(comm, message, tp)
-    gather = allgather_s(comm, message, tp)
+    reduce = allreduce_s(comm, message, tp) + sync_s
+    gather = allgather_s(comm, message, tp) + sync_s
     scatter = reduce if gloo else gather            # gloo: an all-reduce of the whole tensor, then a slice
-    small = 2 * comm["allreduce_latency_s"]          # the loss's max and (sum, target logit) per token
+    small = 2 * (comm["allreduce_latency_s"] + sync_s)   # the loss's max and (sum, target logit) per token
     if sequence_parallel:
         layer_f, layer_b = 2 * gather + 2 * scatter, 4 * gather + 2 * scatter
         embedding, head = PassCosts(scatter, gather), PassCosts(gather + small, gather + scatter)
@@ -151,13 +152,18 @@ def tp_comm_parts(comm: dict, message: float, tp: int, *, sequence_parallel: boo
 
 def tp_parts(parts: dict[str, PassCosts], tp: int, slowdown: float = 1.0, comm: Optional[dict] = None, *,
              message: float = 0.0, sequence_parallel: bool = True, recompute: str = "none",
-             gloo: bool = True) -> dict[str, PassCosts]:
+             gloo: bool = True, sync_s: float = 0.0) -> dict[str, PassCosts]:
     """Measured one-rank costs as one tp rank of `tp` runs them: compute (x `slowdown`, the CPU's
-    oversubscription) over tp, activation bytes over tp, plus the collectives of `tp_comm_parts`."""
+    oversubscription) over tp, activation bytes over tp, plus the collectives of `tp_comm_parts`.
+
+    `sync_s`: on a CPU a gloo collective blocks its process until the other ranks arrive; the profile's
+    all-reduce latency is measured with the ranks in lockstep, but in a step each collective is a wait that
+    gives up the core and pays a wake-up, as a pipelined p2p message does (`profile_overhead`'s
+    `pipeline_action_s - action_s`, the figure the caller passes)."""
     scaled = {name: c.scaled(slowdown / tp, 1.0 / tp) for name, c in parts.items()}
     if tp == 1:
         return scaled
     assert comm is not None, "tensor parallelism needs the profile's all-reduce figures"
     collectives = tp_comm_parts(comm, message, tp, sequence_parallel=sequence_parallel, recompute=recompute,
-                                gloo=gloo)
+                                gloo=gloo, sync_s=sync_s)
     return {name: scaled[name] + collectives[name] for name in scaled}

@@ -139,7 +139,7 @@ def _profiled_parts(args: argparse.Namespace, model: LlamaConfig, seq_length: in
     message = seq_length * args.micro_batch_size * model.hidden_size * ELEMENT_BYTES[dtype]
     return tp_parts(parts, tp if comm else 1, 1.0, comm, message=message,
                     sequence_parallel=bool(args.sequence_parallel), recompute=recompute,
-                    gloo=profile["device"] == "cpu")
+                    gloo=profile["device"] == "cpu", sync_s=profile_schema.collective_sync_s(profile))
 
 
 def _notice(layout: str, counts: list[int], parts: dict[str, PassCosts], ranks: list[int], vocab_parallel: bool,
