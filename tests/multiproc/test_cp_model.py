@@ -26,7 +26,8 @@ CASES = [("p2p", "p2p", {}, False), ("allgather", "allgather", {}, False),
          ("p2p selective", "p2p", dict(recompute_granularity="selective"), False),
          ("allgather full", "allgather", dict(recompute_granularity="full"), False),
          ("p2p mha B/W split", "p2p", dict(num_query_groups=8), True),
-         ("qwen2 allgather", "allgather", dict(family="qwen2"), False)]
+         ("qwen2 allgather", "allgather", dict(family="qwen2"), False),
+         ("two chunks", "p2p", {}, False)]   # two pipeline stages in one process
 DEFERRED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
             "up_proj.weight", "down_proj.weight", "output.weight")
 
@@ -65,12 +66,35 @@ def _step(model: LlamaModel, batch: dict, tp_group, deferred: bool) -> tuple[tor
     return losses.detach(), grads, after_b
 
 
+def _two_chunks_step(state, batch: dict, tp_group, sequence_parallel: bool) -> tuple[torch.Tensor, dict, list]:
+    """Layers [0, 1) with the embedding, then [1, 2) with the head, joined as pipeline stages are
+    (set_input_tensor); the second stage gets no position_ids, as a later pipeline stage does not."""
+    kw = dict(sequence_parallel=sequence_parallel)
+    first = LlamaModel(CONFIG, state, layer_range=(0, 1), post_process=False, **kw)
+    second = LlamaModel(CONFIG, state, layer_range=(1, 2), pre_process=False, **kw)
+    sent = first(batch["tokens"], position_ids=batch["position_ids"])
+    received = sent.detach().requires_grad_()
+    second.set_input_tensor(received)
+    losses = second(labels=batch["labels"])
+    ((losses * batch["loss_mask"]).sum() / (B * S)).backward()
+    sent.backward(received.grad)
+    grads = {}
+    for chunk in (first, second):
+        allreduce_sequence_parallel_grads(chunk, tp_group)
+        grads.update((n, gather_logical_tensor(p.grad, p, tp_group)) for n, p in chunk.named_parameters())
+    grads["output.weight"] = grads["output.weight"][:CONFIG.vocab_size]
+    return losses.detach(), grads, []
+
+
 def _worker(rank: int, world_size: int, tp: int, cases: list, sequence_parallel: bool) -> dict:
     from llamapipe.core.parallel_state import initialize_model_parallel
     state = initialize_model_parallel(tp=tp, cp=world_size // tp)
     batch = shard_batch(_batch(), state.cp_size, state.cp_rank)
     out = {"cp_rank": state.cp_rank, "tp_rank": state.tp_rank}
     for name, comm, changes, deferred in cases:
+        if name == "two chunks":
+            out[name] = _two_chunks_step(state, batch, state.tp_group, sequence_parallel)
+            continue
         model = _model(changes, state, cp_comm_type=comm, sequence_parallel=sequence_parallel)
         out[name] = _step(model, batch, state.tp_group, deferred)
     return out
@@ -96,13 +120,15 @@ def _check(tp: int, cp: int, cases: list, sequence_parallel: bool = False) -> No
 
 
 def test_cp2_matches_single_rank():
-    """cp 2, p2p and allgather, recompute, B/W split, MHA, Qwen2's biases: losses and summed grads (rel 1e-5)."""
+    """cp 2, p2p and allgather, recompute, B/W split, MHA, Qwen2's biases, two pipeline chunks: losses and
+    summed grads (rel 1e-5)."""
     _check(1, 2, CASES)
 
 
 def test_cp2_tp2_sequence_parallel_matches_single_rank():
-    """cp 2 x tp 2 with sequence parallelism (4 ranks): (s/cp/tp, b, h) activations, same losses and grads."""
-    _check(2, 2, [CASES[0], CASES[1]], sequence_parallel=True)
+    """cp 2 x tp 2 with sequence parallelism (4 ranks), also as two pipeline chunks: (s/cp/tp, b, h)
+    activations, same losses and grads."""
+    _check(2, 2, [CASES[0], CASES[1], CASES[-1]], sequence_parallel=True)
 
 
 def _saved_bytes(state, comm: str, seq_len: int) -> int:
