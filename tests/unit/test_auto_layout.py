@@ -10,12 +10,14 @@ import pytest
 
 from llamapipe.core.config import ArgumentError
 from llamapipe.core.pipeline_parallel.layout import layout_layer_counts
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
+from llamapipe.core.pipeline_parallel.stage_balance import stage_ranks
 from llamapipe.tools.parallel_estimate import Layout
 from llamapipe.tools.profile_predict import balanced_counts as plan_balanced_counts
 from llamapipe.training import profile_schema
 from llamapipe.training.arguments.auto_layout import resolve_auto_layout
 from llamapipe.training.arguments.model_args import model_config
-from llamapipe.training.arguments.parser import build_parser
+from llamapipe.training.arguments.parser import build_parser, config_from_args
 from tests.unit.test_profile_planner import synthetic_profile
 
 SHAPE = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
@@ -129,3 +131,18 @@ def test_the_profiled_split_counts_tensor_parallel_collectives(tmp_path):
                            str(path))
     counts = layout_layer_counts(out.pipeline_model_parallel_layout, 8, 2)
     assert counts == [5, 3], notices
+
+
+@pytest.mark.parametrize("schedule", [name for name in SPECS if not name.startswith("file:")])
+def test_every_schedule_validates_the_layout_auto_chose(schedule):
+    """Through the whole argument check: the chosen layout string has the schedule's chunks per rank and the
+    rank holding the output layer gets fewer layers than the even split gives it (vocabulary 4096)."""
+    args = build_parser().parse_args(SHAPE + ["--vocab-size", "4096", "--pipeline-model-parallel-size", "2",
+                                              "--pipeline-schedule", schedule,
+                                              "--pipeline-model-parallel-layout", "auto"])
+    par = config_from_args(args, 2).parallel
+    counts = layout_layer_counts(par.pipeline_layout, 8, 2)
+    assert SPECS[schedule].accepts(par.vpp_size) and len(counts) == 2 * par.vpp_size
+    ranks = stage_ranks(2, par.vpp_size, SPECS[schedule].placement(par.vpp_size))
+    head_rank = ranks[-1]
+    assert sum(n for n, r in zip(counts, ranks) if r == head_rank) < 8 / 2
