@@ -1,7 +1,7 @@
 """--context-parallel-size through the CLI (issue 30): the sequence split over CP ranks trains the single-process
 per-iteration losses (fp32, rel 1e-5) with ring (p2p) and all-gather attention at cp 2 and 4, and composed with
 tp 2 + sequence parallelism, pp 2 under ZB-V (the B/W split), dp 2 under ZeRO-3, full recompute and vocabulary
-parallelism; a checkpoint saved at cp 2 (ZeRO-1: the optimizer state gathered over dp x cp) resumes at cp 1 and
+parallelism, and evaluates the same validation loss (also under post-validation); a checkpoint saved at cp 2 (ZeRO-1: the optimizer state gathered over dp x cp) resumes at cp 1 and
 cp 4 with the uninterrupted run's losses, one written before CP existed (no "cp" in its layout, order tp-dp-pp)
 still resumes exactly, random states included, and convert-hf exports the same weights from a cp 2 checkpoint
 as from the single-process one. Megatron's H200 LLaMA 3 script trains with --context-parallel-size 2."""
@@ -70,6 +70,21 @@ def test_context_parallel_trains_like_one_process(reference, tmp_path, name):
     nproc, flags = CASES[name]
     records = train(nproc, ITERS + flags, str(tmp_path / "m.jsonl"))
     assert_same(losses(records), reference[0], name)
+
+
+def validation_losses(jsonl: str) -> list[float]:
+    with open(jsonl) as f:
+        return [r["valid_lm_loss"] for r in map(json.loads, f) if "valid_lm_loss" in r]
+
+
+def test_context_parallel_evaluates_and_post_validates_like_one_process(tmp_path):
+    """Evaluation (forward only) and the post-validated step's token count over dp x cp."""
+    evaluate = ["--eval-iters", "1", "--eval-interval", "2", "--split", "90,10,0"]
+    one = train(1, ITERS + evaluate, str(tmp_path / "one.jsonl"))
+    cp2 = train(2, ITERS + evaluate + CP2 + ["--enable-optimizer-post-validation"], str(tmp_path / "cp2.jsonl"))
+    assert_same(losses(cp2), losses(one), "cp 2 with post-validation")
+    assert_same(validation_losses(str(tmp_path / "cp2.jsonl")), validation_losses(str(tmp_path / "one.jsonl")),
+                "cp 2 validation")
 
 
 @pytest.fixture(scope="module")
