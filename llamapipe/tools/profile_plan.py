@@ -69,6 +69,15 @@ def rank_layouts(profile: dict, layouts: list[Layout], global_batch: int, *, voc
     return rows
 
 
+TIE = 0.02      # the measured spread of the model's errors on one layout between runs is larger than this
+
+
+def near_ties(rows: list[tuple[Layout, Prediction]]) -> int:
+    """How many of the first rows are predicted within `TIE` of the first."""
+    best = rows[0][1].step_s
+    return sum(1 for _, p in rows if p.step_s <= best * (1 + TIE))
+
+
 def table(rows: list[tuple[Layout, Prediction]], top: int) -> str:
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<11} {'mbs':>3} {'recompute':<9} "
             f"{'zero1':<5} {'vocab':<5} {'layers per stage':<18} {'busy per rank ms':<24} {'bubble':>6} {'step ms':>8}")
@@ -137,6 +146,10 @@ def run(args: argparse.Namespace, layouts_fn) -> int:
     if note:
         print(f"note: {note}")
     print(table(rows, args.top))
+    close = near_ties(rows)
+    if close > 1:
+        print(f"note: rows 1-{close} are predicted within {TIE:.0%} of each other, closer than the model separates "
+              "on measurement (docs/planner.md, Accuracy): measure them before choosing")
     print(f"\n{len(rows)} layouts predicted. Top row:\n  "
           f"{command(profile, rows[0][0], args.global_batch_size, args.post_validation)}")
     return 0

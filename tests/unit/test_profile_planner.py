@@ -150,6 +150,8 @@ def test_plan_with_profile_ranks_by_predicted_step_and_prints_the_chosen_split(t
     pp2 = [r for r in rows if r[2] == "2" and r[5] == "1f1b"]
     assert pp2 and pp2[0][10] == "5/3" and pp2[0][9] == "no"
     assert "Top row:" in out
+    close = sum(1 for step in steps if step <= steps[0] * 1.02)
+    assert (f"note: rows 1-{close} are predicted within 2% of each other" in out) == (close > 1)
     monkeypatch.setattr(profile_plan, "trainer_has_vocab_parallel", lambda: True)
     out, rows = _plan_rows(path, capsys)
     assert any(r[9] == "yes" for r in rows), "the output layer split over the pipeline is offered"
