@@ -16,7 +16,10 @@ receives or sends to another rank, what an action of the measured pipeline cost 
 parameter of the most loaded rank is added to the step (`overhead_s`).
 
 On a CPU, ranks share the machine's cores: with more threads in all (ranks x the profile's threads per rank)
-than cores, every compute time is stretched by that ratio (`oversubscription`).
+than cores (`oversubscription`), the simulated pipeline is stretched where its ranks compute at the same time
+(`contended`: a rank waiting in the bubble does not compete), and what all ranks run at once (optimizer,
+per-iteration overhead) by the whole ratio; each tensor-parallel collective also pays the profile's measured
+cost of a blocking wait (`profile_schema.collective_sync_s`).
 
 `balanced_counts` is the split of layers over the virtual stages that `plan` picks, `stage_balance`'s (shared
 with --pipeline-model-parallel-layout auto at run time) from this layout's costs.
