@@ -99,7 +99,8 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings ({self.cos.shape[0]})")
             cos, sin = self.cos[:seq_len, None, None, :], self.sin[:seq_len, None, None, :]  # (s, 1, 1, d)
         else:
-            ids = position_ids.t()  # (s, b)
+            ids = position_ids.t().contiguous()  # (s, b): the tables below then have the same strides whatever
+            # layout position_ids came in (an expanded (b, s) or a contiguous one), as a compiled layer expects
             cos, sin = self.cos[ids].unsqueeze(2), self.sin[ids].unsqueeze(2)  # (s, b, 1, d)
         return cos.to(dtype), sin.to(dtype)
 

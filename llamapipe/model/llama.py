@@ -178,8 +178,10 @@ class LlamaModel(nn.Module):
             assert self.input_tensor is not None, "set_input_tensor must be called before forward"
             hidden = self.input_tensor
         seq_len = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)   # this CP rank's tokens
-        if position_ids is None and self.cp_size > 1:   # the balanced layout's global positions, (1, s/cp)
-            position_ids = local_positions(seq_len * self.cp_size, self.cp_size, self.cp_rank)[None].to(hidden.device)
+        if position_ids is None and self.cp_size > 1:   # the balanced layout's global positions, (b, s/cp) as
+            # shard_batch gives them, so RoPE's tables (and a compiled layer's input shapes) are the same either way
+            positions = local_positions(seq_len * self.cp_size, self.cp_size, self.cp_rank).to(hidden.device)
+            position_ids = positions.expand(hidden.shape[1], -1)
         rope = self.rotary(seq_len, position_ids, hidden.dtype)
         for i, layer in enumerate(self.layers.values()):
             if self._recompute_layer(i) and torch.is_grad_enabled():

@@ -69,3 +69,16 @@ def test_errors_name_the_flags():
         local_positions(10, 4, 0)
     with pytest.raises(ValueError, match="--seq-length 6"):
         shard_sequence(torch.zeros(6), 0, 2, 1)
+
+
+def test_rope_tables_do_not_depend_on_the_positions_layout():
+    """shard_batch's contiguous (b, s/cp) positions and the model's expanded default give RoPE tables of the
+    same values, shape and strides: a layer compiled on one (the --compile warm-up) is not recompiled on the
+    other (dynamo guards on strides)."""
+    from llamapipe.model.layers import RotaryEmbedding
+    rotary = RotaryEmbedding(8, 32, 10000.0)
+    given = shard_batch({"tokens": torch.zeros(3, 16)}, 2, 1)["position_ids"]
+    default = local_positions(16, 2, 1).expand(3, -1)
+    for a, b in zip(rotary(8, given, torch.float32), rotary(8, default, torch.float32)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert a.shape == (8, 3, 1, 8) and a.stride() == b.stride()
