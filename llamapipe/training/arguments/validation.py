@@ -92,9 +92,6 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ArgumentError(f"--ddp-bucket-size must be a positive number of elements, got {args.ddp_bucket_size}")
     strategy = data_parallel_sharding_strategy(args)
-    if args.enable_vocab_parallel and args.overlap_grad_reduce and pp > 1 and world_size > tp * pp:
-        raise ArgumentError("--overlap-grad-reduce is not supported with --enable-vocab-parallel: the split "
-                            "embedding's weight gradient is computed after the step's last action")
     limit = args.pipeline_memory_limit
     return ParallelConfig(world_size=world_size, tp_size=tp, pp_size=pp, vpp_size=vpp,
                           dp_size=world_size // (tp * cp * pp), cp_size=cp, cp_comm_type=cp_comm_type, order=order,
@@ -138,8 +135,7 @@ def context_parallel_comm_type(args: argparse.Namespace, cp: int) -> str:
 
 
 # flags whose code reads whole (unsharded) parameters or gradients, which ZeRO-2/3 keep only as shards
-_NOT_WITH_FSDP = ("log_params_norm", "log_num_zeros_in_grad", "enable_optimizer_post_validation", "compile",
-                  "enable_vocab_parallel")
+_NOT_WITH_FSDP = ("log_params_norm", "log_num_zeros_in_grad", "enable_optimizer_post_validation", "compile")
 
 
 def data_parallel_sharding_strategy(args: argparse.Namespace) -> str:
