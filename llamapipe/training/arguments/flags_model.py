@@ -16,13 +16,7 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks per model")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages (ranks) per model")
-    g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="ranks that split each sequence (context parallelism: two of 2N causal-balanced chunks per "
-                        "rank, attention across them by --cp-comm-type)")
-    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
-                   help="context-parallel attention: p2p (ring: K/V passed around the CP ranks, overlapped with "
-                        "compute) or allgather (all-gather K/V, LLaMA 3's); Megatron's a2a and a2a+p2p are refused; "
-                        "one value, or one per layer all alike")
+    _add_context_parallel_flags(g)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="layers per model chunk; several chunks per pipeline rank give the interleaved schedule")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
@@ -73,6 +67,16 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="start each gradient bucket's data-parallel all-reduce during the backward")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per data-parallel gradient all-reduce bucket; None: 25000000")
+
+
+def _add_context_parallel_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="ranks that split each sequence (context parallelism: two of 2N causal-balanced chunks per "
+                        "rank, attention across them by --cp-comm-type)")
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
+                   help="context-parallel attention: p2p (ring: K/V passed around the CP ranks, overlapped with "
+                        "compute) or allgather (all-gather K/V, LLaMA 3's); Megatron's a2a and a2a+p2p are refused; "
+                        "one value, or one per layer all alike")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
