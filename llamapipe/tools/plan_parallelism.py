@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-gbps", type=float, default=None, help="intra-node link per GPU, Gbit/s")
     p.add_argument("--headroom", type=float, default=0.9, help="share of the GPU memory a layout may plan to use")
     p.add_argument("--max-micro-batch-size", type=int, default=8)
+    p.add_argument("--max-context-parallel-size", type=int, default=1,
+                   help="also rank layouts that split each sequence over up to this many ranks "
+                        "(--context-parallel-size; ring attention)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--explain", type=int, default=None, metavar="N", help="memory breakdown of row N (1 = top)")
     p.add_argument("--profile", default=None, metavar="JSON",
@@ -76,19 +79,22 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(m: LlamaConfig, gpus: int, global_batch: int, max_mbs: int) -> list[Layout]:
-    """Every layout the flags could express for this model and cluster."""
+def layouts(m: LlamaConfig, gpus: int, global_batch: int, max_mbs: int, max_cp: int = 1,
+            seq_length: int = 0) -> list[Layout]:
+    """Every layout the flags could express for this model and cluster (context parallelism up to `max_cp`
+    ranks, where `seq_length` splits into 2 x cp chunks of a multiple of tp tokens)."""
     out = []
     for tp in [d for d in _divisors(gpus) if d <= 8 and m.num_query_groups % d == 0 and m.ffn_hidden_size % d == 0]:
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
+        for cp, pp in [(cp, pp) for cp in _divisors(gpus // tp) if cp <= max_cp and seq_length % (2 * cp * tp) == 0
+                       or cp == 1 for pp in _divisors(gpus // (tp * cp))]:
+            dp = gpus // (tp * cp * pp)
             for mbs in [b for b in (1, 2, 4, 8) if b <= max_mbs and global_batch % (b * dp) == 0]:
                 if pp > 1 and global_batch // (mbs * dp) < pp:
                     continue
                 for schedule, vpp in _schedules(m.num_layers, pp):
                     for recompute in ("none", "full"):
-                        for dist_opt in (False, True) if dp > 1 else (False,):
-                            out.append(Layout(tp, pp, vpp, dp, schedule, mbs, recompute, dist_opt))
+                        for dist_opt in (False, True) if dp * cp > 1 else (False,):   # ZeRO-1 over dp x cp
+                            out.append(Layout(tp, pp, vpp, dp, schedule, mbs, recompute, dist_opt, cp=cp))
     return out
 
 
@@ -107,7 +113,8 @@ def _schedules(num_layers: int, pp: int) -> list[tuple[str, int]]:
 def rank(m: LlamaConfig, args: argparse.Namespace, dev) -> list[tuple[Layout, Estimate]]:
     budget = args.headroom * args.gpu_memory_gb * GIB
     rows = []
-    for lay in layouts(m, args.gpus, args.global_batch_size, args.max_micro_batch_size):
+    for lay in layouts(m, args.gpus, args.global_batch_size, args.max_micro_batch_size,
+                       args.max_context_parallel_size, args.seq_length):
         est = estimate(m, lay, args.seq_length, args.global_batch_size, dev)
         if est.total <= budget:
             rows.append((lay, est))
@@ -115,15 +122,20 @@ def rank(m: LlamaConfig, args: argparse.Namespace, dev) -> list[tuple[Layout, Es
     return rows
 
 
-def command(args: argparse.Namespace, lay: Layout) -> str:
-    """A torchrun command line for one node of `lay`."""
+def command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig] = None) -> str:
+    """A torchrun command line for one node of `lay` (`m`: the model, whose position limit a long
+    --seq-length raises)."""
     shape = [f"--model {args.model}"] if args.model else [
         f"--{n.replace('_', '-')} {getattr(args, n)}" for n in ("num_layers", "hidden_size", "ffn_hidden_size",
                                                                    "num_attention_heads", "num_query_groups",
                                                                    "vocab_size") if getattr(args, n) is not None]
+    if m is not None and args.seq_length > m.max_position_embeddings:
+        shape.append(f"--max-position-embeddings {args.seq_length}")
     parts = [f"torchrun --nproc-per-node {min(args.gpus, 8)}" + (f" --nnodes {args.gpus // 8}" if args.gpus > 8
                                                                    else ""), "pretrain_llama.py", *shape,
              f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
+    if lay.cp > 1:
+        parts.append(f"--context-parallel-size {lay.cp}")
     if lay.pp > 1:
         parts += [f"--num-virtual-stages-per-pipeline-rank {lay.vpp}", f"--pipeline-schedule {lay.schedule}"]
     parts += [f"--micro-batch-size {lay.micro_batch}", f"--global-batch-size {args.global_batch_size}",
@@ -133,12 +145,12 @@ def command(args: argparse.Namespace, lay: Layout) -> str:
 
 
 def table(rows: list[tuple[Layout, Estimate]], top: int) -> str:
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<11} {'mbs':>3} {'recompute':<9} "
+    head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<11} {'mbs':>3} {'recompute':<9} "
             f"{'distopt':<7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} {'step s':>8} {'MFU':>6}")
     lines = [head, "-" * len(head)]
     for i, (lay, e) in enumerate(rows[:top], 1):
         gib = [x / GIB for x in (e.params, e.grads, e.optimizer, e.activations, e.total)]
-        lines.append(f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>3} {lay.schedule:<11} {lay.micro_batch:>3} "
+        lines.append(f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>3} {lay.schedule:<11} {lay.micro_batch:>3} "
                      f"{lay.recompute:<9} {'yes' if lay.dist_opt else 'no':<7} "
                      + " ".join(f"{x:>7.1f}" for x in gib) + f" {e.step_s:>8.2f} {e.mfu:>6.1%}")
     return "\n".join(lines)
@@ -146,7 +158,7 @@ def table(rows: list[tuple[Layout, Estimate]], top: int) -> str:
 
 def explain(lay: Layout, e: Estimate) -> str:
     return "\n".join([
-        f"layout: tp {lay.tp}, pp {lay.pp}, {lay.vpp} chunk(s) per rank, dp {lay.dp}, --pipeline-schedule "
+        f"layout: tp {lay.tp}, cp {lay.cp}, pp {lay.pp}, {lay.vpp} chunk(s) per rank, dp {lay.dp}, --pipeline-schedule "
         f"{lay.schedule}, micro-batch {lay.micro_batch}, recompute {lay.recompute}, distributed optimizer "
         f"{'on' if lay.dist_opt else 'off'}",
         f"  parameters (bf16, 2 B each)          {e.params / GIB:8.2f} GiB",
@@ -183,7 +195,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"time model: FLOPs at {dev.efficiency:.0%} of {args.device}'s peak (no --profile; `llamapipe profile` "
           "measures this machine)")
     print(table(rows, args.top))
-    print(f"\n{len(rows)} layouts fit. Top row:\n  {command(args, rows[0][0])}")
+    print(f"\n{len(rows)} layouts fit. Top row:\n  {command(args, rows[0][0], m)}")
     return 0
 
 

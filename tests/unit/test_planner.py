@@ -101,3 +101,26 @@ def test_explain_and_nothing_fits(capsys):
     assert main(["--model", "llama2-70b", "--gpus", "1", "--gpu-memory-gb", "24", "--global-batch-size", "8"]) == 1
     assert "no layout fits 1 GPUs of 24 GiB" in capsys.readouterr().err
     assert GIB == 2 ** 30
+
+
+def test_context_parallel_layouts_split_the_sequence_and_print_a_command_the_trainer_accepts(capsys):
+    from llamapipe.tools.plan_parallelism import layouts
+    m = LlamaConfig.from_name("llama3-8b")
+    plain = layouts(m, 16, 16, 1)
+    with_cp = layouts(m, 16, 16, 1, max_cp=8, seq_length=65536)
+    assert {lay.cp for lay in plain} == {1} and set(plain) <= set(with_cp)
+    assert {lay.cp for lay in with_cp} == {1, 2, 4, 8}
+    assert all(lay.tp * lay.cp * lay.pp * lay.dp == 16 for lay in with_cp)
+    odd = layouts(m, 16, 16, 1, max_cp=8, seq_length=3000)      # 2 x cp chunks of a multiple of tp tokens
+    assert 8 not in {lay.cp for lay in odd} and 4 in {lay.cp for lay in odd}
+    assert all(3000 % (2 * lay.cp * lay.tp) == 0 for lay in odd if lay.cp > 1)
+    # at 64k tokens activations dominate: a split sequence is the only thing that fits 80 GB on 16 GPUs
+    assert main(["--model", "llama3-8b", "--gpus", "16", "--gpu-memory-gb", "80", "--seq-length", "65536",
+                 "--global-batch-size", "16", "--max-context-parallel-size", "8", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    cmd = shlex.split(out.split("Top row:")[1].strip())
+    assert "--context-parallel-size" in cmd
+    config = config_from_args(build_parser().parse_args(cmd[cmd.index("pretrain_llama.py") + 1:] + ["--mock-data"]),
+                              16)
+    par = config.parallel
+    assert par.cp_size > 1 and par.tp_size * par.cp_size * par.pp_size * par.dp_size == 16

@@ -50,7 +50,8 @@ def test_a_profile_without_overhead_loads_with_a_one_line_notice_and_predicts_wi
     assert predict(loaded, one_f_one_b(), 2, cores=2).step_s == pytest.approx(13 * MS, rel=1e-9)
     assert plan_parallelism.main(["--profile", str(path), "--gpus", "2", "--global-batch-size", "8"]) == 0
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
-    assert len(notes) == 1 and "no overhead figures" in notes[0]
+    # one line about the missing figures (another note may say the top rows are too close to separate)
+    assert len([n for n in notes if "no overhead figures" in n]) == 1
 
 
 def test_prediction_adds_the_action_cost_along_the_critical_path_and_the_step_cost_once():
