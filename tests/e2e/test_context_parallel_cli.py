@@ -52,7 +52,7 @@ def reference(tmp_path_factory):
 
 
 CASES = {
-    "cp2-p2p": (2, CP2),
+    "cp2-p2p-compile": (2, CP2 + ["--compile"]),    # the ring under torch.compile (a graph break around it)
     "cp2-allgather": (2, CP2 + ALLGATHER),
     "cp4-p2p": (4, CP4),
     "cp4-allgather": (4, CP4 + ALLGATHER),
