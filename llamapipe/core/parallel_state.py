@@ -135,6 +135,7 @@ class ParallelState:
             if kind not in _SUFFIXES or name not in known:
                 raise TypeError(f"ParallelState got an unexpected keyword argument {key!r}")
             parts[kind][name] = value
+        _alias_groups(parts["size"], parts["group"], parts["ranks"])
         for name, value in (("rank", rank), ("world_size", world_size), ("vpp_size", vpp_size),
                             ("order", full_order(order)), ("sizes", parts["size"]), ("coords", parts["rank"]),
                             ("ranks", {k: tuple(v) for k, v in parts["ranks"].items()}),
@@ -159,11 +160,22 @@ class ParallelState:
         return rank
 
     def group(self, *axes: str) -> Any:
-        return self.groups.get(_group_name(axes))
+        return self._group(_group_name(axes))
+
+    def _group(self, name: str) -> Any:
+        """The process group `name`; None only where its axes span one rank (a group missing from a state built
+        by hand over more ranks would silently skip its reduction, so that is an error)."""
+        group = self.groups.get(name)
+        if group is None and name in GROUPS and self.size(*GROUPS[name]) > 1:
+            raise RuntimeError(f"this ParallelState has no {name} group although its axes span "
+                               f"{self.size(*GROUPS[name])} ranks: build it with initialize_model_parallel or "
+                               f"pass {name}_group=")
+        return group
 
     def __getattr__(self, key: str) -> Any:
         name, _, kind = key.rpartition("_")
-        if kind not in _SUFFIXES or not (name in AXES or name in GROUPS or name == "embedding"):
+        per_rank = kind in ("size", "rank")     # sizes and ranks exist for axes and groups, not "embedding"
+        if kind not in _SUFFIXES or not (name in AXES or name in GROUPS or (name == "embedding" and not per_rank)):
             raise AttributeError(f"{type(self).__name__} has no attribute {key!r}")
         axes = GROUPS.get(name, (name,))
         if kind == "size":
@@ -172,11 +184,24 @@ class ParallelState:
             return self.rank_in(*axes)
         if kind == "ranks":
             return self.ranks.get(name, (self.rank,))
-        return self.groups.get(name)
+        return self._group(name)
 
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+
+def _alias_groups(sizes: Mapping[str, int], groups: dict, ranks: dict) -> None:
+    """Fill in, for a state built by hand, each group of GROUPS not given whose axes wider than one rank are
+    those of a given one (dp_cp is the dp group at cp 1, the cp group at dp 1): the same members."""
+    def wide(name: str) -> frozenset:
+        return frozenset(a for a in GROUPS[name] if sizes.get(a, 1) > 1)
+    for name in GROUPS:
+        same = [other for other in GROUPS if other in groups and wide(other) == wide(name)]
+        if name not in groups and wide(name) and same:
+            groups[name] = groups[same[0]]
+            if same[0] in ranks:
+                ranks[name] = ranks[same[0]]
 
 
 def _axis(axis: str) -> str:

@@ -67,7 +67,8 @@ def pretrain(config: Config) -> int:
 def _build_and_train(config: Config, device: torch.device) -> int:
     """Setup and training on this rank; an error raised here ends the whole job (`run_as_one_job`)."""
     par = config.parallel
-    ps = initialize_model_parallel(par.tp_size, par.pp_size, par.vpp_size, par.order, cp=par.cp_size)
+    others = {axis: n for axis, n in par.sizes.items() if axis not in ("tp", "pp", "dp")}   # dp: what is left
+    ps = initialize_model_parallel(par.tp_size, par.pp_size, par.vpp_size, par.order, **others)
     set_seeds(config.training.seed, ps.tp_rank)
     trainer = Trainer(config, config.model, ps, device)
     from llamapipe.core.pipeline_parallel.auto_schedule import MemoryLimitError

@@ -95,7 +95,8 @@ def vocab_stats_group(ps: ParallelState):
     all-gather behind it. Collective over the world (every rank builds its chunks)."""
     import torch.distributed as dist
     from llamapipe.core.parallel_state import RankGrid
-    grid = RankGrid(ps.world_size, ps.tp_size, ps.pp_size, ps.order, cp=ps.cp_size)
+    others = {axis: n for axis, n in ps.sizes.items() if axis not in ("tp", "pp", "dp")}   # dp: what is left
+    grid = RankGrid(ps.world_size, ps.tp_size, ps.pp_size, ps.order, **others)
     return dist.new_subgroups_by_enumeration(grid.named_groups("pp"))[0]
 
 

@@ -39,9 +39,10 @@ def test_cp_takes_its_ranks_from_the_world_and_the_order_gains_cp_after_tp():
     (["--context-parallel-size", "0"], 4, "--context-parallel-size 0 must be positive"),
     (["--context-parallel-size", "4", "--seq-length", "36"], 4, "--seq-length 36 is not divisible by 2 x "
      "--context-parallel-size (4): context parallelism splits each sequence into 2 equal chunks per rank"),
-    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length",
-      "36"], 4, "--seq-length 36 is not divisible by 2 x --context-parallel-size (2) x --tensor-model-parallel-size "
-     "(2) under --sequence-parallel: context parallelism splits each sequence into 2 equal chunks per rank"),
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--num-query-groups", "4",
+      "--sequence-parallel", "--seq-length", "36"], 8, "--seq-length 36 / --context-parallel-size (2) = 18 tokens per "
+     "rank are not divisible by --tensor-model-parallel-size (4) under --sequence-parallel, which splits them over "
+     "the tensor-parallel ranks"),
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 2, "--cp-comm-type a2a is not supported: Ulysses "
      "all-to-all attention is not implemented; use p2p or allgather"),
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 2, "--cp-comm-type a2a+p2p is not supported: "
@@ -56,6 +57,14 @@ def test_cp_takes_its_ranks_from_the_world_and_the_order_gains_cp_after_tp():
 ])
 def test_bad_context_parallel_combinations_are_one_sentence(argv, world, message):
     rejects(argv, world, message)
+
+
+def test_sequence_parallel_needs_only_the_local_tokens_to_split_over_tp():
+    """36 tokens at cp 2: 9-token chunks, 18 per rank, 9 per tensor-parallel rank under sp (runs: the chunks
+    need not align with the tp split)."""
+    par = cfg(["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+               "--seq-length", "36"], 4).parallel
+    assert (par.cp_size, par.tp_size, par.sequence_parallel) == (2, 2, True)
 
 
 @pytest.mark.parametrize("argv", [["--hierarchical-context-parallel-sizes", "2", "2"], ["--dynamic-context-parallel"],
@@ -113,3 +122,10 @@ def test_planner_divides_activations_and_compute_by_cp_and_adds_the_kv_traffic()
     t1, t4 = estimate(model, Layout(**base), seq, 1, dev).step_s, estimate(model, ring, seq, 1, dev).step_s
     grads = 4 * one.params / 2                                      # fp32 gradients of the bf16 weights
     assert t4 == pytest.approx(t1 / 4 + 2 * 3 / 4 * grads * 8 / 3600e9, rel=1e-9)    # + their all-reduce over cp
+
+
+def test_flash_attention_flag_under_context_parallelism_is_a_notice():
+    from llamapipe.training.arguments.noop import noop_notices
+    args = build_parser().parse_args(BASE + ["--context-parallel-size", "2", "--use-flash-attn"])
+    notes = noop_notices(args, cfg(["--context-parallel-size", "2"], 2).parallel)
+    assert any(n.startswith("notice: --use-flash-attn has no effect with --context-parallel-size 2") for n in notes)

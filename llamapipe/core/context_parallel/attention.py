@@ -159,7 +159,9 @@ class _RingAttention(torch.autograd.Function):
             if step > 0:    # what the ranks before me added to src's K/V gradients
                 _wait(dkv_works)
                 dkv += dkv_in
-            dkv_in, dkv_works = ring.start(dkv, tag=1)   # onwards; after the last step, to src itself
+            # onwards; after the last step, to src itself. Tags keep K/V and dK/dV apart on gloo; NCCL ignores
+            # tags and matches by posting order, which is the same on every rank (K/V, then dK/dV, each step)
+            dkv_in, dkv_works = ring.start(dkv, tag=1)
             if step + 1 < cp_size:
                 _wait(kv_works)
                 kv = kv_next

@@ -41,7 +41,8 @@ SAME_MODEL = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_quer
 def resolve_auto_layout(args: argparse.Namespace, model: LlamaConfig, seq_length: int, device: str,
                         notices: list[str]) -> argparse.Namespace:
     """`args` with --pipeline-model-parallel-layout auto replaced by the chosen layout string (a copy; `args`
-    as given when there is nothing to resolve). `device`: "cpu" or "cuda", for the analytic model."""
+    as given when there is nothing to resolve). `device`: "cpu" or "cuda", for the analytic model; `seq_length`:
+    the tokens of each sequence one rank computes (--seq-length / --context-parallel-size)."""
     profile_path = getattr(args, "pipeline_profile", None)
     if args.pipeline_model_parallel_layout != AUTO:
         if profile_path is not None:
@@ -125,8 +126,9 @@ def _profiled_parts(args: argparse.Namespace, model: LlamaConfig, seq_length: in
             raise ArgumentError(f"{said} was made for a model with {field} {profiled.get(field)}, but this run's is "
                                 f"{getattr(model, field)}; profile this model with `llamapipe profile`")
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    for what, theirs, ours in (("--seq-length", profile["seq_length"], seq_length), ("precision", profile["dtype"],
-                                                                                      dtype)):
+    cp = max(getattr(args, "context_parallel_size", 1) or 1, 1)
+    tokens = "--seq-length" if cp == 1 else f"--seq-length / --context-parallel-size {cp} (tokens per rank)"
+    for what, theirs, ours in ((tokens, profile["seq_length"], seq_length), ("precision", profile["dtype"], dtype)):
         if theirs != ours:
             raise ArgumentError(f"{said} was measured at {what} {theirs}, but this run's is {ours}")
     recompute = _recompute(model)

@@ -198,10 +198,13 @@ def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig, s
 def _check_context_parallel_length(par: ParallelConfig, seq_length: int) -> None:
     """Each CP rank holds 2 of 2 x cp equal chunks; under --sequence-parallel its s/cp tokens split over tp."""
     cp, tp = par.cp_size, par.tp_size if par.sequence_parallel else 1
-    if cp > 1 and seq_length % (2 * cp * tp):
-        sp = f" x --tensor-model-parallel-size ({tp}) under --sequence-parallel" if tp > 1 else ""
-        raise ArgumentError(f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size ({cp}){sp}: "
+    if cp > 1 and seq_length % (2 * cp):
+        raise ArgumentError(f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size ({cp}): "
                             "context parallelism splits each sequence into 2 equal chunks per rank")
+    if cp > 1 and (seq_length // cp) % tp:
+        raise ArgumentError(f"--seq-length {seq_length} / --context-parallel-size ({cp}) = {seq_length // cp} tokens "
+                            f"per rank are not divisible by --tensor-model-parallel-size ({tp}) under "
+                            "--sequence-parallel, which splits them over the tensor-parallel ranks")
 
 
 def _check_recompute(args: argparse.Namespace, m: LlamaConfig) -> None:

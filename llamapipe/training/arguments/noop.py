@@ -80,5 +80,9 @@ def noop_notices(args: argparse.Namespace, par: ParallelConfig) -> list[str]:
     if par.cp_size == 1 and args.cp_comm_type != ["p2p"]:
         lines.append(f"--cp-comm-type {' '.join(args.cp_comm_type)} has no effect with --context-parallel-size 1: "
                      "each rank holds whole sequences")
+    if par.cp_size > 1 and args.use_flash_attn:
+        lines.append(f"--use-flash-attn has no effect with --context-parallel-size {par.cp_size}: context-parallel "
+                     "attention runs its own per-block kernel with the log-sum-exp (the CPU flash kernel on CPU, "
+                     "plain matmuls elsewhere; docs/context_parallel.md)")
     lines += _data_parallel(args, par) + _pipeline(args, par) + _checkpoint(args)
     return ["notice: " + line for line in lines]

@@ -71,7 +71,9 @@ def config_from_args(args: argparse.Namespace, world_size: int, check_memory: bo
     check_positive(args, world_size)
     model = model_config(args, notices)
     seq_length = run_seq_length(args)
-    args = resolve_auto_layout(args, model, seq_length, device_of(args), notices)   # an explicit layout from here on
+    # an explicit layout from here on; a context-parallel rank computes seq / cp tokens of each sequence
+    cp = max(getattr(args, "context_parallel_size", 1) or 1, 1)
+    args = resolve_auto_layout(args, model, seq_length // cp, device_of(args), notices)
     parallel = parallel_config(args, world_size, model.num_layers)
     check_model(args, model, parallel, seq_length)
     training = training_config(args, parallel, seq_length)
