@@ -163,14 +163,9 @@ class ParallelState:
         return self._group(_group_name(axes))
 
     def _group(self, name: str) -> Any:
-        """The process group `name`; None only where its axes span one rank (a group missing from a state built
-        by hand over more ranks would silently skip its reduction, so that is an error)."""
-        group = self.groups.get(name)
-        if group is None and name in GROUPS and self.size(*GROUPS[name]) > 1:
-            raise RuntimeError(f"this ParallelState has no {name} group although its axes span "
-                               f"{self.size(*GROUPS[name])} ranks: build it with initialize_model_parallel or "
-                               f"pass {name}_group=")
-        return group
+        """The process group `name`, or None: on one process, or in a state built by hand without it (the HF
+        converter builds tensor-parallel shards that way, one process and no group)."""
+        return self.groups.get(name)
 
     def __getattr__(self, key: str) -> Any:
         name, _, kind = key.rpartition("_")

@@ -89,6 +89,8 @@ class LlamaModel(nn.Module):
         self.tp_group = ps.tp_group if tp_size > 1 else None
         self.cp_size, self.cp_rank = ps.cp_size, ps.cp_rank
         cp_group = ps.cp_group if self.cp_size > 1 else None
+        if self.cp_size > 1 and cp_group is None:   # attention would silently stay local to this rank's tokens
+            raise ValueError(f"context-parallel size {self.cp_size} needs the parallel state's cp group")
         if cp_comm_type not in COMM_TYPES:
             raise ValueError(f"--cp-comm-type {cp_comm_type} is not supported; use one of {', '.join(COMM_TYPES)}")
         layer_range = tuple(layer_range) if layer_range is not None else (0, config.num_layers)
