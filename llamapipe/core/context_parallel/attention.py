@@ -118,6 +118,23 @@ def _wait(works: list) -> None:
         work.wait()
 
 
+def _save(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+          group: Any, scale: float) -> torch.Tensor:
+    """End of either forward: keep only the local q, k, v, the output and its log-sum-exp (O(s / cp))."""
+    out = out.to(q.dtype)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.group, ctx.scale = group, scale
+    return out
+
+
+def _restore(ctx) -> tuple:
+    """Start of either backward: the saved tensors, the group, scale, CP size and rank, and a zero fp32 dq."""
+    q, k, v, out, lse = ctx.saved_tensors
+    group = ctx.group
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    return q, k, v, out, lse, group, ctx.scale, dist.get_world_size(group), dist.get_rank(group), dq
+
+
 class _RingAttention(torch.autograd.Function):
     """p2p: K/V around the ring, forward and backward; dK/dV accumulators follow them home."""
 
@@ -136,18 +153,12 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < cp_size:
                 _wait(works)
                 kv = kv_next
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale = group, scale
-        return out
+        return _save(ctx, q, k, v, out, lse, group, scale)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        q, k, v, out, lse, group, scale, cp_size, cp_rank, dq = _restore(ctx)
         ring, chunk = _Ring(group), q.shape[2] // 2
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv, dkv_in, dkv_works = torch.stack([k, v]), None, []
         for step in range(cp_size):
             if step + 1 < cp_size:
@@ -186,18 +197,12 @@ class _AllGatherAttention(torch.autograd.Function):
         out, lse = _accumulators(q)
         blocks = attention_blocks(chunk_ids(cp_size, cp_rank), range(2 * cp_size))
         _forward_blocks(q, kv[0], kv[1], blocks, q.shape[2] // 2, scale, out, lse)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale = group, scale
-        return out
+        return _save(ctx, q, k, v, out, lse, group, scale)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        q, k, v, out, lse, group, scale, cp_size, cp_rank, dq = _restore(ctx)
         kv = _gather_kv(torch.stack([k, v]), group)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         blocks = attention_blocks(chunk_ids(cp_size, cp_rank), range(2 * cp_size))
         _backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, q.shape[2] // 2, scale, dq, dkv)
