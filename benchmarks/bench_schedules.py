@@ -117,7 +117,7 @@ def synthetic_worker(rank: int, world: int, m: int, sleep_s: float, steps: int) 
     """Every schedule on sleeping chunks, timed round-robin: round k runs each schedule once, so a slow
     spell of the machine lands on all schedules alike instead of on one schedule's steps."""
     from llamapipe.core.parallel_state import initialize_model_parallel
-    from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions
+    from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
     from llamapipe.core.pipeline_parallel.p2p_communication import measure_latency
     ps0, rows, fbs, runs = initialize_model_parallel(1, world), [], {}, {}
@@ -130,7 +130,7 @@ def synthetic_worker(rank: int, world: int, m: int, sleep_s: float, steps: int) 
         stages = [stage_of(ps.pp_rank, c, world, placement(name, vpp)) for c in range(vpp)]
         chunks = [SleepChunk((sleep_s / vpp,) * 3, s == world * vpp - 1) for s in stages]
         data = [itertools.repeat({"input_ids": x}) if s == 0 else None for s in stages]
-        fbs[name] = get_forward_backward_func(ps, name, options=AutoOptions(profile_iters=1))
+        fbs[name] = get_forward_backward_func(ps, name, options=RuntimeOptions(profile_iters=1))
         runs[name] = functools.partial(fbs[name], forward_step_func=loss_step, data_iterator=data, model=chunks,
                                        num_microbatches=m)
         for _ in range(2 if SPECS[name].profiled else 1):

@@ -92,11 +92,11 @@ def timed_iterations(ps, runs: dict, rounds: int, k: int) -> tuple[dict, dict]:
 
 def _ours(config, ps0, name: str, vpp: int, m: int, batches: list, tokens: float, pv: bool) -> TrainIteration:
     from benchmarks.schedules_real import llama_chunks, loss_step
-    from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions
+    from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
     ps = dataclasses.replace(ps0, vpp_size=vpp)
     chunks = llama_chunks(config, ps, name, vpp)
-    fb = get_forward_backward_func(ps, name, options=AutoOptions(profile_iters=1, post_validation=pv))
+    fb = get_forward_backward_func(ps, name, options=RuntimeOptions(profile_iters=1, post_validation=pv))
     run = (lambda: fb(forward_step_func=loss_step, data_iterator=[itertools.cycle(batches) for _ in chunks],
                       model=chunks, num_microbatches=m))
     return TrainIteration(chunks, ps, run, tokens, pv)
@@ -141,7 +141,7 @@ def synthetic_worker(rank: int, world: int, m: int, sleep_s: float, rounds: int,
     from benchmarks.bench_schedules import SleepChunk, _calibrate_sleep
     from benchmarks.schedules_real import loss_step
     from llamapipe.core.parallel_state import initialize_model_parallel
-    from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions
+    from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
     from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
     from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -153,7 +153,7 @@ def synthetic_worker(rank: int, world: int, m: int, sleep_s: float, rounds: int,
         stages = [stage_of(ps.pp_rank, c, world, SPECS[name].placement(vpp)) for c in range(vpp)]
         chunks = [SleepChunk((sleep_s / vpp,) * 3, s == world * vpp - 1) for s in stages]
         data = [itertools.repeat({"input_ids": x}) if s == 0 else None for s in stages]
-        fb = get_forward_backward_func(ps, name, options=AutoOptions(profile_iters=1, post_validation=pv))
+        fb = get_forward_backward_func(ps, name, options=RuntimeOptions(profile_iters=1, post_validation=pv))
         run = (lambda fb=fb, chunks=chunks, data=data: fb(forward_step_func=loss_step, data_iterator=data,
                                                             model=chunks, num_microbatches=m))
         runs[name + ("+pv" if pv else "")] = TrainIteration(chunks, ps, run, 1.0, pv)

@@ -215,7 +215,7 @@ def _our_step(config, ps0, name: str, vpp: int, m: int, batches: list):
     """(step callable, callable giving the plan that runs, the AutoSchedule or None): `auto` and `zb-h2`
     know their plan and costs once they have profiled."""
     from llamapipe.core.pipeline_parallel import executor
-    from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions
+    from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
     from llamapipe.core.pipeline_parallel.schedules import cached_plan, get_forward_backward_func
     ps = dataclasses.replace(ps0, vpp_size=vpp)
     chunks = llama_chunks(config, ps, name, vpp)
@@ -223,8 +223,8 @@ def _our_step(config, ps0, name: str, vpp: int, m: int, batches: list):
         plan = cached_plan("1f1b", ps.pp_size, 1, m)
         return (lambda: executor.run(plan, model_chunks=chunks, forward_step_func=loss_step,
                                      data_iterator=[iter(batches)], parallel_state=ps, num_microbatches=m,
-                                     fused_bw=True)), (lambda: plan), None
-    fb = get_forward_backward_func(ps, name, options=AutoOptions(profile_iters=1))
+                                     options=RuntimeOptions(fused_bw=True))), (lambda: plan), None
+    fb = get_forward_backward_func(ps, name, options=RuntimeOptions(profile_iters=1))
     profiled = SPECS[name].profiled
     plan = (lambda: fb.plan) if profiled else (lambda: cached_plan(name, ps.pp_size, vpp, m))
     return (lambda: fb(forward_step_func=loss_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,

@@ -108,7 +108,7 @@ class Trainer:
 
     def __init__(self, config: Config, model_cfg: LlamaConfig, ps: ParallelState, device: torch.device) -> None:
         from llamapipe.core.optimizer import OptimizerParamScheduler, build_optimizer
-        from llamapipe.training.setup import build_forward_backward_func
+        from llamapipe.training.setup import build_forward_backward_func, build_runtime_options
         from llamapipe.training.checkpointing.save_lock import hold_save_dir
         self.save_lock = hold_save_dir(config.checkpoint.save)    # one run per --save directory, before any work
         self.config, self.model_cfg, self.ps, self.device = config, model_cfg, ps, device
@@ -122,10 +122,8 @@ class Trainer:
         self.state = TrainState()
         self._load()
         train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles, self.state.consumed_samples)
-        fb_func, grad_sync = build_forward_backward_func(config, ps), None
-        if config.parallel.overlap_grad_reduce and ps.dp_cp_size > 1:   # Megatron's overlap, during the backward
-            from llamapipe.core.distributed.grad_sync import GradSync
-            grad_sync = GradSync(self.chunks, ps, config.parallel.ddp_bucket_size)
+        self.runtime = build_runtime_options(config, ps, self.chunks)
+        fb_func = build_forward_backward_func(config, ps, self.runtime)
         self.metrics = MetricsWriter(config.logging, enabled=dist.get_rank() == 0, run_config=config,
                                      save_dir=config.checkpoint.save)
         self.progress = TrainingProgress(self.metrics, model_cfg, seq_length=cfg.seq_length,
@@ -133,7 +131,7 @@ class Trainer:
                                          log_interval=config.logging.log_interval, tp=ps.tp_size)
         self.exit_signal = ExitSignal(cfg.exit_signal_handler)
         self.parts = StepParts(config, ps, self.chunks, self.optimizer, self.scheduler, self.batches,
-                               fb_func, grad_sync, self.progress, self.state)
+                               fb_func, self.runtime.grad_sync, self.progress, self.state)
         step_form = SynchronousStep
         if cfg.post_validation:
             from llamapipe.training.post_validated import PostValidatedStep

@@ -18,13 +18,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from llamapipe.core.distributed.grad_sync import GradSync
 from llamapipe.core.logger import get_logger
+from llamapipe.core.num_microbatches_calculator import ConstantNumMicroBatchesCalculator
+from llamapipe.core.optimizer import Optimizer, OptimizerParamScheduler
 from llamapipe.core.parallel_state import ParallelState
+from llamapipe.core.pipeline_parallel.runtime import ForwardBackwardFunc
 from llamapipe.training.config import Config
 from llamapipe.training.log import num_zeros_in_grad, params_norm
 from llamapipe.training.progress import TrainingProgress
@@ -49,11 +53,11 @@ class StepParts:
     config: Config
     ps: ParallelState
     chunks: list
-    optimizer: Any                  # core.optimizer.Optimizer
-    scheduler: Any                  # core.optimizer.OptimizerParamScheduler
-    batches: Any                    # the num-microbatches calculator (batch ramp-up)
-    fb_func: Callable               # the schedule's forward-backward
-    grad_sync: Optional[Any]        # core.distributed.grad_sync.GradSync under --overlap-grad-reduce
+    optimizer: Optimizer
+    scheduler: OptimizerParamScheduler
+    batches: ConstantNumMicroBatchesCalculator      # the microbatch count per step (batch ramp-up)
+    fb_func: ForwardBackwardFunc    # the schedule's forward-backward, bound to the job's RuntimeOptions
+    grad_sync: Optional[GradSync]   # under --overlap-grad-reduce (the same object as the RuntimeOptions')
     progress: TrainingProgress
     state: TrainState
 
@@ -75,8 +79,7 @@ def run_schedule(parts: StepParts, iterators: list, *, forward_only: bool, num_m
     ps = parts.ps
     scale = 1.0 if forward_only else parts.optimizer.get_loss_scale()
     losses = parts.fb_func(forward_step_func=step_function(ps), data_iterator=iterators, model=parts.chunks,
-                           num_microbatches=num_microbatches, forward_only=forward_only, loss_scale=scale,
-                           grad_sync=None if forward_only else parts.grad_sync)
+                           num_microbatches=num_microbatches, forward_only=forward_only, loss_scale=scale)
     totals = torch.zeros(2, dtype=torch.float64)
     for out in losses:
         totals[0] += float(out["loss_sum"])

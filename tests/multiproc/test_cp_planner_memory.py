@@ -11,6 +11,7 @@ import torch
 
 from tests.cli import TINY
 from tests.harness import run_distributed
+from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
 from tests.multiproc.test_planner_memory import LiveActivations
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,7 @@ def activation_worker(rank: int, world: int, flags: list[str]) -> int:
         live = LiveActivations(chunks)
         executor.run(cached_plan(par.pipeline_schedule, 1, 1, 1), model_chunks=chunks,
                      forward_step_func=step_function(ps), data_iterator=iterators, parallel_state=ps,
-                     num_microbatches=1, activation_probe=live)
+                     num_microbatches=1, options=RuntimeOptions(observers=(live,)))
         return live.peak
     finally:
         destroy_model_parallel()

@@ -120,7 +120,7 @@ def train(ps, schedule: str, vpp: int, m: int, steps: int, lr: float = 0.5) -> t
     """`steps` SGD steps with `schedule`; returns per-step mean loss and first-step grads (by name)."""
     import dataclasses
     import torch.distributed as dist
-    from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions
+    from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
     from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
     ps = dataclasses.replace(ps, vpp_size=vpp)
@@ -129,7 +129,7 @@ def train(ps, schedule: str, vpp: int, m: int, steps: int, lr: float = 0.5) -> t
         from llamapipe.core.pipeline_parallel.schedules import forward_backward_zero_bubble
         fb = functools.partial(forward_backward_zero_bubble, variant=schedule[5:], parallel_state=ps)
     else:
-        fb = get_forward_backward_func(ps, schedule, options=AutoOptions(profile_iters=1))
+        fb = get_forward_backward_func(ps, schedule, options=RuntimeOptions(profile_iters=1))
     tokens = m * ps.dp_size * BATCH * SEQ
     losses, first_grads = [], None
     for step in range(steps):
@@ -246,12 +246,14 @@ def _early_send_worker(rank: int, world: int, fused_bw: bool) -> dict:
     from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from llamapipe.core.pipeline_parallel import executor
     from llamapipe.core.pipeline_parallel.builders import one_f_one_b
+    from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
     ps, log = initialize_model_parallel(1, 2), {}
     try:
         chunk = _SlowWChunk(rank == 0, rank == 1, 0.0 if rank == 0 else 0.6, log)
         batch = {"tokens": torch.ones(2, 3), "labels": torch.ones(2, 3)}
         executor.run(one_f_one_b(2, 1), model_chunks=[chunk], forward_step_func=forward_step,
-                     data_iterator=iter([batch]), parallel_state=ps, num_microbatches=1, fused_bw=fused_bw)
+                     data_iterator=iter([batch]), parallel_state=ps, num_microbatches=1,
+                     options=RuntimeOptions(fused_bw=fused_bw))
         log["done"] = time.monotonic()
         return log
     finally:
@@ -270,12 +272,12 @@ def test_bw_sends_the_input_gradient_before_its_weight_gradients(fused_bw):
 
 def _fitted_zb_h2_worker(rank: int, world: int) -> dict:
     from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions
+    from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
     ps = initialize_model_parallel(1, world)
     try:
         chunks = make_chunks(ps.pp_rank, world, 1, "interleaved")
-        fb = get_forward_backward_func(ps, "zb-h2", options=AutoOptions(profile_iters=2))
+        fb = get_forward_backward_func(ps, "zb-h2", options=RuntimeOptions(profile_iters=2))
         plans = []
         for step in range(3):
             fb(forward_step_func=forward_step, data_iterator=[iter(make_batches(6, seed=step))], model=chunks,

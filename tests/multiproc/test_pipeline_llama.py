@@ -67,7 +67,7 @@ def _sgd_steps(chunks: list, fb, ps, m: int) -> tuple[list[float], dict]:
 
 def llama_worker(rank: int, world: int, tp: int, pp: int, cases: list) -> dict:
     from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions
+    from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
     from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
     from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -82,7 +82,7 @@ def llama_worker(rank: int, world: int, tp: int, pp: int, cases: list) -> dict:
             chunks = [LlamaModel(CONFIG, ps, layer_range=(s * per, (s + 1) * per), pre_process=s == 0,
                                  post_process=s == stages - 1)
                       for s in (stage_of(ps.pp_rank, c, pp, placement) for c in range(vpp))]
-            fb = get_forward_backward_func(ps, schedule, options=AutoOptions(profile_iters=1))
+            fb = get_forward_backward_func(ps, schedule, options=RuntimeOptions(profile_iters=1))
             out[(schedule, vpp, m)] = _sgd_steps(chunks, fb, ps, m)
     finally:
         destroy_model_parallel()

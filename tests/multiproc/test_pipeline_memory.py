@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
+from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
 from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from tests.harness import run_distributed
 from tests.multiproc.test_pipeline_executor import BATCH, LAYERS, SEQ, ToyChunk, _Linear, make_batches
@@ -109,7 +110,7 @@ def memory_worker(rank: int, world: int, cases: list) -> dict:
                                     parallel_state=dataclasses.replace(ps, vpp_size=vpp), num_microbatches=m)
             with tracker.hooks():
                 run(data_iterator=[iter(batches) for _ in chunks])
-            run(data_iterator=[iter(batches) for _ in chunks], activation_probe=probe)
+            run(data_iterator=[iter(batches) for _ in chunks], options=RuntimeOptions(observers=(probe,)))
             for chunk in chunks:
                 chunk.zero_grad(set_to_none=True)
             out[(schedule, vpp, m)] = (tracker.peak, predicted, tracker.live, share)

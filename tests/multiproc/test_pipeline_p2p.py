@@ -56,18 +56,20 @@ def p2p_worker(rank: int, world: int) -> dict:
     fixed-length step whose shape differs from the earlier ones (the per-step handshake must see it)."""
     from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
+    from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
     ps = initialize_model_parallel(1, world)
     out = {}
     try:
         for schedule, vpp in (("1f1b", 1), ("interleaved", 2), ("zbv", 2)):
             chunks = make_chunks(ps.pp_rank, world, vpp, SPECS[schedule].placement(vpp))
-            fb = get_forward_backward_func(dataclasses.replace(ps, vpp_size=vpp), schedule)
+            fbs = {variable: get_forward_backward_func(dataclasses.replace(ps, vpp_size=vpp), schedule,
+                                                       options=RuntimeOptions(variable_seq_lengths=variable))
+                   for variable in (False, True)}
             for seed, variable, forward_only in STEPS:
                 batches = _varlen_batches(4, seed) if variable else make_batches(4, seed=seed)
-                res = fb(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
-                         model=chunks, num_microbatches=4, variable_seq_lengths=variable,
-                         forward_only=forward_only)
+                res = fbs[variable](forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
+                                    model=chunks, num_microbatches=4, forward_only=forward_only)
                 out[(schedule, seed)] = [float(r["loss_sum"]) for r in res]
                 if seed == 1:
                     out[(schedule, "grads")] = {n: p.grad.numpy().copy() for c in chunks

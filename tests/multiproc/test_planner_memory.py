@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from tests.cli import TINY
+from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions, StepObserver
 from tests.harness import run_distributed
 
 STEPS, GLOBAL_BATCH, MICRO_BATCH = 2, 8, 2
@@ -38,11 +39,9 @@ CASES = {  # world size: {name: flags}
 PARTS = ("params", "grads", "optimizer", "activations")
 
 
-class LiveActivations:
+class LiveActivations(StepObserver):
     """Live bytes of the storages saved behind each forward and held by the W closures, and their peak
-    (duck-types the executor's `activation_probe`)."""
-
-    seconds = 0.0       # the executor keeps this out of its action times
+    (an observer of the executor's steps, like its `ActivationProbe`)."""
 
     def __init__(self, chunks: list[torch.nn.Module]) -> None:
         self.exclude = {t.untyped_storage().data_ptr() for c in chunks for t in [*c.parameters(), *c.buffers()]}
@@ -104,7 +103,8 @@ def _measure(config, ps) -> dict:
         optimizer.zero_grad()
         live = LiveActivations(chunks)
         executor.run(plan, model_chunks=chunks, forward_step_func=forward_step, data_iterator=iterators,
-                     parallel_state=ps, num_microbatches=m, activation_probe=live)
+                     parallel_state=ps, num_microbatches=m,
+                     options=RuntimeOptions(observers=(live,)))
         finalize_model_grads(chunks, ps, None, global_tokens=GLOBAL_BATCH * config.training.seq_length)
         grads = _storage_bytes([p.grad for p in params])
         assert optimizer.step().update_successful

@@ -1,6 +1,6 @@
 """`auto` (auto_plan.py) optimises what the runtime pays: the makespan of a synchronous step, or with
 optimizer post-validation the longest stage span. It is never worse than the fixed zero-bubble plans
-that fit the same memory, the option reaches it through AutoOptions, and p=32, m=256 plans in seconds."""
+that fit the same memory, the option reaches it through RuntimeOptions, and p=32, m=256 plans in seconds."""
 import random
 import time
 
@@ -8,7 +8,8 @@ import pytest
 
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel.auto_plan import objective, plan_auto
-from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions, AutoSchedule
+from llamapipe.core.pipeline_parallel.auto_schedule import AutoSchedule
+from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
 from llamapipe.core.pipeline_parallel.builders import one_f_one_b, zb_h1, zb_h2, zbv
 from llamapipe.core.pipeline_parallel.schedule_specs import build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
@@ -52,10 +53,10 @@ def test_each_objective_wins_on_its_own_measure():
 
 
 def test_post_validation_option_reaches_the_planner():
-    assert AutoOptions().post_validation is False
+    assert RuntimeOptions().post_validation is False
     costs = Costs(f=1.9, b=0.95, w=1.2, comm=0.26)
     for flag in (False, True):
-        schedule = AutoSchedule(ParallelState(pp_size=6), "auto", AutoOptions(post_validation=flag))
+        schedule = AutoSchedule(ParallelState(pp_size=6), "auto", RuntimeOptions(post_validation=flag))
         schedule.costs = costs
         assert schedule._build(6, 1, 16, 9) == plan_auto(6, 1, 16, costs, 9, post_validation=flag)
 

@@ -7,7 +7,8 @@ import pytest
 
 from llamapipe.core.config import SCHEDULES
 from llamapipe.core.parallel_state import ParallelState
-from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions, AutoSchedule
+from llamapipe.core.pipeline_parallel.auto_schedule import AutoSchedule
+from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
 from llamapipe.core.pipeline_parallel.schedule_ir import KINDS
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build, schedule_spec
 from llamapipe.core.pipeline_parallel.schedules import forward_backward_zero_bubble, get_forward_backward_func
@@ -74,7 +75,7 @@ def test_only_profiled_specs_use_costs():
 def test_the_runtime_profiles_exactly_the_profiled_specs():
     ps = ParallelState(pp_size=2)
     for name, spec in SPECS.items():
-        fb = get_forward_backward_func(ps, name, options=AutoOptions(profile_iters=2))
+        fb = get_forward_backward_func(ps, name, options=RuntimeOptions(profile_iters=2))
         assert isinstance(fb, AutoSchedule) == spec.profiled, name
         if spec.profiled:
             assert fb.spec is spec and fb.options.profile_iters == 2

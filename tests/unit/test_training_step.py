@@ -56,17 +56,17 @@ def test_an_applied_update_is_logged_and_advances_the_lr_schedule(action):
 
 
 @pytest.mark.parametrize("fp16", [False, True])
-def test_a_nonfinite_loss_stops_the_run_without_the_skip_flag(caplog, fp16):
+def test_a_nonfinite_loss_stops_the_run_without_the_skip_flag(llamapipe_log, fp16):
     step, rec = _step(fp16=fp16, skip=False)
     assert step.conclude(RECORD, "nonfinite_loss", float("inf"), float("nan")) == 1
     assert not rec.iterations and not rec.skips and not rec.scheduler_steps
-    assert "iteration 7: lm loss is inf; stopping before applying the update" in caplog.text
+    assert "iteration 7: lm loss is inf; stopping before applying the update" in "\n".join(llamapipe_log)
 
 
-def test_a_nonfinite_norm_stops_fp32_but_is_skipped_under_fp16(caplog):
+def test_a_nonfinite_norm_stops_fp32_but_is_skipped_under_fp16(llamapipe_log):
     step, rec = _step(fp16=False, skip=False)
     assert step.conclude(RECORD, "nonfinite_norm", 2.0, float("nan")) == 1
-    assert "iteration 7: gradient norm is not finite" in caplog.text and not rec.skips
+    assert "iteration 7: gradient norm is not finite" in "\n".join(llamapipe_log) and not rec.skips
     step, rec = _step(fp16=True, skip=False)
     assert step.conclude(RECORD, "nonfinite_norm", 2.0, float("nan")) is None
     assert [r["reason"] for r in rec.skips] == ["inf/nan in gradients (loss scale now 256)"]
@@ -75,14 +75,14 @@ def test_a_nonfinite_norm_stops_fp32_but_is_skipped_under_fp16(caplog):
 @pytest.mark.parametrize("action, reason", [("nonfinite_loss", "lm loss is nan"),
                                             ("nonfinite_norm", "inf/nan in gradients (loss scale now 256)"),
                                             ("found_inf", "inf/nan in gradients (loss scale now 256)")])
-def test_skipped_steps_get_one_record_each_and_are_counted(caplog, action, reason):
+def test_skipped_steps_get_one_record_each_and_are_counted(llamapipe_log, action, reason):
     step, rec = _step(fp16=action == "found_inf", skip=action != "found_inf")
     for _ in range(2):
         assert step.conclude(RECORD, action, float("nan"), float("nan")) is None
     assert [r["reason"] for r in rec.skips] == [reason, reason]
     assert [r["skipped_iterations"] for r in rec.skips] == [1, 2] and step.parts.state.skipped_iterations == 2
     assert not rec.iterations and not rec.scheduler_steps     # a skipped step does not advance the LR schedule
-    assert f"skipped iteration 7: {reason}" in caplog.text
+    assert f"skipped iteration 7: {reason}" in "\n".join(llamapipe_log)
 
 
 def test_sample_based_lr_schedule_advances_by_the_global_batch():

@@ -28,6 +28,8 @@ from typing import Hashable, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from llamapipe.core.pipeline_parallel.runtime import StepObserver
+
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
 _SCALE = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
           "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
@@ -123,7 +125,7 @@ def saved_storages(root: torch.Tensor, exclude: Iterable[int] = ()) -> dict[int,
     return found
 
 
-class ActivationProbe:
+class ActivationProbe(StepObserver):
     """Saved bytes of each forward of a step, and the share of them still alive after its B."""
 
     def __init__(self, model_chunks: Iterable[nn.Module]) -> None:
@@ -132,7 +134,7 @@ class ActivationProbe:
         self._live: dict[Hashable, int] = {}
         self._unit: dict[Hashable, int] = {}
         self._alive: dict[Hashable, set] = {}   # data pointers of a forward's saved storages still alive
-        self.seconds = 0.0                  # spent measuring (the executor keeps it out of action times)
+        self.overhead_s = 0.0               # spent measuring (the executor keeps it out of action times)
         self.units: list[int] = []          # saved bytes of each forward
         self.shares: list[float] = []       # share of a forward's saved bytes still alive after its B
         self.held_shares: list[float] = []  # that plus what the W closures hold besides, over the unit
@@ -149,7 +151,7 @@ class ActivationProbe:
         self._alive[key] = set(storages)
         for ptr, storage in storages.items():
             weakref.finalize(storage, self._freed, key, ptr, storage.nbytes())
-        self.seconds += time.perf_counter() - start
+        self.overhead_s += time.perf_counter() - start
 
     def _freed(self, key: Hashable, ptr: int, nbytes: int) -> None:
         if key in self._live:
@@ -164,7 +166,7 @@ class ActivationProbe:
         if split and live is not None and unit > 0:
             self.shares.append(live / unit)
             self.held_shares.append((live + self._closure_bytes(held, alive)) / unit)
-        self.seconds += time.perf_counter() - start
+        self.overhead_s += time.perf_counter() - start
 
     def _closure_bytes(self, held: Iterable[torch.Tensor], counted: set) -> int:
         """Bytes of the distinct floating-point storages among `held`, beyond `counted` pointers and the

@@ -12,8 +12,8 @@ every replica sees the same numbers) go to the schedule's builder (`schedule_spe
 `auto` under the memory cap (in units, or bytes turned into units; default: what the profiling plan
 needs) through `auto_plan`, which minimises the synchronous makespan, or with `post_validation` (the
 optimizer steps each stage as soon as its gradients are final, so iterations overlap) the longest stage
-span; `zb-h2` under ZB-H2's own cap of 2p-1 microbatches. The options come in one small frozen
-`AutoOptions`. The plan is broadcast to all ranks as JSON bytes (no pickle) and used from then on.
+span; `zb-h2` under ZB-H2's own cap of 2p-1 microbatches. The options are the job's
+`runtime.RuntimeOptions` (profile_iters, memory_limit, memory_limit_bytes, post_validation). The plan is broadcast to all ranks as JSON bytes (no pickle) and used from then on.
 """
 from __future__ import annotations
 
@@ -28,22 +28,13 @@ from torch import nn
 from llamapipe.core.logger import get_logger
 from llamapipe.core.pipeline_parallel import builders, executor
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
+from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel.p2p_communication import measure_latency
 from llamapipe.core.pipeline_parallel.profile_costs import costs_from_medians, pass_medians
+from llamapipe.core.pipeline_parallel.runtime import ActionTimes, RuntimeOptions
 from llamapipe.core.pipeline_parallel.schedule_ir import KIND_SPECS, PASSES, Action, Plan
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, schedule_spec
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
-
-
-@dataclasses.dataclass(frozen=True)
-class AutoOptions:
-    """What the profiled schedules need besides the parallel state (--pipeline-profile-iters and
-    --pipeline-memory-limit, given as units or as bytes)."""
-    profile_iters: int = 3                      # iterations profiled before switching; the first is warm-up
-    memory_limit: Optional[float] = None        # auto: activation units per rank (None: the profiling plan's)
-    memory_limit_bytes: Optional[int] = None    # auto: a byte cap instead, turned into units once measured
-    post_validation: bool = False               # auto: iterations overlap (optimizer post-validation), so plan
-                                                # for the longest stage span instead of the synchronous makespan
 
 
 def split_bw(plan: Plan) -> Plan:
@@ -88,7 +79,8 @@ class MemoryLimitError(ValueError):
 class AutoSchedule:
     """Forward-backward callable for a profiled schedule (`auto`, `zb-h2`); `plan` is None while profiling."""
 
-    def __init__(self, parallel_state, variant: str = "auto", options: AutoOptions = AutoOptions()) -> None:
+    def __init__(self, parallel_state: ParallelState, variant: str = "auto",
+                 options: RuntimeOptions = RuntimeOptions()) -> None:
         self.spec = schedule_spec(variant)
         if not self.spec.profiled:
             profiled = " or ".join(name for name, spec in SPECS.items() if spec.profiled)
@@ -106,30 +98,26 @@ class AutoSchedule:
         self._device = torch.device("cpu")
 
     def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
-                 num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
-                 variable_seq_lengths: bool = False, grad_sync: Any = None, **ignored: Any) -> list[dict]:
+                 num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0) -> list[dict]:
         model = list(model) if isinstance(model, (list, tuple)) else [model]
         pp, vpp, m = self.ps.pp_size, len(model), num_microbatches
         self.spec.check_chunks(vpp)
         profiling = self.plan is None or self.plan.num_microbatches != m
         plan = profiling_plan(pp, vpp, m) if profiling else self.plan
-        times = [] if profiling and not forward_only else None
+        times = ActionTimes() if profiling and not forward_only else None
         probe = ActivationProbe(model) if times is not None and self._iters == 0 else None
-        stats: dict = {}
         out = executor.run(plan, model_chunks=model, forward_step_func=forward_step_func,
                            data_iterator=data_iterator, parallel_state=self.ps, num_microbatches=m,
-                           forward_only=forward_only, loss_scale=loss_scale,
-                           variable_seq_lengths=variable_seq_lengths, action_times=times, comm_stats=stats,
-                           grad_sync=grad_sync, activation_probe=probe)
+                           forward_only=forward_only, loss_scale=loss_scale, options=self.options.observing(times, probe))
         if probe is not None:
             self.unit_bytes, self.w_share = probe.planning_memory()
         if times is not None:
-            numel, dtype = stats["largest_send"]
+            numel, dtype = times.largest_send
             self._message_bytes = max(self._message_bytes, numel * dtype.itemsize)
             self._device = next(model[0].parameters()).device
             self._iters += 1
             if self._iters > 1 or self.options.profile_iters == 1:      # the first iteration is warm-up
-                self._times += times
+                self._times += times.times
             if self._iters >= self.options.profile_iters:
                 self._switch(pp, vpp, m)
         return out

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import functools
 import time
-from contextlib import nullcontext
-from typing import Any, Callable, Optional
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
+from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel.p2p_communication import Message, P2PCommunicator, needs_and_sends, vocab_messages
+from llamapipe.core.pipeline_parallel.runtime import GradSyncHooks, RuntimeOptions, StepObserver
 from llamapipe.core.pipeline_parallel.schedule_ir import BACKWARD_KINDS, Action, Plan
 from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
 from llamapipe.core.pipeline_parallel.vocab_runtime import VocabStep, pack_targets, vocab_embedding, vocab_output
@@ -70,9 +72,10 @@ class _Step:
 
     def __init__(self, plan: Plan, pp_rank: int, comm: P2PCommunicator, model_chunks: list[nn.Module],
                  forward_step_func: Callable, data_iterator: Any, forward_only: bool, loss_scale: float,
-                 fused_bw: bool = False, probe: Any = None, vocab: Optional[VocabStep] = None) -> None:
+                 fused_bw: bool = False, observers: tuple[StepObserver, ...] = (),
+                 vocab: Optional[VocabStep] = None) -> None:
         self.plan, self.pp_rank, self.comm, self.chunks = plan, pp_rank, comm, model_chunks
-        self.probe = probe                   # an activation_memory.ActivationProbe, or None
+        self.observers = observers           # timers, trace, action times, activation probe
         self.fused_bw = fused_bw
         self.forward_step_func, self.data_iterator = forward_step_func, data_iterator
         self.forward_only, self.loss_scale = forward_only, loss_scale
@@ -85,8 +88,8 @@ class _Step:
         self.vocab = vocab                   # S/T of a vocabulary-parallel plan
 
     def untimed_s(self) -> float:
-        """Seconds so far blocked on receives or measuring activations: not part of any action's time."""
-        return self.wait_s + (self.probe.seconds if self.probe is not None else 0.0)
+        """Seconds so far blocked on receives or spent by observers measuring: not part of any action's time."""
+        return self.wait_s + sum(o.overhead_s for o in self.observers)
 
     def _take(self, msg: Message) -> torch.Tensor:
         if msg.src == msg.dst:
@@ -125,8 +128,8 @@ class _Step:
             self.losses[action.microbatch] = {"loss_sum": loss_sum.detach().float(), "num_tokens": num_tokens,
                                               "log": log}
             out = loss_sum * self.loss_scale
-        if self.probe is not None:
-            self.probe.forward_done(key, out)
+        for observer in self.observers:
+            observer.forward_done(key, out)
         if send is not None:
             self._give(send, out)
             if send.src != send.dst and not self.forward_only:
@@ -152,9 +155,11 @@ class _Step:
             self._give(send, x.grad)
         elif self._embedded_input(action):      # the embedding shards' backward runs after the last action
             self.vocab.embedding_grads[action.microbatch] = x.grad
-        if self.probe is not None:
-            del out, x                       # so the probe sees only what the deferred W keeps alive
-            self.probe.backward_done(key, split=action.kind == "B", held=self.store.held_tensors(key))
+        if self.observers:
+            del out, x                       # so an observer sees only what the deferred W keeps alive
+            held = self.store.held_tensors(key)
+            for observer in self.observers:
+                observer.backward_done(key, split=action.kind == "B", held=held)
         if split and action.kind == "BW":
             self.comm.flush()
             self.store.run(key)
@@ -185,21 +190,16 @@ class _Step:
 
 
 def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callable, data_iterator: Any,
-        parallel_state, num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
-        variable_seq_lengths: bool = False, action_times: Optional[list] = None,
-        fused_bw: bool = False, comm_stats: Optional[dict] = None, grad_sync: Any = None,
-        activation_probe: Any = None) -> list[dict]:
+        parallel_state: ParallelState, num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
+        options: RuntimeOptions = RuntimeOptions()) -> list[dict]:
     """Run this rank's part of `plan`; returns per-microbatch loss dicts on the last stage, else [].
 
-    `model_chunks[c]` is local chunk c. `data_iterator` is one iterator or one per local chunk.
-    `action_times`, when given, receives (action, compute seconds without receive waits) per action.
-    `fused_bw=True` sends a BW's input gradient only after its weight gradients (Megatron-LM's order;
-    benchmarks use it as the baseline); by default the gradient goes out between the B and W parts.
-    `comm_stats`, when given, receives "largest_send": (numel, dtype) of this rank's largest message.
-    `grad_sync` (a `core.grad_sync.GradSync`), when given, is told which actions finish each chunk's
-    backward so it can start data-parallel gradient all-reduces during the step.
-    `activation_probe` (an `activation_memory.ActivationProbe`), when given, measures each forward's saved
-    activation bytes and the part of them the deferred W keeps.
+    `model_chunks[c]` is local chunk c. `data_iterator` is one iterator or one per local chunk. `options`
+    (`runtime.RuntimeOptions`, the job's) gives the rest: `fused_bw=True` sends a BW's input gradient only
+    after its weight gradients (Megatron-LM's order; benchmarks use it as the baseline), by default the
+    gradient goes out between the B and W parts; `grad_sync` is told which actions finish each chunk's backward
+    so it can start data-parallel all-reduces during the step (not in a forward-only step); every observer
+    sees every action, message wait and phase of the step (`runtime.StepObserver`).
     """
     pp_rank = parallel_state.pp_rank
     output = vocab_output(model_chunks)
@@ -215,38 +215,70 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
     actions_of = (lambda r: forward_only_actions(plan, r)) if forward_only else None
     device = next(model_chunks[0].parameters()).device
     comm = P2PCommunicator(plan, pp_rank, parallel_state.pp_ranks, parallel_state.pp_group, device=device,
-                           variable_seq_lengths=variable_seq_lengths, actions_of=actions_of)
+                           variable_seq_lengths=options.variable_seq_lengths, actions_of=actions_of)
     vocab = None if output is None else VocabStep(
         output, parallel_state.pp_group, plan.pp, last_rank=plan.rank_chunk_of(plan.num_stages - 1)[0] == pp_rank,
         loss_scale=loss_scale, embedding=vocab_embedding(model_chunks), first_rank=pp_rank == 0,
         first_rank_global=parallel_state.pp_ranks[0])
     step = _Step(plan, pp_rank, comm, model_chunks, forward_step_func, data_iterator, forward_only, loss_scale,
-                 fused_bw, None if forward_only else activation_probe, vocab)
-    grad_sync = None if forward_only else grad_sync
+                 options.fused_bw, options.observers, vocab)
+    for observer in options.observers:
+        observer.step_begin(plan, pp_rank, forward_only)
+    _run_step(step, actions, None if forward_only else options.grad_sync, _prepass_iterator(data_iterator, plan)
+              if vocab is not None else None)
+    step.store.assert_empty()
+    assert not step.outputs and not step.local, "activations left alive at step end"
+    for observer in options.observers:
+        observer.step_end(comm.largest_send)
+    return [step.losses[mb] for mb in sorted(step.losses)]
+
+
+def _run_step(step: _Step, actions: tuple, grad_sync: Optional[GradSyncHooks], prepass: Any) -> None:
+    """The step's actions (and the vocabulary-parallel embedding around them), then every send waited for;
+    a started gradient synchronisation is aborted when anything raises."""
+    vocab, comm = step.vocab, step.comm
     try:
         if grad_sync is not None:
             grad_sync.begin_step(step.store)
-        with torch.no_grad() if forward_only else nullcontext(), step.store.active():
+        with torch.no_grad() if step.forward_only else nullcontext(), step.store.active():
             if vocab is not None:
-                vocab.embed(forward_step_func, _prepass_iterator(data_iterator, plan), num_microbatches,
-                            keep_graph=not forward_only)
-            _loop(step, actions, comm, action_times, grad_sync)
+                with _phase(step, "embed"):
+                    vocab.embed(step.forward_step_func, prepass, step.plan.num_microbatches,
+                                keep_graph=not step.forward_only)
+            _loop(step, actions, comm, grad_sync)
             if vocab is not None:
-                vocab.embedding_backward()
-                vocab.finish()
+                with _phase(step, "embed-backward"):
+                    vocab.embedding_backward()
+                    vocab.finish()
                 step.losses.update(vocab.losses)
-        comm.finish()
+        with _comm_call(step, "finish"):
+            comm.finish()
     except BaseException:
         if grad_sync is not None:
             grad_sync.abort()
         raise
     if grad_sync is not None:
         grad_sync.end_step()
-    step.store.assert_empty()
-    assert not step.outputs and not step.local, "activations left alive at step end"
-    if comm_stats is not None:
-        comm_stats["largest_send"] = comm.largest_send
-    return [step.losses[mb] for mb in sorted(step.losses)]
+
+
+@contextmanager
+def _phase(step: _Step, what: str) -> Iterator[None]:
+    """Time a part of the step that is not an action of the plan, for the observers."""
+    start, untimed = time.perf_counter(), step.untimed_s()
+    yield
+    for observer in step.observers:
+        observer.phase_done(what, start, time.perf_counter(), step.untimed_s() - untimed)
+
+
+@contextmanager
+def _comm_call(step: _Step, what: str) -> Iterator[None]:
+    """Time a communication call between actions, for the observers."""
+    start = time.perf_counter()
+    yield
+    if step.observers:
+        end = time.perf_counter()
+        for observer in step.observers:
+            observer.comm_done(what, start, end)
 
 
 def _prepass_iterator(data_iterator: Any, plan: Plan) -> Any:
@@ -268,12 +300,12 @@ def _last_backward_actions(actions: tuple) -> tuple[dict, dict]:
     return last_b, last_any
 
 
-def _loop(step: _Step, actions: tuple, comm: P2PCommunicator, action_times: Optional[list],
-          grad_sync: Any = None) -> None:
+def _loop(step: _Step, actions: tuple, comm: P2PCommunicator, grad_sync: Optional[GradSyncHooks]) -> None:
     last_b, last_any = _last_backward_actions(actions) if grad_sync is not None else ({}, {})
     last = max(last_any.values(), default=-1)
-    comm.post_ahead()
-    comm.flush()
+    with _comm_call(step, "post"):
+        comm.post_ahead()
+        comm.flush()
     for i, action in enumerate(actions):
         start, untimed = time.perf_counter(), step.untimed_s()
         if last_b.get(action.chunk) == i:
@@ -285,7 +317,10 @@ def _loop(step: _Step, actions: tuple, comm: P2PCommunicator, action_times: Opti
             grad_sync.disarm()
             if last_any.get(action.chunk) == i:
                 grad_sync.chunk_done(action.chunk, last_action=i == last)
-        if action_times is not None:
-            action_times.append((action, time.perf_counter() - start - (step.untimed_s() - untimed)))
-        comm.post_ahead()
-        comm.flush()
+        if step.observers:
+            end = time.perf_counter()
+            for observer in step.observers:
+                observer.action_done(action, start, end, step.untimed_s() - untimed)
+        with _comm_call(step, "post"):
+            comm.post_ahead()
+            comm.flush()

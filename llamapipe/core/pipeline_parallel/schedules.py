@@ -14,8 +14,10 @@ from typing import Any, Callable
 
 from torch import nn
 
+from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel import executor
-from llamapipe.core.pipeline_parallel.auto_schedule import AutoOptions, AutoSchedule
+from llamapipe.core.pipeline_parallel.auto_schedule import AutoSchedule
+from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build, schedule_spec
 
@@ -34,52 +36,49 @@ def cached_plan(schedule: str, pp: int, vpp: int, m: int) -> Plan:
     return build(schedule, pp, vpp, m)
 
 
-def _run(plan_name: str, *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
-         num_microbatches: int, parallel_state, forward_only: bool, loss_scale: float,
-         variable_seq_lengths: bool, grad_sync: Any = None) -> list[dict]:
-    model = model if isinstance(model, (list, tuple)) else [model]
-    plan = cached_plan(plan_name, parallel_state.pp_size, len(model), num_microbatches)
-    return executor.run(plan, model_chunks=list(model), forward_step_func=forward_step_func,
-                        data_iterator=data_iterator, parallel_state=parallel_state,
-                        num_microbatches=num_microbatches, forward_only=forward_only, loss_scale=loss_scale,
-                        variable_seq_lengths=variable_seq_lengths, grad_sync=grad_sync)
+class ForwardBackward:
+    """Megatron's forward-backward callable for one fixed schedule, bound to the parallel state and the
+    job's runtime options; every call builds (or takes the cached) plan and runs it."""
+
+    def __init__(self, parallel_state: ParallelState, schedule_name: str,
+                 options: RuntimeOptions = RuntimeOptions()) -> None:
+        self.ps, self.schedule_name, self.options = parallel_state, schedule_name, options
+
+    def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
+                 num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0) -> list[dict]:
+        model = list(model) if isinstance(model, (list, tuple)) else [model]
+        plan = cached_plan(self.schedule_name, self.ps.pp_size, len(model), num_microbatches)
+        return executor.run(plan, model_chunks=model, forward_step_func=forward_step_func,
+                            data_iterator=data_iterator, parallel_state=self.ps, num_microbatches=num_microbatches,
+                            forward_only=forward_only, loss_scale=loss_scale, options=self.options)
 
 
 def forward_backward_zero_bubble(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
-                                 num_microbatches: int, parallel_state, variant: str = "zb-h1",
+                                 num_microbatches: int, parallel_state: ParallelState, variant: str = "zb-h1",
                                  forward_only: bool = False, loss_scale: float = 1.0,
-                                 variable_seq_lengths: bool = False, grad_sync: Any = None) -> list[dict]:
+                                 options: RuntimeOptions = RuntimeOptions()) -> list[dict]:
     """Zero-bubble schedules with B/W split: zb-h1, zb-h2, zbv (two chunks per rank, V placement), or
     auto, with unit costs (the profiling `auto` and `zb-h2`, fitted to measured costs, come from
     `get_forward_backward_func(..., "auto" | "zb-h2")`)."""
     if variant not in SPECS or not SPECS[variant].zero_bubble:
         zero_bubble = [name for name, spec in SPECS.items() if spec.zero_bubble]
         raise ValueError(f"zero-bubble variant {variant} is unknown; choose one of {', '.join(zero_bubble)}")
-    kwargs = dict(locals())
-    del kwargs["variant"]
-    return _run(variant, **kwargs)
+    return ForwardBackward(parallel_state, variant, options)(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, forward_only=forward_only, loss_scale=loss_scale)
 
 
-def get_forward_backward_func(parallel_state, schedule_name: str = "1f1b", *,
-                              options: AutoOptions = AutoOptions()) -> Callable[..., list[dict]]:
-    """The forward-backward callable for `schedule_name`, bound to `parallel_state`.
+def get_forward_backward_func(parallel_state: ParallelState, schedule_name: str = "1f1b", *,
+                              options: RuntimeOptions = RuntimeOptions()) -> Callable[..., list[dict]]:
+    """The forward-backward callable for `schedule_name`, bound to `parallel_state` and the job's `options`.
 
     Returns `fn(*, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
-    loss_scale=1.0, variable_seq_lengths=False, grad_sync=None, **ignored)` where `model` is the list of
-    local chunks and `grad_sync` a `core.distributed.grad_sync.GradSync` for --overlap-grad-reduce;
-    Megatron's extra keywords (seq_length, micro_batch_size, ...) are accepted and ignored because
-    shapes are exchanged at run time. A profiled schedule (auto, zb-h2) returns an `AutoSchedule`, which
-    reads `options`; with one pipeline stage every schedule runs the microbatches one after another.
+    loss_scale=1.0)` where `model` is the list of local chunks. Megatron's shape keywords (seq_length,
+    micro_batch_size, ...) are not taken: shapes are exchanged at run time, and an unknown keyword is an error.
+    A profiled schedule (auto, zb-h2) returns an `AutoSchedule`; with one pipeline stage every schedule runs
+    the microbatches one after another.
     """
     spec = schedule_spec(schedule_name)
     if parallel_state.pp_size > 1 and spec.profiled:
         return AutoSchedule(parallel_state, schedule_name, options)
-
-    def forward_backward(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
-                         num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
-                         variable_seq_lengths: bool = False, grad_sync: Any = None, **ignored: Any) -> list[dict]:
-        return _run(schedule_name, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                    num_microbatches=num_microbatches, parallel_state=parallel_state,
-                    forward_only=forward_only, loss_scale=loss_scale, variable_seq_lengths=variable_seq_lengths,
-                    grad_sync=grad_sync)
-    return forward_backward
+    return ForwardBackward(parallel_state, schedule_name, options)
