@@ -36,6 +36,8 @@ class LoggingConfig:
     wandb_project: Optional[str] = None
     wandb_exp_name: Optional[str] = None
     wandb_save_dir: Optional[str] = None
+    timing_log_level: int = 0           # 0: no timers; 1: per-rank compute/communication/idle and the bubble; 2: +phases
+    timing_log_option: str = "minmax"   # how a timer is reported across ranks: max, minmax or all
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,9 @@ def _line(record: dict, train_iters: int, throughput: bool) -> str:
         parts.append(f"num zeros: {record['num_zeros_in_grad']}")
     if "params_norm" in record:
         parts.append(f"params norm: {record['params_norm']:.3f}")
+    if "bubble_max" in record:
+        parts.append(f"pipeline bubble (measured): {100 * record['bubble_max']:.1f}% max (rank "
+                     f"{record['bubble_max_rank']}), {100 * record['bubble_mean']:.1f}% mean")
     parts += [f"skipped iterations: {record['skipped_iterations']:>3}",
               f"max memory (GiB): {record['max_memory_gib']:.2f}"]
     return " | ".join(parts)

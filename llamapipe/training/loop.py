@@ -36,6 +36,7 @@ from llamapipe.training.progress import TrainingProgress
 from llamapipe.model.config import LlamaConfig
 from llamapipe.training.setup import build_model_chunks, build_iterators
 from llamapipe.training.step import StepParts, SynchronousStep, TrainState, run_schedule
+from llamapipe.training.timers_log import TimersLog, build_timers
 
 log = get_logger()
 
@@ -122,16 +123,19 @@ class Trainer:
         self.state = TrainState()
         self._load()
         train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles, self.state.consumed_samples)
-        self.runtime = build_runtime_options(config, ps, self.chunks)
+        self.timers = build_timers(config.logging.timing_log_level)     # --timing-log-level (None at 0)
+        self.runtime = build_runtime_options(config, ps, self.chunks, observers=(self.timers,) if self.timers else ())
         fb_func = build_forward_backward_func(config, ps, self.runtime)
+        self.timers_log = None if self.timers is None else TimersLog(self.timers, ps, config.logging.timing_log_option)
         self.metrics = MetricsWriter(config.logging, enabled=dist.get_rank() == 0, run_config=config,
                                      save_dir=config.checkpoint.save)
         self.progress = TrainingProgress(self.metrics, model_cfg, seq_length=cfg.seq_length,
                                          world_size=ps.world_size, train_iters=cfg.train_iters,
-                                         log_interval=config.logging.log_interval, tp=ps.tp_size)
+                                         log_interval=config.logging.log_interval, tp=ps.tp_size,
+                                         interval_fields=self.timers_log and self.timers_log.interval_fields)
         self.exit_signal = ExitSignal(cfg.exit_signal_handler)
         self.parts = StepParts(config, ps, self.chunks, self.optimizer, self.scheduler, self.batches,
-                               fb_func, self.runtime.grad_sync, self.progress, self.state)
+                               fb_func, self.runtime.grad_sync, self.progress, self.state, self.timers)
         step_form = SynchronousStep
         if cfg.post_validation:
             from llamapipe.training.post_validated import PostValidatedStep
@@ -169,9 +173,9 @@ class Trainer:
         with manual_gc(cfg.manual_gc):
             status = self._train_loop()
         self.exit_signal.settle()
-        summary = self.step.summary()     # post-validation: rollbacks and replays
-        if summary:
-            log.info(summary)
+        for summary in (self.step.summary(), self.timers_log and self.timers_log.summary()):
+            if summary:     # post-validation's rollbacks and replays; the measured bubble
+                log.info(summary)
         if status is None:
             if cfg.eval_iters and not self._every(cfg.eval_interval):
                 self.evaluate()     # the last iteration was not validated yet
@@ -200,6 +204,9 @@ class Trainer:
                 saved_at = st.iteration
             if self._every(cfg.eval_interval):
                 self.evaluate()
+            if self.timers is not None and (self._every(self.config.checkpoint.save_interval)
+                                            or self._every(cfg.eval_interval)):
+                self.timers.restart()       # what a global point took is not the next iteration's idle time
             if exiting:
                 if saved_at != st.iteration:
                     self.save()

@@ -84,6 +84,7 @@ class PostValidatedStep(SynchronousStep):
         for it in self._replayable():
             it.new_iteration()
         loss_sum, tokens = self.forward_backward(self.iterators, num_microbatches, reduce_pp=False)
+        self.mark()     # iterations overlap: the timers' iteration ends with its forward-backward
         status, replay = self.resolve()
         if status is not None:
             return status
@@ -96,7 +97,8 @@ class PostValidatedStep(SynchronousStep):
             self.replays += 1
         self.advance(global_batch_size)
         extra = self.finalize_grads(float(global_batch_size * p.config.training.seq_length))
-        pending = p.optimizer.begin_post_validated_step(loss_sum, tokens, self.always_speculate)
+        with self.region("optimizer"):
+            pending = p.optimizer.begin_post_validated_step(loss_sum, tokens, self.always_speculate)
         now = time.perf_counter()
         record = IterationRecord(p.state.iteration, p.state.consumed_samples, global_batch_size, now - self._last,
                                  extra)

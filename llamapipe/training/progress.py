@@ -13,7 +13,7 @@ iterations this run trained.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from llamapipe.core.logger import get_logger
 from llamapipe.training.log import MetricsWriter, device_peak_tflops, flops_per_token, max_memory_gib
@@ -26,8 +26,10 @@ class TrainingProgress:
     """Builds the per-iteration records and the lines a person reads."""
 
     def __init__(self, metrics: MetricsWriter, model_cfg: LlamaConfig, *, seq_length: int, world_size: int,
-                 train_iters: int, log_interval: int, tp: int = 1) -> None:
+                 train_iters: int, log_interval: int, tp: int = 1,
+                 interval_fields: Optional[Callable[[], dict]] = None) -> None:
         self.metrics, self.train_iters, self.log_interval = metrics, train_iters, log_interval
+        self.interval_fields = interval_fields          # the timers' fields (collective), at each line's iteration
         self.seq_length, self.world_size = seq_length, world_size
         self.flops_per_token = flops_per_token(model_cfg, seq_length, tp)   # the vocabulary padded for tp
         self.peak = device_peak_tflops()
@@ -54,7 +56,7 @@ class TrainingProgress:
                   "skipped_iterations": skipped_iterations, "skipped": False,
                   **({"tokens_per_sec": None, "tflops_per_device": None, "mfu": None} if first else
                      self._throughput(tokens, seconds)),
-                  "max_memory_gib": max_memory_gib(), **(extra or {})}
+                  "max_memory_gib": max_memory_gib(), **(extra or {}), **self._timer_fields(iteration)}
         if not first:
             self._timed_tokens += tokens
             self._timed_seconds += seconds
@@ -71,10 +73,16 @@ class TrainingProgress:
         self.metrics.write({"iteration": iteration, "consumed_samples": consumed_samples,
                             "global_batch_size": global_batch_size, "elapsed_ms": seconds * 1000.0, "lr": lr,
                             "loss_scale": loss_scale, "skipped_iterations": skipped_iterations, "skipped": True,
-                            "skip_reason": reason})
+                            "skip_reason": reason, **self._timer_fields(iteration)})
         if iteration % self.log_interval == 0 and self._interval:
             self.metrics.iteration(self._averaged(), self.train_iters)
             self._interval = []
+
+    def _timer_fields(self, iteration: int) -> dict:
+        """At the end of a logging interval, the timers' fields (every rank joins their gather); else none."""
+        if self.interval_fields is None or iteration % self.log_interval:
+            return {}
+        return self.interval_fields()
 
     def _averaged(self) -> dict:
         """The interval's last record with its loss and time per iteration averaged, throughput over the

@@ -22,7 +22,7 @@ from llamapipe.core.context_parallel import shard_batch
 from llamapipe.core.logger import get_logger
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
-from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
+from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions, StepObserver
 from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
 from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -100,14 +100,16 @@ def vocab_stats_group(ps: ParallelState):
     return dist.new_subgroups_by_enumeration(grid.named_groups("pp"))[0]
 
 
-def build_runtime_options(config: Config, ps: ParallelState, chunks: list[torch.nn.Module]) -> RuntimeOptions:
+def build_runtime_options(config: Config, ps: ParallelState, chunks: list[torch.nn.Module],
+                          observers: tuple[StepObserver, ...] = ()) -> RuntimeOptions:
     """The job's runtime options (`core/pipeline_parallel/runtime.py`), built once and handed unchanged from the
-    loop to the executor: the overlapped gradient reduction and what the profiled schedules read."""
+    loop to the executor: the overlapped gradient reduction, what the profiled schedules read, and the step's
+    `observers` (the timers, the pipeline trace)."""
     grad_sync = None
     if config.parallel.overlap_grad_reduce and ps.dp_cp_size > 1:   # Megatron's overlap, during the backward
         from llamapipe.core.distributed.grad_sync import GradSync
         grad_sync = GradSync(chunks, ps, config.parallel.ddp_bucket_size)
-    return RuntimeOptions(grad_sync=grad_sync, profile_iters=config.training.profile_iters,
+    return RuntimeOptions(grad_sync=grad_sync, observers=observers, profile_iters=config.training.profile_iters,
                           memory_limit=config.parallel.pipeline_memory_limit,
                           memory_limit_bytes=config.parallel.pipeline_memory_limit_bytes,
                           post_validation=config.training.post_validation)

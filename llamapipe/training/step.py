@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,6 +30,7 @@ from llamapipe.core.num_microbatches_calculator import ConstantNumMicroBatchesCa
 from llamapipe.core.optimizer import Optimizer, OptimizerParamScheduler
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel.runtime import ForwardBackwardFunc
+from llamapipe.core.pipeline_parallel.step_timers import StepTimers
 from llamapipe.training.config import Config
 from llamapipe.training.log import num_zeros_in_grad, params_norm
 from llamapipe.training.progress import TrainingProgress
@@ -60,6 +62,7 @@ class StepParts:
     grad_sync: Optional[GradSync]   # under --overlap-grad-reduce (the same object as the RuntimeOptions')
     progress: TrainingProgress
     state: TrainState
+    timers: Optional[StepTimers] = None     # --timing-log-level 1 and 2 (also an observer of the executor)
 
 
 @dataclass
@@ -114,7 +117,8 @@ class SynchronousStep:
             action, grad_norm = "nonfinite_loss", float("nan")
         else:
             extra = self.finalize_grads(tokens)
-            result = p.optimizer.step()
+            with self.region("optimizer"):
+                result = p.optimizer.step()
             grad_norm = result.grad_norm
             action = "apply" if result.update_successful else "found_inf" if result.found_inf else "nonfinite_norm"
         if action not in APPLIED:
@@ -123,7 +127,17 @@ class SynchronousStep:
             p.optimizer.zero_grad()
         record = IterationRecord(st.iteration, st.consumed_samples, global_batch_size,
                                  time.perf_counter() - start, extra)
+        self.mark()
         return self.conclude(record, action, loss, grad_norm)
+
+    def region(self, name: str):
+        """Time a part of the step under `name` when the timers are on (`step_timers.StepTimers.region`)."""
+        return self.parts.timers.region(name) if self.parts.timers is not None else nullcontext()
+
+    def mark(self) -> None:
+        """Where an iteration ends for the timers."""
+        if self.parts.timers is not None:
+            self.parts.timers.mark()
 
     def drain(self) -> Optional[int]:
         """Settle what is pending before a global point (save, evaluation, exit, end): nothing here."""
@@ -151,8 +165,9 @@ class SynchronousStep:
         """Reduce the gradients over TP/DP and divide them by `global_tokens`; the extra metrics they give."""
         from llamapipe.core.distributed.grad_reduce import finalize_model_grads
         p = self.parts
-        finalize_model_grads(p.chunks, p.ps, None, global_tokens=global_tokens,    # overlap: grad_sync
-                             bucket_size=p.config.parallel.ddp_bucket_size, grad_sync=p.grad_sync)
+        with self.region("all-grads-sync"):
+            finalize_model_grads(p.chunks, p.ps, None, global_tokens=global_tokens,    # overlap: grad_sync
+                                 bucket_size=p.config.parallel.ddp_bucket_size, grad_sync=p.grad_sync)
         if p.grad_sync is not None and not self._overlap_logged:
             self._overlap_logged = True
             log.info(p.grad_sync.summary())

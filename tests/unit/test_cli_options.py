@@ -30,7 +30,7 @@ FLAGS = """
 --pipeline-model-parallel-layout --pipeline-model-parallel-size --pipeline-profile-iters --pipeline-schedule --position-embedding-type
 --recompute-granularity --recompute-method --recompute-num-layers --release-host-memory --rotary-base --save --save-interval --seed
 --seq-length --sequence-parallel --skip-nonfinite-steps --split --swiglu --tensor-model-parallel-size
---tensorboard-dir --tie-embeddings-and-output-weights --tokenizer-model --tokenizer-type --train-iters
+--tensorboard-dir --tie-embeddings-and-output-weights --timing-log-level --timing-log-option --tokenizer-model --tokenizer-type --train-iters
 --untie-embeddings-and-output-weights --use-distributed-optimizer --use-rotary-position-embeddings
 --vocab-size --weight-decay
 --kv-channels --rotary-percent --train-samples --lr-warmup-samples --lr-decay-samples --lr-warmup-fraction

@@ -60,7 +60,7 @@ MEGATRON_DEFAULTS = {
     "--tokenizer-model": None, "--tokenizer-type": None, "--mock-data": False, "--data-cache-path": None,
     "--num-workers": 2, "--save": None, "--save-interval": None, "--load": None, "--use-checkpoint-args": False,
     "--finetune": False, "--override-opt_param-scheduler": False, "--use-checkpoint-opt_param-scheduler": False,
-    "--async-save": False, "--log-interval": 100, "--log-throughput": False, "--log-params-norm": False,
+    "--async-save": False, "--log-interval": 100, "--timing-log-level": 0, "--timing-log-option": "minmax", "--log-throughput": False, "--log-params-norm": False,
     "--log-num-zeros-in-grad": False, "--tensorboard-dir": None, "--wandb-project": None,
     "--wandb-exp-name": None, "--wandb-save-dir": None,
 }

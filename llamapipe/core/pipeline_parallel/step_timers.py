@@ -14,6 +14,9 @@ reduction (`region`). Each rank splits its wall time into
 - idle: everything else, chiefly waiting for a message a peer has not sent yet, and a rank's wait for the
   others at the step's collectives. The measured bubble of a rank is its idle share of the iteration.
 
+An iteration runs from one `mark` to the next (the training step marks where it ends); evaluation and
+checkpoint saves between iterations are left out (`restart`).
+
 Level 1 keeps per-interval sums only (a few float additions per action); level 2 adds Megatron's per-phase
 names. `interval()` hands the sums over and starts a new interval; `gather_intervals` collects every rank's.
 """
@@ -54,12 +57,15 @@ class StepTimers(StepObserver):
         self._sums = dict.fromkeys(self.names, 0.0)
         self.iterations = 0
         self._fb_start: Optional[float] = None
+        self._last: Optional[float] = None       # the previous `mark`: where the current iteration began
         self._timing = False
 
     # -- the executor's hooks ------------------------------------------------------------------------------
     def step_begin(self, plan: "Plan", pp_rank: int, forward_only: bool) -> None:
         self._timing = not forward_only          # evaluation is not part of a training iteration
         self._fb_start = time.perf_counter() if self._timing else None
+        if self._timing and self._last is None:
+            self._last = self._fb_start
 
     def action_done(self, action: "Action", start: float, end: float, blocked_s: float) -> None:
         if self._timing:
@@ -95,10 +101,19 @@ class StepTimers(StepObserver):
                 self._add("compute", seconds, None)
                 self._sums[name] = self._sums.get(name, 0.0) + seconds
 
-    def iteration_done(self, seconds: float) -> None:
-        """A training iteration of `seconds` wall time on this rank ended: idle is what the rest leaves."""
-        self.iterations += 1
-        self._sums["iteration"] += seconds
+    def mark(self) -> None:
+        """A training iteration ends here on this rank: its wall time runs from the previous mark (or from the
+        first forward-backward); idle is what compute and communication leave of it."""
+        now = time.perf_counter()
+        if self._last is not None:
+            self.iterations += 1
+            self._sums["iteration"] += now - self._last
+        self._last = now
+
+    def restart(self) -> None:
+        """After a global point (evaluation, checkpoint save): the next iteration begins now, so their time is
+        not counted as idle (Megatron stops its interval timer around a save too)."""
+        self._last = time.perf_counter()
 
     def _add(self, split: Optional[str], seconds: float, name: Optional[str], recv_s: float = 0.0) -> None:
         if split is not None:

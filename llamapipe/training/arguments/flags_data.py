@@ -61,6 +61,14 @@ def add_logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-throughput", action="store_true", help="log the throughput (tokens/s and TFLOP/s)")
     g.add_argument("--log-params-norm", action="store_true", help="log the norm of all parameters")
     g.add_argument("--log-num-zeros-in-grad", action="store_true", help="log the number of zero gradients")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=(0, 1, 2),
+                   help="0: no timers; 1: each pipeline rank's compute, communication and idle time and the "
+                        "measured bubble (idle share of the iteration) every --log-interval, plus forward-backward "
+                        "and optimizer; 2: also Megatron's per-phase timers (forward-compute, backward-compute, the "
+                        "recv timers, all-grads-sync, ...)")
+    g.add_argument("--timing-log-option", default="minmax", choices=("max", "minmax", "all"),
+                   help="how each timer is reported across ranks: the maximum, the minimum and maximum, or every "
+                        "rank (Megatron's)")
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard events here")
     g.add_argument("--metrics-jsonl", default=None, help="write one JSON line of metrics per logged iteration")
     g.add_argument("--wandb-project", default=None, help="log to this Weights & Biases project (pip extra wandb)")

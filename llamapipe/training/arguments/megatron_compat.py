@@ -73,8 +73,6 @@ NOTICES: tuple[CompatFlag, ...] = (
     CompatFlag("--log-memory-to-tensorboard", _TB),
     CompatFlag("--log-world-size-to-tensorboard", _TB),
     CompatFlag("--log-validation-ppl-to-tensorboard", "the validation loss is logged; its perplexity is exp(loss)"),
-    CompatFlag("--timing-log-level", "no per-phase timers; the log line has the iteration time", int),
-    CompatFlag("--timing-log-option", "no per-phase timers; the log line has the iteration time", str),
     CompatFlag("--tensorboard-queue-size", "events are written as they come", int),
     CompatFlag("--tensorboard-log-interval", "TensorBoard is written every --log-interval", int),
     CompatFlag("--wandb-entity", "it is not passed to wandb; set WANDB_ENTITY instead", str),

@@ -177,4 +177,5 @@ def logging_config(args: argparse.Namespace) -> LoggingConfig:
                          metrics_jsonl=args.metrics_jsonl, log_throughput=args.log_throughput,
                          log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
                          wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
-                         wandb_save_dir=args.wandb_save_dir)
+                         wandb_save_dir=args.wandb_save_dir, timing_log_level=args.timing_log_level,
+                         timing_log_option=args.timing_log_option)

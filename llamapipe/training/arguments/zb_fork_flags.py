@@ -36,7 +36,8 @@ NOTICES: tuple[CompatFlag, ...] = (
     CompatFlag("--enable-zb-runtime", "one executor runs every schedule here, as the fork's unified runtime does"),
     CompatFlag("--enable-exactly-numeric-match", "--enable-optimizer-post-validation always gives the results of "
                "the synchronous step exactly"),
-    CompatFlag("--no-barrier-with-level-1-timing", "there are no per-phase timers, hence no timer barriers"),
+    CompatFlag("--no-barrier-with-level-1-timing", "the timers never add a barrier: a rank's wait for the others is "
+               "measured as its idle time"),
     CompatFlag("--no-pre-communication-optimization", "receives are posted ahead of time; there is no "
                "pre-communication to turn off"),
     CompatFlag("--offload-time", _OFFLOAD_ONLY, float),
