@@ -1,108 +1,28 @@
-"""The job's parallel dimensions, by name: the rank grid and the process groups.
+"""The job's process groups: a frozen `ParallelState` that says where a rank sits in the grid.
 
-`AXES` is the one description of the axes a job may have (docs/design.md section 2 says how to add one).
-The rank math is pure (`RankGrid`: any axes, any order, fastest-varying first), so it is testable without
-processes. `initialize_model_parallel` creates every group of `GROUPS` once and returns a frozen
-`ParallelState` that model, schedules and optimizer receive explicitly; they read an axis by name
-(`ps.size("cp")`, `ps.group("dp", "cp")`, or the spelled-out `ps.cp_size`, `ps.dp_cp_group`). There are no
-Megatron-style accessors over a module global (they silently return the wrong group once a process holds two
-layouts); the global only refuses a second `initialize_model_parallel` before `destroy_model_parallel`.
+The axes and groups are described, and ranks laid out, in `rank_grid` (re-exported here).
+`initialize_model_parallel` creates every group of `GROUPS` once and returns a frozen `ParallelState` that
+model, schedules and optimizer receive explicitly; they read an axis by name (`ps.size("cp")`,
+`ps.group("dp", "cp")`) or through its typed members (`ps.cp_size`, `ps.dp_cp_group`: one property per axis
+and group, written out so that an editor finds them). There are no Megatron-style accessors over a module
+global (they silently return the wrong group once a process holds two layouts); the global only refuses a
+second `initialize_model_parallel` before `destroy_model_parallel`.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-# name -> what it splits. Megatron's default rank order is this order, fastest-varying first (tp-cp-dp-pp).
-AXES = {
-    "tp": "tensor: heads and feature dimensions of every layer",
-    "cp": "context: the sequence, two of 2N causal-balanced chunks per rank",
-    "dp": "data: the global batch (and, with ZeRO, optimizer state, gradients and weights)",
-    "pp": "pipeline: the layers, in stages",
-}
-DEFAULT_ORDER = "-".join(AXES)
+from llamapipe.core.rank_grid import AXES, DEFAULT_ORDER, GROUPS, RankGrid, full_order
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["AXES", "DEFAULT_ORDER", "GROUPS", "ParallelState", "RankGrid", "destroy_model_parallel",
+           "full_order", "initialize_model_parallel"]
+
 _FIRST_AXES = ("tp", "dp", "pp")    # the axes every job has; a later one (cp, ep one day) may be of size 1
-
-# group name -> the axes its members differ along
-GROUPS = {
-    "tp": ("tp",),
-    "cp": ("cp",),
-    "dp": ("dp",),            # ranks that read different samples
-    "pp": ("pp",),
-    "dp_cp": ("dp", "cp"),    # replicas of the same weights: gradient reduction, optimizer shards, ZeRO
-    "tp_cp": ("tp", "cp"),    # ranks that hold parts of the same tokens' activations
-    "mp": ("tp", "pp"),       # the shards of one model: norms, overflow checks
-}
-
-
-def full_order(order: str) -> str:
-    """`order` with every axis of AXES; an axis it leaves out (an older order string without cp) goes right
-    after the axis that precedes it in DEFAULT_ORDER, as Megatron places cp after tp."""
-    axes = order.split("-")
-    if len(set(axes)) != len(axes) or not set(axes) <= set(AXES):
-        raise ValueError(f"rank order {order} must name each of {', '.join(AXES)} at most once")
-    for i, axis in enumerate(AXES):
-        if axis not in axes:
-            before = [a for a in list(AXES)[:i] if a in axes]
-            axes.insert(axes.index(before[-1]) + 1 if before else 0, axis)
-    return "-".join(axes)
-
-
-class RankGrid:
-    """Mixed-radix rank layout over the named axes; `order` lists them fastest-varying first. The data-parallel
-    size is what the world leaves: world_size / (product of the other sizes)."""
-
-    def __init__(self, world_size: int, tp: int = 1, pp: int = 1, order: str = DEFAULT_ORDER, **sizes: int):
-        unknown = set(sizes) - set(AXES)
-        assert not unknown and "dp" not in sizes, f"unknown axes {sorted(unknown)} (dp is derived)"
-        sizes.update(tp=tp, pp=pp)
-        given = math.prod(sizes.values())
-        assert world_size % given == 0, f"world size {world_size} must be divisible by {given} ({sizes})"
-        self.world_size, self.order = world_size, full_order(order)
-        self.sizes = {axis: sizes.get(axis, 1) for axis in AXES}
-        self.sizes["dp"] = world_size // given
-
-    def __getattr__(self, name: str) -> int:
-        if name in AXES:        # grid.tp, grid.dp, ...
-            return self.__dict__["sizes"][name]
-        raise AttributeError(name)
-
-    def _radix(self) -> list[tuple[str, int]]:
-        return [(axis, self.sizes[axis]) for axis in self.order.split("-")]
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """Rank -> {axis: coordinate} for every axis."""
-        out = {}
-        for axis, size in self._radix():
-            out[axis] = rank % size
-            rank //= size
-        return out
-
-    def rank(self, **coords: int) -> int:
-        """{axis: coordinate} (missing axes at 0) -> rank."""
-        rank, stride = 0, 1
-        for axis, size in self._radix():
-            rank += coords.get(axis, 0) * stride
-            stride *= size
-        return rank
-
-    def groups(self, axes: tuple[str, ...]) -> list[list[int]]:
-        """Rank lists whose members differ only along `axes`, each sorted (so a one-axis group is ordered by
-        that axis: element i of a pp group holds stage i), the lists in a deterministic order."""
-        found: dict[tuple, list[int]] = {}
-        for rank in range(self.world_size):
-            c = self.coords(rank)
-            found.setdefault(tuple(c[a] for a in AXES if a not in axes), []).append(rank)
-        return sorted(sorted(v) for v in found.values())
-
-    def named_groups(self, name: str) -> list[list[int]]:
-        """The rank lists of a group of GROUPS, or "embedding": the first and last stage of every pipeline."""
-        if name == "embedding":
-            return [sorted({g[0], g[-1]}) for g in self.groups(("pp",))]
-        return self.groups(GROUPS[name])
-
-
 _SUFFIXES = ("size", "rank", "ranks", "group")
 
 
@@ -110,10 +30,10 @@ _SUFFIXES = ("size", "rank", "ranks", "group")
 class ParallelState:
     """Everything a rank needs to know about its place in the grid. Groups are None on one process.
 
-    Read by name: `size(*axes)`, `rank_in(*axes)`, `group(*axes)`, or the attribute spellings
-    `<name>_size`, `<name>_rank`, `<name>_ranks`, `<name>_group` for an axis or a group of GROUPS
-    (`ps.cp_rank`, `ps.dp_cp_group`, `ps.embedding_group`). Built by `initialize_model_parallel`, or by hand
-    with the same keywords: `ParallelState(rank=1, world_size=2, cp_size=2, cp_rank=1, cp_group=g)`.
+    Read by name: `size(*axes)`, `rank_in(*axes)`, `group(*axes)`, or the typed properties `<name>_size`,
+    `<name>_rank`, `<name>_ranks`, `<name>_group` for an axis or a group of GROUPS (`ps.cp_rank`,
+    `ps.dp_cp_group`; `ps.embedding_ranks`, `ps.embedding_group`). Built by `initialize_model_parallel`, or by
+    hand with the same keywords: `ParallelState(rank=1, world_size=2, cp_size=2, cp_rank=1, cp_group=g)`.
     """
     rank: int = 0
     world_size: int = 1
@@ -121,8 +41,8 @@ class ParallelState:
     order: str = DEFAULT_ORDER
     sizes: Mapping[str, int] = field(default_factory=dict)
     coords: Mapping[str, int] = field(default_factory=dict)
-    ranks: Mapping[str, tuple] = field(default_factory=dict)
-    groups: Mapping[str, Any] = field(default_factory=dict)
+    ranks: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    groups: Mapping[str, ProcessGroup] = field(default_factory=dict)
 
     def __init__(self, rank: int = 0, world_size: int = 1, vpp_size: int = 1, order: str = DEFAULT_ORDER,
                  sizes: Optional[Mapping] = None, coords: Optional[Mapping] = None,
@@ -159,31 +79,144 @@ class ParallelState:
                 stride *= self.sizes.get(axis, 1)
         return rank
 
-    def group(self, *axes: str) -> Any:
+    def group(self, *axes: str) -> Optional[ProcessGroup]:
         return self._group(_group_name(axes))
 
-    def _group(self, name: str) -> Any:
+    def _group(self, name: str) -> Optional[ProcessGroup]:
         """The process group `name`, or None: on one process, or in a state built by hand without it (the HF
         converter builds tensor-parallel shards that way, one process and no group)."""
         return self.groups.get(name)
 
-    def __getattr__(self, key: str) -> Any:
-        name, _, kind = key.rpartition("_")
-        per_rank = kind in ("size", "rank")     # sizes and ranks exist for axes and groups, not "embedding"
-        if kind not in _SUFFIXES or not (name in AXES or name in GROUPS or (name == "embedding" and not per_rank)):
-            raise AttributeError(f"{type(self).__name__} has no attribute {key!r}")
-        axes = GROUPS.get(name, (name,))
-        if kind == "size":
-            return self.size(*axes)
-        if kind == "rank":
-            return self.rank_in(*axes)
-        if kind == "ranks":
-            return self.ranks.get(name, (self.rank,))
-        return self._group(name)
+    def _ranks(self, name: str) -> tuple[int, ...]:
+        """The members of my group `name`, sorted; only myself in a state built by hand without them."""
+        return self.ranks.get(name, (self.rank,))
 
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    # The typed members: <name>_size, _rank, _ranks, _group for every group of GROUPS (each axis is one), and
+    # _ranks, _group for the embedding group. tests/unit/test_parallel_state.py checks them against GROUPS.
+
+    @property
+    def tp_size(self) -> int:
+        return self.size("tp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank_in("tp")
+
+    @property
+    def tp_ranks(self) -> tuple[int, ...]:
+        return self._ranks("tp")
+
+    @property
+    def tp_group(self) -> Optional[ProcessGroup]:
+        return self._group("tp")
+
+    @property
+    def cp_size(self) -> int:
+        return self.size("cp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank_in("cp")
+
+    @property
+    def cp_ranks(self) -> tuple[int, ...]:
+        return self._ranks("cp")
+
+    @property
+    def cp_group(self) -> Optional[ProcessGroup]:
+        return self._group("cp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.size("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank_in("dp")
+
+    @property
+    def dp_ranks(self) -> tuple[int, ...]:
+        return self._ranks("dp")
+
+    @property
+    def dp_group(self) -> Optional[ProcessGroup]:
+        return self._group("dp")
+
+    @property
+    def pp_size(self) -> int:
+        return self.size("pp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank_in("pp")
+
+    @property
+    def pp_ranks(self) -> tuple[int, ...]:
+        return self._ranks("pp")
+
+    @property
+    def pp_group(self) -> Optional[ProcessGroup]:
+        return self._group("pp")
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.size("dp", "cp")
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.rank_in("dp", "cp")
+
+    @property
+    def dp_cp_ranks(self) -> tuple[int, ...]:
+        return self._ranks("dp_cp")
+
+    @property
+    def dp_cp_group(self) -> Optional[ProcessGroup]:
+        return self._group("dp_cp")
+
+    @property
+    def tp_cp_size(self) -> int:
+        return self.size("tp", "cp")
+
+    @property
+    def tp_cp_rank(self) -> int:
+        return self.rank_in("tp", "cp")
+
+    @property
+    def tp_cp_ranks(self) -> tuple[int, ...]:
+        return self._ranks("tp_cp")
+
+    @property
+    def tp_cp_group(self) -> Optional[ProcessGroup]:
+        return self._group("tp_cp")
+
+    @property
+    def mp_size(self) -> int:
+        return self.size("tp", "pp")
+
+    @property
+    def mp_rank(self) -> int:
+        return self.rank_in("tp", "pp")
+
+    @property
+    def mp_ranks(self) -> tuple[int, ...]:
+        return self._ranks("mp")
+
+    @property
+    def mp_group(self) -> Optional[ProcessGroup]:
+        return self._group("mp")
+
+    @property
+    def embedding_ranks(self) -> tuple[int, ...]:
+        return self._ranks("embedding")
+
+    @property
+    def embedding_group(self) -> Optional[ProcessGroup]:
+        return self._group("embedding")
 
 
 def _alias_groups(sizes: Mapping[str, int], groups: dict, ranks: dict) -> None:
