@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "preprocess": ("llamapipe.tools.preprocess_data", "tokenize jsonl/parquet into Megatron .bin/.idx"),
     "convert-hf": ("llamapipe.tools.convert_hf", "import / export HF transformers LLaMA checkpoints"),
     "plot-schedule": ("llamapipe.tools.plot_schedule", "draw and simulate a pipeline schedule"),
+    "plot-trace": ("llamapipe.tools.plot_trace", "draw a --pipeline-trace beside its simulated plan, list late actions"),
     "verify-checkpoint": ("llamapipe.tools.verify_checkpoint", "check a checkpoint's files against its checksums"),
     "plan": ("llamapipe.tools.plan_parallelism", "rank the parallel layouts that fit a model on a cluster"),
     "profile": ("llamapipe.tools.profile_model",

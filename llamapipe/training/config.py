@@ -38,6 +38,10 @@ class LoggingConfig:
     wandb_save_dir: Optional[str] = None
     timing_log_level: int = 0           # 0: no timers; 1: per-rank compute/communication/idle and the bubble; 2: +phases
     timing_log_option: str = "minmax"   # how a timer is reported across ranks: max, minmax or all
+    pipeline_trace: Optional[str] = None        # write one merged Chrome trace of the profiled iterations here
+    profile_step_start: int = 10        # Megatron's: trace from when this many iterations have completed...
+    profile_step_end: int = 12          # ...until this many have
+    profile_ranks: Optional[tuple[int, ...]] = None     # the ranks that record (None: all)
 
 
 @dataclass(frozen=True)

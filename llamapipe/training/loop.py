@@ -37,6 +37,7 @@ from llamapipe.model.config import LlamaConfig
 from llamapipe.training.setup import build_model_chunks, build_iterators
 from llamapipe.training.step import StepParts, SynchronousStep, TrainState, run_schedule
 from llamapipe.training.timers_log import TimersLog, build_timers
+from llamapipe.training.trace_log import build_trace
 
 log = get_logger()
 
@@ -124,7 +125,9 @@ class Trainer:
         self._load()
         train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles, self.state.consumed_samples)
         self.timers = build_timers(config.logging.timing_log_level)     # --timing-log-level (None at 0)
-        self.runtime = build_runtime_options(config, ps, self.chunks, observers=(self.timers,) if self.timers else ())
+        self.trace = build_trace(config, ps)                            # --pipeline-trace (None without)
+        observers = tuple(o for o in (self.timers, self.trace and self.trace.recorder) if o is not None)
+        self.runtime = build_runtime_options(config, ps, self.chunks, observers=observers)
         fb_func = build_forward_backward_func(config, ps, self.runtime)
         self.timers_log = None if self.timers is None else TimersLog(self.timers, ps, config.logging.timing_log_option)
         self.metrics = MetricsWriter(config.logging, enabled=dist.get_rank() == 0, run_config=config,
@@ -172,6 +175,8 @@ class Trainer:
         log.info(f"training {cfg.train_iters} iterations from iteration {st.iteration}")   # layout: "run:" lines
         with manual_gc(cfg.manual_gc):
             status = self._train_loop()
+        if self.trace is not None and status is None:
+            self.trace.finish()         # the run ended inside the traced window
         self.exit_signal.settle()
         for summary in (self.step.summary(), self.timers_log and self.timers_log.summary()):
             if summary:     # post-validation's rollbacks and replays; the measured bubble
@@ -188,6 +193,8 @@ class Trainer:
         cfg, st = self.config.training, self.state
         saved_at = st.iteration if self.config.checkpoint.load else None
         while st.iteration < cfg.train_iters:
+            if self.trace is not None:
+                self.trace.before_iteration(st.iteration)
             status = self.train_step()
             if status is not None:
                 return status

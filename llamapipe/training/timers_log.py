@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 from llamapipe.core.logger import get_logger
-from llamapipe.core.parallel_state import ParallelState
+from llamapipe.core.parallel_state import ParallelState, RankGrid
 from llamapipe.core.pipeline_parallel.step_timers import SPLIT, StepTimers, bubble, gather_intervals
 
 log = get_logger()
@@ -55,7 +55,6 @@ class TimersLog:
 
     def _pp_ranks(self, world: int) -> list[int]:
         """The pipeline rank of every global rank (from the job's rank grid)."""
-        from llamapipe.core.parallel_state import RankGrid
         others = {axis: n for axis, n in self.ps.sizes.items() if axis not in ("tp", "pp", "dp")}
         grid = RankGrid(world, self.ps.tp_size, self.ps.pp_size, self.ps.order, **others)
         return [grid.coords(r)["pp"] for r in range(world)]

@@ -1,8 +1,7 @@
 """`auto` (auto_plan.py) optimises what the runtime pays: the makespan of a synchronous step, or with
 optimizer post-validation the longest stage span. It is never worse than the fixed zero-bubble plans
-that fit the same memory, the option reaches it through RuntimeOptions, and p=32, m=256 plans in seconds."""
+that fit the same memory, the option reaches it through RuntimeOptions, and p=32, m=256 reaches the paper's bubble."""
 import random
-import time
 
 import pytest
 
@@ -61,13 +60,14 @@ def test_post_validation_option_reaches_the_planner():
         assert schedule._build(6, 1, 16, 9) == plan_auto(6, 1, 16, costs, 9, post_validation=flag)
 
 
-def test_planning_p32_m256_takes_seconds():
-    """The paper's 28.3B setting (Table 9: p=32, m=256) under ZB-2p's cap, to its Table 5 bubble rate."""
-    costs = Costs(f=10.402, b=10.248, w=7.698, comm=0.460, w_mem=32 * 6144 / (34 * 6144 + 5 * 48 * 1024))
-    start = time.perf_counter()
-    plan = plan_auto(32, 1, 256, costs, 64, post_validation=True)
-    assert time.perf_counter() - start < 10
-    assert simulate(plan, costs).bubble_rate <= 0.0018 + 5e-5
+PAPER_28B = Costs(f=10.402, b=10.248, w=7.698, comm=0.460, w_mem=32 * 6144 / (34 * 6144 + 5 * 48 * 1024))
+
+
+def test_planning_p32_m256_reaches_the_papers_bubble_rate():
+    """The paper's 28.3B setting (Table 9: p=32, m=256) under ZB-2p's cap, to its Table 5 bubble rate. How long
+    the planning takes is benchmarks/bench_schedules.py's `planning` mode (no test asserts elapsed time)."""
+    plan = plan_auto(32, 1, 256, PAPER_28B, 64, post_validation=True)
+    assert simulate(plan, PAPER_28B).bubble_rate <= 0.0018 + 5e-5
 
 
 def test_zb_h2_under_post_validation_plans_for_the_span_within_its_memory():

@@ -19,6 +19,7 @@ MISTYPED = {
     "convert-hf": (["convert-hf", "import", "--hf-dirr", "x", "--save", "y"], "--hf-dirr", "--hf-dir"),
     "plot-schedule": (["plot-schedule", "--schedule", "1f1b", "--microbatchs", "4"], "--microbatchs",
                       "--microbatches"),
+    "plot-trace": (["plot-trace", "t.json", "--iteratoin", "3"], "--iteratoin", "--iteration"),
     "verify-checkpoint": (["verify-checkpoint", "ckpt", "--wokers", "2"], "--wokers", "--workers"),
     "plan": (["plan", "--model", "tiny", "--gpsu", "8"], "--gpsu", "--gpus"),
     "profile": (["profile", "--out", "p.json", "--repaets", "2"], "--repaets", "--repeats"),

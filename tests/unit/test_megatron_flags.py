@@ -60,7 +60,7 @@ MEGATRON_DEFAULTS = {
     "--tokenizer-model": None, "--tokenizer-type": None, "--mock-data": False, "--data-cache-path": None,
     "--num-workers": 2, "--save": None, "--save-interval": None, "--load": None, "--use-checkpoint-args": False,
     "--finetune": False, "--override-opt_param-scheduler": False, "--use-checkpoint-opt_param-scheduler": False,
-    "--async-save": False, "--log-interval": 100, "--timing-log-level": 0, "--timing-log-option": "minmax", "--log-throughput": False, "--log-params-norm": False,
+    "--async-save": False, "--log-interval": 100, "--profile-step-start": 10, "--profile-step-end": 12, "--timing-log-level": 0, "--timing-log-option": "minmax", "--log-throughput": False, "--log-params-norm": False,
     "--log-num-zeros-in-grad": False, "--tensorboard-dir": None, "--wandb-project": None,
     "--wandb-exp-name": None, "--wandb-save-dir": None,
 }
@@ -85,10 +85,11 @@ DIVERGENCES = {
     "--hidden-dropout": (0.1, 0.0, "LLaMA pretraining uses no dropout; only 0 is accepted"),
     "--normalization": ("LayerNorm", "RMSNorm", "the model is LLaMA"),
     "--position-embedding-type": ("learned_absolute", "rope", "the model is LLaMA"),
+    "--profile-ranks": ([0], None, "with --pipeline-trace every rank records by default: the trace is of all ranks"),
 }
 # Megatron adds biases unless --disable-bias-linear is given; the model here has none but --add-qkv-bias's.
 ALWAYS_ON = ("--disable-bias-linear",)
-LLAMAPIPE_ONLY = ("--model", "--parallel-order", "--pipeline-schedule", "--pipeline-memory-limit",
+LLAMAPIPE_ONLY = ("--model", "--parallel-order", "--pipeline-trace", "--pipeline-schedule", "--pipeline-memory-limit",
                   "--pipeline-profile-iters", "--release-host-memory", "--skip-nonfinite-steps", "--keep-last-n",
                   "--metrics-jsonl", "--tie-embeddings-and-output-weights", "--compile",
                   "--enable-optimizer-post-validation", "--enable-vocab-parallel",

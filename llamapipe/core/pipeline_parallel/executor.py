@@ -96,14 +96,21 @@ class _Step:
             return self.local.pop(msg)
         start = time.perf_counter()
         tensor = self.comm.recv(msg)
-        self.wait_s += time.perf_counter() - start
+        end = time.perf_counter()
+        self.wait_s += end - start
+        for observer in self.observers:
+            observer.message_received(msg, end)
         return tensor
 
     def _give(self, msg: Message, tensor: torch.Tensor) -> None:
         if msg.src == msg.dst:
             self.local[msg] = tensor.detach()
-        else:
-            self.comm.send(msg, tensor)
+            return
+        self.comm.send(msg, tensor)
+        if self.observers:
+            now = time.perf_counter()
+            for observer in self.observers:
+                observer.message_sent(msg, now)
 
     def _iterator(self, chunk: int) -> Any:
         return self.data_iterator[chunk] if isinstance(self.data_iterator, (list, tuple)) else self.data_iterator

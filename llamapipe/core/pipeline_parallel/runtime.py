@@ -41,6 +41,12 @@ class StepObserver:
         """After a communication call between actions (`what`: "post" the receives ahead and issue the
         queued sends; "finish": wait for every send at the step's end), from `start` to `end`."""
 
+    def message_sent(self, msg: Any, when: float) -> None:
+        """`msg` (a `p2p_communication.Message` to another rank) was handed to the communicator at `when`."""
+
+    def message_received(self, msg: Any, when: float) -> None:
+        """`msg` from another rank had arrived at `when` (the end of the wait for it)."""
+
     def phase_done(self, what: str, start: float, end: float, blocked_s: float) -> None:
         """After work of the step that is not an action of the plan: "embed" (the vocabulary-parallel
         embedding before the first action) and "embed-backward" (its backward after the last)."""

@@ -69,6 +69,16 @@ def add_logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timing-log-option", default="minmax", choices=("max", "minmax", "all"),
                    help="how each timer is reported across ranks: the maximum, the minimum and maximum, or every "
                         "rank (Megatron's)")
+    g.add_argument("--pipeline-trace", default=None, metavar="PATH",
+                   help="write one Chrome-trace JSON of the iterations --profile-step-start/-end name, merged over "
+                        "all ranks on one clock (each action, message waits, arrows from sends to receives); open "
+                        "it in Perfetto or chrome://tracing, or draw it beside its plan with llamapipe plot-trace")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="with --pipeline-trace: trace from when this many iterations have completed (Megatron's)")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="with --pipeline-trace: stop when this many iterations have completed")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=None,
+                   help="with --pipeline-trace: the global ranks that record (default: all; Megatron's is 0)")
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard events here")
     g.add_argument("--metrics-jsonl", default=None, help="write one JSON line of metrics per logged iteration")
     g.add_argument("--wandb-project", default=None, help="log to this Weights & Biases project (pip extra wandb)")

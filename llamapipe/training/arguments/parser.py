@@ -29,7 +29,8 @@ from llamapipe.training.arguments.noop import noop_notices
 from llamapipe.training.arguments.model_args import check_model, model_config, run_seq_length, run_vocab_size
 from llamapipe.training.arguments.pipeline import check_schedule
 from llamapipe.training.arguments.training_args import optimizer_config, training_config
-from llamapipe.training.arguments.validation import check_positive, checkpoint_config, logging_config, parallel_config
+from llamapipe.training.arguments.validation import (check_positive, check_trace, checkpoint_config, logging_config,
+                                                   parallel_config)
 from llamapipe.training.config import Config
 
 __all__ = ["ArgumentError", "build_parser", "config_from_args", "parse_args"]
@@ -82,6 +83,7 @@ def config_from_args(args: argparse.Namespace, world_size: int, check_memory: bo
     model = run_vocab_size(args, model, notices)
     training = _without_evaluation_if_no_validation_data(args, training, data, notices)
     notices += noop_notices(args, parallel)
+    check_trace(args, world_size, notices)
     if check_memory:
         check_fits_memory(model, parallel, training, args.bf16 or args.fp16,
                           machine_memory_bytes(parallel.distributed_backend),

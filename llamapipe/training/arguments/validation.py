@@ -178,4 +178,26 @@ def logging_config(args: argparse.Namespace) -> LoggingConfig:
                          log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
                          wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
                          wandb_save_dir=args.wandb_save_dir, timing_log_level=args.timing_log_level,
-                         timing_log_option=args.timing_log_option)
+                         timing_log_option=args.timing_log_option, pipeline_trace=args.pipeline_trace,
+                         profile_step_start=args.profile_step_start, profile_step_end=args.profile_step_end,
+                         profile_ranks=None if args.profile_ranks is None else tuple(args.profile_ranks))
+
+
+def check_trace(args: argparse.Namespace, world_size: int, notices: list[str]) -> None:
+    """--pipeline-trace with Megatron's profile window flags: a window that opens, ranks that exist."""
+    window = f"--profile-step-start {args.profile_step_start} and --profile-step-end {args.profile_step_end}"
+    if args.pipeline_trace is None:
+        given = [f for f, v in (("--profile-step-start", args.profile_step_start != 10),
+                                ("--profile-step-end", args.profile_step_end != 12),
+                                ("--profile-ranks", args.profile_ranks is not None)) if v]
+        if given:
+            notices.append(f"notice: {' and '.join(given)} take effect with --pipeline-trace PATH (a merged "
+                           "Chrome trace of those iterations); without it nothing is traced")
+        return
+    if not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ArgumentError(f"--pipeline-trace needs 0 <= --profile-step-start < --profile-step-end; {window} "
+                            "trace no iteration")
+    outside = [r for r in args.profile_ranks or () if not 0 <= r < world_size]
+    if outside:
+        raise ArgumentError(f"--profile-ranks {' '.join(map(str, outside))}: there are ranks 0 to {world_size - 1} "
+                            f"only (world size {world_size})")
