@@ -88,8 +88,10 @@ class _Step:
         self.vocab = vocab                   # S/T of a vocabulary-parallel plan
 
     def untimed_s(self) -> float:
-        """Seconds so far blocked on receives or spent by observers measuring: not part of any action's time."""
-        return self.wait_s + sum(o.overhead_s for o in self.observers)
+        """Seconds so far blocked on receives and the vocabulary layer's collectives, or spent by observers
+        measuring: not part of any action's time."""
+        vocab = self.vocab.wait_s if self.vocab is not None else 0.0
+        return self.wait_s + vocab + sum(o.overhead_s for o in self.observers)
 
     def _take(self, msg: Message) -> torch.Tensor:
         if msg.src == msg.dst:

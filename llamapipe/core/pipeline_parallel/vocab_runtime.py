@@ -17,6 +17,7 @@ are broadcast over the pipeline and every rank runs its shard's backward (its we
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -62,6 +63,7 @@ class VocabStep:
         self.embedded: Optional[torch.Tensor] = None   # the first stage: the embedding outputs, (m, s, b, h)
         self.grad_like: Optional[dict] = None         # the other ranks: their shape, dtype and device
         self.embedding_grads: dict[int, torch.Tensor] = {}
+        self.wait_s = 0.0          # seconds blocked in this step's collectives (not compute: the timers' idle)
 
     def embed(self, forward_step_func: Any, data_iterator: Any, num_microbatches: int, keep_graph: bool) -> None:
         """Before the first action: every rank's partial embeddings of the step's microbatches, summed over the
@@ -71,7 +73,9 @@ class VocabStep:
         prepass = EmbeddingPrepass(self.embedding)
         self.partials = [forward_step_func(data_iterator, prepass)[0] for _ in range(num_microbatches)]
         total = torch.stack([p.detach() for p in self.partials])
+        start = time.perf_counter()
         dist.reduce(total, dst=self.first_rank_global, group=self.group)
+        self.wait_s += time.perf_counter() - start
         like = dict(size=total.shape, dtype=total.dtype, device=total.device)
         self.embedded, self.grad_like = (total, None) if self.first_rank else (None, like)
         if not keep_graph:
@@ -85,7 +89,9 @@ class VocabStep:
             grads = torch.stack([self.embedding_grads.pop(mb) for mb in range(len(self.partials))])
         else:
             grads = torch.empty(**self.grad_like)
+        start = time.perf_counter()
         dist.broadcast(grads, src=self.first_rank_global, group=self.group)
+        self.wait_s += time.perf_counter() - start
         torch.autograd.backward(self.partials, list(grads.unbind(0)))
         self.partials, self.embedded, self.grad_like = [], None, None
 
@@ -102,7 +108,9 @@ class VocabStep:
 
     def _gathered(self, mb: int) -> torch.Tensor:
         work, parts = self.gathers.pop(mb)
+        start = time.perf_counter()
         work.wait()
+        self.wait_s += time.perf_counter() - start
         return torch.stack(parts)                                          # (pp, 3, s, b)
 
     def grad(self, mb: int) -> torch.Tensor:
