@@ -1,6 +1,9 @@
 """The per-rank timers (--timing-log-level): is the measured bubble right, and what do the timers cost?
 
 Modes:
+  hook-cost  what the timers add to each action (their hooks and clock reads, a million times in one process):
+             times the actions per iteration, over the iteration's time, it bounds the level-1 cost without the
+             noise of a whole run;
   synthetic  p = 2 and p = 4 gloo ranks whose F, B and W sleep fixed times (bench_schedules' sleeping chunks) run
              1F1B, interleaved, ZB-H1 and ZB-V with `StepTimers` watching; each rank's measured idle share of the
              step (idle = step wall time - compute - communication, the step being the slowest rank's
@@ -78,6 +81,32 @@ def synthetic(args) -> list[dict]:
     return rows
 
 
+def hook_cost(args) -> list[dict]:
+    """What the level-1 and level-2 timers add to one action, measured without noise from other processes: the
+    executor's extra clock reads and the observer's hooks, called as the executor calls them for each action
+    (one action_done, one message sent and received, one post between actions), a million times."""
+    import time
+    from llamapipe.core.pipeline_parallel.p2p_communication import Message
+    from llamapipe.core.pipeline_parallel.schedule_ir import Action
+    from llamapipe.core.pipeline_parallel.step_timers import StepTimers
+    rows, n = [], args.hook_calls
+    action, msg = Action("F", 0, 3), Message("act", 1, 3, 0, 1)
+    for level in (1, 2):
+        timers = StepTimers(level)
+        timers.step_begin(None, 0, False)
+        start = time.perf_counter()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            t1 = time.perf_counter()
+            timers.message_received(msg, t1)
+            timers.action_done(action, t0, time.perf_counter(), 0.0)
+            timers.message_sent(msg, time.perf_counter())
+            t2 = time.perf_counter()
+            timers.comm_done("post", t2, time.perf_counter())
+        rows.append({"level": level, "us_per_action": (time.perf_counter() - start) / n * 1e6})
+    return rows
+
+
 def _run(level: int, iters: int, extra: list[str]) -> float:
     """Median seconds per iteration over iterations 3.. of one run at --timing-log-level `level`."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,17 +140,18 @@ def overhead(args) -> list[dict]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="synthetic,overhead")
+    parser.add_argument("--modes", default="hook-cost,synthetic,overhead")
     parser.add_argument("--m", type=int, default=8, help="synthetic: microbatches")
     parser.add_argument("--sleep-ms", type=float, default=20.0, help="synthetic: F = B = W time per stage")
     parser.add_argument("--rounds", type=int, default=5, help="synthetic: timed steps per schedule")
+    parser.add_argument("--hook-calls", type=int, default=1_000_000, help="hook-cost: actions timed")
     parser.add_argument("--overhead-rounds", type=int, default=5)
     parser.add_argument("--overhead-iters", type=int, default=12)
     parser.add_argument("--overhead-schedules", nargs="+", default=["1f1b", "zbv"])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_timers.json"))
     args = parser.parse_args(argv)
     results: dict = {}
-    for mode, fn in (("synthetic", synthetic), ("overhead", overhead)):
+    for mode, fn in (("hook-cost", hook_cost), ("synthetic", synthetic), ("overhead", overhead)):
         if mode in args.modes.split(","):
             results[mode] = fn(args)
             print(mode)
