@@ -57,7 +57,7 @@ def _assert_identical(tmp, nproc: int, flags: list[str], *, script: str = "pretr
 
 
 def _rolled_back(out: str) -> tuple[int, int]:
-    found = re.findall(r"post-validation: (\d+) speculative updates rolled back, (\d+) iterations run again", out)
+    found = re.findall(r"post-validation: (\d+) speculative updates? rolled back, (\d+) iterations? run again", out)
     assert found, out[-3000:]
     return int(found[-1][0]), int(found[-1][1])
 

@@ -8,7 +8,7 @@ import sys
 
 from llamapipe.training.post_validated import PostValidatedStep
 
-PostValidatedStep.always_speculate = True
+PostValidatedStep.speculation = "always"
 
 if __name__ == "__main__":
     if "--inject-inf-iteration" in sys.argv:
