@@ -1,7 +1,9 @@
 """--enable-optimizer-post-validation through the CLI: per-iteration losses, grad norms and the final parameters
 and optimizer state are bit-identical to the same run without the flag (fp32, CPU), when clipping never
 triggers, when it triggers on every step, when it triggers on some steps only for the global norm (the
-rollback path), with an injected non-finite loss, and across a resume from a checkpoint saved under the flag."""
+rollback path), with an injected non-finite loss, and across a resume from a checkpoint saved under the flag;
+and the speculation policy: a run that clips on every step replays nothing under every schedule and split, and
+a run whose clipping starts mid-way replays exactly the steps the policy let speculate and that clipped."""
 import glob
 import os
 import re
@@ -10,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from llamapipe.core.optimizer import post_validation as pv
 from tests.cli import TINY, read_metrics, torchrun
 
 PV = ["--enable-optimizer-post-validation"]
@@ -18,12 +21,12 @@ ZBV = ["--pipeline-schedule", "zbv", "--num-virtual-stages-per-pipeline-rank", "
 
 
 def _run(nproc: int, flags: list[str], tmp, name: str, *, script: str = "pretrain_llama.py",
-         prefix: tuple = (), ok: bool = True) -> tuple[list[dict], str, str]:
+         prefix: tuple = (), ok: bool = True, env: dict | None = None) -> tuple[list[dict], str, str]:
     jsonl, save = str(tmp / f"{name}.jsonl"), str(tmp / name)
     args = list(prefix) + TINY + flags + ["--metrics-jsonl", jsonl]
     if "--save" not in flags:
         args += ["--save", save]
-    proc = torchrun(nproc, args, script=script)
+    proc = torchrun(nproc, args, script=script, env=env)
     out = proc.stdout + proc.stderr
     if ok:
         assert proc.returncode == 0, out[-4000:]
@@ -45,19 +48,24 @@ def _final_state(save: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _assert_identical(tmp, nproc: int, flags: list[str], *, script: str = "pretrain_llama.py") -> str:
-    sync_rows, _, sync_save = _run(nproc, flags, tmp, "sync")
-    pv_rows, out, pv_save = _run(nproc, flags + PV, tmp, "pv", script=script)
-    assert len(sync_rows) == 10 and _records(pv_rows) == _records(sync_rows)
+def _assert_identical(tmp, nproc: int, flags: list[str], *, script: str = "pretrain_llama.py",
+                      sync_rows: list | None = None, env: dict | None = None) -> str:
+    """The post-validated run's records and final state equal the synchronous run's; its log. `sync_rows`: a list
+    that receives the synchronous run's records; `env`: the post-validated run's extra environment."""
+    sync, _, sync_save = _run(nproc, flags, tmp, "sync")
+    pv_rows, out, pv_save = _run(nproc, flags + PV, tmp, "pv", script=script, env=env)
+    assert len(sync) == 10 and _records(pv_rows) == _records(sync)
     sync_state, pv_state = _final_state(sync_save), _final_state(pv_save)
     assert sync_state.keys() == pv_state.keys()
     different = [k for k in sync_state if not torch.equal(sync_state[k], pv_state[k])]
     assert not different, f"parameters or optimizer state differ: {different[:5]}"
+    if sync_rows is not None:
+        sync_rows.extend(sync)
     return out
 
 
 def _rolled_back(out: str) -> tuple[int, int]:
-    found = re.findall(r"post-validation: (\d+) speculative updates rolled back, (\d+) iterations run again", out)
+    found = re.findall(r"post-validation: (\d+) speculative updates? rolled back, (\d+) iterations? run again", out)
     assert found, out[-3000:]
     return int(found[-1][0]), int(found[-1][1])
 
@@ -102,6 +110,16 @@ def test_forced_speculation_rolls_back_every_clipped_step_and_stays_identical(tm
                                                   "--pipeline-schedule", "zb-h2", "--clip-grad", "1e-3"],
                             script="tests/scripts/speculate_always.py")
     assert _rolled_back(out) == (10, 9)     # the last step drains (nothing ran after it)
+
+
+def test_dp2_pp2_speculation_on_one_data_parallel_replica_replays_both(tmp_path):
+    """Ranks 0 and 2 (data-parallel rank 0 of each stage) speculate on every step, ranks 1 and 3 never (every step
+    clips): the replica that rolled back and the one that did not both run the next iteration again, since a
+    re-run forward-backward reduces over both (without that the replicas' collectives part ways and the run hangs)."""
+    out = _assert_identical(tmp_path, 4, BATCH + ["--global-batch-size", "8", "--pipeline-model-parallel-size", "2",
+                                                  "--pipeline-schedule", "1f1b", "--clip-grad", "1e-3"],
+                            script="tests/scripts/speculate_always.py", env={"SPECULATING_RANKS": "0,2"})
+    assert _rolled_back(out) == (10, 9)
 
 
 @pytest.mark.parametrize("skip", [False, True])
@@ -157,3 +175,45 @@ def test_fp16_injected_inf_is_skipped_like_the_synchronous_step(tmp_path):
     reasons = [re.findall(r"skipped iteration 2: [^\n]*", out) for out in (sync_out, pv_out)]
     assert reasons[0] == ["skipped iteration 2: inf/nan in gradients (loss scale now 512)"]
     assert reasons[1] == reasons[0]
+
+
+EAGER = "tests/scripts/speculate_eagerly.py"
+SCHEDULES = {"1f1b": ["--pipeline-schedule", "1f1b"], "auto": ["--pipeline-schedule", "auto"],
+             "zb-h2": ["--pipeline-schedule", "zb-h2"], "zbv": ZBV}
+# a vocabulary worth several decoder layers: --pipeline-model-parallel-layout auto picks an uneven split, the one
+# whose light stage's own norm stays under --clip-grad while the global norm clips
+LAYOUTS = {"even": [], "layout-auto": ["--pipeline-model-parallel-layout", "auto", "--vocab-size", "1024"]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_clipping_on_every_step_pauses_speculation_and_replays_nothing(tmp_path, schedule, layout):
+    """Every rank speculates wherever the policy allows (without it: every step rolled back, 9 iterations run
+    again); the run starts paused and every step clips, so nothing speculates."""
+    flags = SCHEDULES[schedule] if layout == "even" else ["--pipeline-schedule", schedule]
+    out = _assert_identical(tmp_path, 2, BATCH + flags + LAYOUTS[layout] + [
+        "--global-batch-size", "4", "--pipeline-model-parallel-size", "2", "--clip-grad", "0.01"], script=EAGER)
+    assert _rolled_back(out) == (0, 0)
+    assert "speculation paused on 10 of 10 iterations (1 at the start, 9 after clipping)" in out
+
+
+def _policy_replays(norms: list[float], clip: float) -> tuple[int, int]:
+    """(steps rolled back, iterations run again) of a run where every rank speculates whenever the policy allows,
+    from the synchronous run's grad norms (the last step drains: rolled back but not run again)."""
+    policy, wrong = pv.SpeculationPolicy(), []
+    for norm in norms:
+        speculated = policy.begin_step()
+        wrong.append(speculated and norm > clip)
+        policy.record("clip" if norm > clip else "apply", speculated)
+    return sum(wrong), sum(wrong[:-1])
+
+
+def test_clipping_that_starts_mid_run_replays_once_then_pauses(tmp_path):
+    """Grad norms of this run: 1.58 .. 1.86 on the first five steps, then mostly above 1.9: the policy resumes
+    speculation after four steps that applied, and the first clipped step it speculated on is the one replay."""
+    sync_rows: list = []
+    out = _assert_identical(tmp_path, 2, BATCH + ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
+                                                  "--pipeline-schedule", "1f1b", "--clip-grad", "1.9"],
+                            script=EAGER, sync_rows=sync_rows)
+    expected = _policy_replays([r["grad_norm"] for r in sync_rows], 1.9)
+    assert expected == (1, 1) and _rolled_back(out) == expected

@@ -28,7 +28,10 @@ def _set_grads(model, step: int, scale: float) -> None:
         p.grad = g.to(p.dtype)
 
 
-def _train(cfg, scales: list[float], post_validated: bool, always: bool = False) -> tuple[list, list]:
+def _train(cfg, scales: list[float], post_validated: bool, always: bool = False,
+           policy: pv.SpeculationPolicy | None = None) -> tuple[list, list]:
+    """`policy`: speculate on the steps it allows, whatever the rank's own statistics (as PostValidatedStep's
+    "eager" test mode does), and tell it each resolution."""
     model = Toy(0, torch.float16 if cfg.fp16 else torch.float32)
     opt = build_optimizer([model], cfg, ParallelState())
     results = []
@@ -38,10 +41,15 @@ def _train(cfg, scales: list[float], post_validated: bool, always: bool = False)
             r = opt.step()
             results.append((r.update_successful, r.grad_norm, opt.get_loss_scale()))
             continue
-        pending = opt.begin_post_validated_step(1.0, 1.0, always_speculate=always)
+        allowed = policy.begin_step() if policy is not None else True
+        pending = opt.begin_post_validated_step(1.0, 1.0, always_speculate=always or policy is not None and allowed,
+                                                paused=not allowed)
+        assert policy is None or pending.speculated == allowed
         opt.zero_grad()                         # the next iteration's backward starts from fresh grads
         _set_grads(model, 1000 + step, 1.0)     # ... and writes them before the step resolves
         r = opt.resolve_post_validated_step(pending)
+        if policy is not None:
+            policy.record(r.action, r.replay)
         results.append((r.update_successful, r.grad_norm, opt.get_loss_scale()))
         opt.zero_grad()
     return results, _state(opt)
@@ -88,3 +96,45 @@ def test_decide_follows_the_synchronous_order_of_checks():
     assert pv.decide(pack, clip_grad=1.0, fp16=False)[0] == "nonfinite_loss"
     pack[pv.NONFINITE] = 1.0
     assert pv.decide(pack, clip_grad=1.0, fp16=True)[0] == "found_inf"
+
+
+def test_the_policy_pauses_after_clipping_and_resumes_after_steps_that_applied():
+    """Steps 1-4 apply (paused: the run starts paused), 5 speculates and applies, 6 speculates and clips (the one
+    wrong speculation: replayed), 7-9 apply but the wait doubled to 8, 10-15 clip: paused throughout. The
+    parameters and Adam state equal the synchronous steps' bit for bit."""
+    cfg = replace(CFG, clip_grad=3.0)
+    scales = [0.01] * 5 + [100.0] + [0.01] * 3 + [100.0] * 6
+    policy = pv.SpeculationPolicy()
+    pv_results, pv_state = _train(cfg, scales, post_validated=True, policy=policy)
+    sync_results, sync_state = _train(cfg, scales, post_validated=False)
+    assert str(pv_results) == str(sync_results) and all(torch.equal(a, b) for a, b in zip(pv_state, sync_state))
+    assert [r[1] < 3.0 for r in sync_results] == [s < 1 for s in scales]       # the scales clip where meant
+    assert policy.resume_after == 8 and policy.applied_in_a_row == 0     # 8: one wrong speculation
+    assert policy.describe(len(scales)) == "speculation paused on 13 of 15 iterations (4 at the start, 9 after clipping)"
+
+
+def test_a_paused_rank_never_speculates_and_reduces_no_flag():
+    cfg = replace(CFG, clip_grad=0.0)
+    model = Toy(0, torch.float32)
+    opt = build_optimizer([model], cfg, ParallelState())
+    _set_grads(model, 0, 1.0)
+    pending = opt.begin_post_validated_step(1.0, 1.0, always_speculate=True, paused=True)
+    assert not pending.speculated and pending.flag_work is None and pending.flag.item() == 0
+    assert opt.resolve_post_validated_step(pending).action == "apply"
+
+
+def test_each_wrong_speculation_doubles_the_wait_up_to_a_cap():
+    policy = pv.SpeculationPolicy()
+    allowed = []
+    for _ in range(400):      # a step that clips after every stretch of steps that applied long enough to resume
+        allowed.append(policy.begin_step())
+        if allowed[-1]:
+            policy.record("clip", speculated=True)
+        else:
+            policy.record("apply", speculated=False)
+    waits = [i for i, a in enumerate(allowed) if a]
+    assert [b - a for a, b in zip(waits, waits[1:])][:5] == [9, 17, 33, 65, 65]     # wait + the clipped step
+    assert policy.resume_after == pv.RESUME_AFTER_MAX
+    policy.record("found_inf", speculated=False)        # a skip that no rank speculated on: no doubling
+    assert policy.resume_after == pv.RESUME_AFTER_MAX and policy.reason == "found_inf"
+    assert not policy.begin_step() and policy.paused["found_inf"] == 1

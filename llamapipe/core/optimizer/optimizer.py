@@ -140,9 +140,7 @@ class Optimizer:
                 self._release_main_grads()
                 return StepResult(False, float("nan"), True)
         pack = self._local_stats(grads)
-        work = pv.reduce_stats_async(pack, self._reduce_groups)
-        if work is not None:
-            work.wait()
+        pv.wait(pv.reduce_stats_async(pack, self._reduce_groups))
         grad_norm = math.sqrt(pack[pv.SQ].item())  # inf and NaN pass through
         if not math.isfinite(grad_norm):
             get_logger().info("gradient norm is %s: update skipped", grad_norm)
@@ -160,11 +158,12 @@ class Optimizer:
         self._copy_main_to_model()
 
     @torch.no_grad()
-    def begin_post_validated_step(self, loss_sum: float, tokens: float, always_speculate: bool = False
-                                  ) -> pv.PendingStep:
+    def begin_post_validated_step(self, loss_sum: float, tokens: float, always_speculate: bool = False,
+                                  paused: bool = False) -> pv.PendingStep:
         """Start a post-validated step (`post_validation` module): reduce this step's statistics without
         blocking and, when this rank's own statistics allow it, apply the unclipped update now.
-        `loss_sum`/`tokens`: what this rank holds of the step's loss (DP-reduced; 0 on other ranks)."""
+        `loss_sum`/`tokens`: what this rank holds of the step's loss (DP-reduced; 0 on other ranks). Speculate
+        `always_speculate` (tests), or never when `paused` (`SpeculationPolicy`; alike on every rank: no flag)."""
         grads = self._main_grads()
         found_inf = None
         if self.grad_scaler is not None:
@@ -172,17 +171,15 @@ class Optimizer:
         pack = self._local_stats(grads)     # of the unscaled grads, as step() takes it
         if found_inf is not None:
             pack[pv.NONFINITE] = found_inf.double().sum()
-        first = pv.reduce_stats_async(pack, self._reduce_groups[:-1])   # DP peers (ZeRO-1): same decision
-        if first is not None:
-            first.wait()
-        may = always_speculate or pv.may_speculate(pack, self.opt_cfg.clip_grad, loss_sum)
+        pv.wait(pv.reduce_stats_async(pack, self._reduce_groups[:-1]))   # DP peers (ZeRO-1): same decision
+        may = not paused and (always_speculate or pv.may_speculate(pack, self.opt_cfg.clip_grad, loss_sum))
         pack[pv.LOSS], pack[pv.TOKENS] = loss_sum, tokens
         work = pv.reduce_stats_async(pack, self._reduce_groups[-1:])
         # The rank whose gradients are final last completes the reduction itself: it steps synchronously, with
         # no snapshot. (ZeRO-1 DP peers must decide alike, so they do not look at timing.)
         speculate = may and (always_speculate or self.sharded or not pv.arrives_within(work, pv.GRACE_S))
-        flag = torch.full((1,), float(speculate), dtype=torch.float64, device=self.device)
-        flag_work = pv.reduce_stats_async(flag, self._reduce_groups[-1:])      # did any rank speculate?
+        ps = self.parallel_state
+        flag, flag_work = pv.count_speculating(speculate, [] if paused else [ps.dp_cp_group, ps.mp_group], self.device)
         if speculate:
             self._snapshot.capture(self)
             if self.grad_scaler is not None:
@@ -196,9 +193,7 @@ class Optimizer:
         """Wait for the step's statistics and leave the parameters as the synchronous step would have."""
         if pending.resolution is not None:
             return pending.resolution
-        for work in (pending.work, pending.flag_work):
-            if work is not None:
-                work.wait()
+        pv.wait(pending.work, pending.flag_work)
         action, grad_norm = pv.decide(pending.pack, self.opt_cfg.clip_grad, self.grad_scaler is not None)
         rolled_back = pending.speculated and action != "apply"
         if rolled_back:
@@ -216,9 +211,9 @@ class Optimizer:
             elif rolled_back:
                 self._copy_main_to_model()
         pending.grads = []
-        replay = pending.flag.item() > 0 and action != "apply"
         pending.resolution = pv.Resolution(action, grad_norm, pending.pack[pv.LOSS].item(),
-                                           pending.pack[pv.TOKENS].item(), replay, rolled_back)
+                                           pending.pack[pv.TOKENS].item(),
+                                           pending.flag.item() > 0 and action != "apply")
         return pending.resolution
 
     def _copy_main_to_model(self) -> None:

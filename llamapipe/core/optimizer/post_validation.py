@@ -14,15 +14,22 @@ Rollback keeps a copy of what an AdamW step overwrites: the rank's fp32 main par
 (12 bytes per parameter of the rank's optimizer shard) plus the step's gradients until validation (4 bytes
 per parameter). No cheaper exact way exists: AdamW's update is not invertible in floating point.
 A rank whose own statistics already show that clipping or a skip is coming does not speculate; it waits
-for the reduction instead (the synchronous step), so a run that clips every step pays no rollbacks. Nor does
-the rank whose gradients are final last: its own contribution completes the reduction, which it sees within
-`GRACE_S`, so it steps synchronously without a snapshot; only ranks that would otherwise wait (ranks with
-slack) pay for the snapshot. Whether any rank speculated is reduced separately (a one-element flag).
+for the reduction instead (the synchronous step). Nor does the rank whose gradients are final last: its own
+contribution completes the reduction, which it sees within `GRACE_S`, so it steps synchronously without a
+snapshot; only ranks that would otherwise wait (ranks with slack) pay for the snapshot. Whether any rank
+speculated is reduced separately (a one-element flag, over data-parallel peers too: a replay is a
+forward-backward with their collectives, so every rank must agree on it).
+
+A rank's own part of the norm says little when another stage holds most of it (an uneven split: the light
+stage's part stays under --clip-grad while the global norm clips), so each wrong speculation costs a
+rollback and a whole re-run iteration. `SpeculationPolicy` therefore pauses speculation after any step that
+was not applied unclipped and resumes it only after a run of steps that were.
 """
 from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -32,6 +39,10 @@ import torch.distributed as dist
 SQ, NONFINITE, LOSS, TOKENS = range(4)
 STATS = 4            # the sync path reduces a tensor of the same size, so its sums are bit-identical
 GRACE_S = 1.0e-3     # how long a rank waits for the reduction before it speculates
+RESUME_AFTER = 4     # steps in a row applied unclipped before speculation starts (again)
+RESUME_AFTER_MAX = 64   # each wrong speculation doubles that wait, up to this
+PAUSED_BY = {"start": "at the start", "clip": "after clipping", "found_inf": "after overflows",
+             "nonfinite_norm": "after non-finite steps", "nonfinite_loss": "after non-finite steps"}
 
 
 def arrives_within(work: Optional[Any], seconds: float) -> bool:
@@ -45,6 +56,13 @@ def arrives_within(work: Optional[Any], seconds: float) -> bool:
     return True
 
 
+def wait(*works: Optional[Any]) -> None:
+    """Wait for each non-blocking collective (None: there was none)."""
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
 def reduce_stats_async(pack: torch.Tensor, groups: list) -> Optional[Any]:
     """All-reduce `pack` (SUM) over `groups` in turn; the last reduction is left running (its work is
     returned), the earlier ones block (they are over ranks that run in lockstep, e.g. DP peers)."""
@@ -53,6 +71,13 @@ def reduce_stats_async(pack: torch.Tensor, groups: list) -> Optional[Any]:
     for group in groups[:-1]:
         dist.all_reduce(pack, group=group)
     return dist.all_reduce(pack, group=groups[-1], async_op=True) if groups else None
+
+
+def count_speculating(speculated: bool, groups: list, device: torch.device) -> tuple[torch.Tensor, Optional[Any]]:
+    """How many ranks speculated: a one-element tensor all-reduced over `groups` (the last without blocking).
+    Pass DP peers too: a replay runs their collectives, so every rank must agree on it."""
+    flag = torch.full((1,), float(speculated), dtype=torch.float64, device=device)
+    return flag, reduce_stats_async(flag, groups)
 
 
 class Snapshot:
@@ -118,8 +143,7 @@ class Resolution:
     grad_norm: float
     loss_sum: float
     tokens: float
-    replay: bool                # some rank speculated wrongly: the next iteration must run again
-    rolled_back: bool           # this rank undid its speculative update
+    replay: bool                # some rank speculated wrongly (and rolled back): the next iteration must run again
 
     @property
     def update_successful(self) -> bool:
@@ -152,3 +176,47 @@ def may_speculate(pack: torch.Tensor, clip_grad: float, loss_sum: float) -> bool
         return False
     norm = math.sqrt(pack[SQ].item())
     return math.isfinite(norm) and not (clip_grad > 0 and clip_grad / (norm + 1.0e-6) < 1.0)
+
+
+class SpeculationPolicy:
+    """Whether ranks may speculate on the step that starts now, from the global actions of the steps resolved
+    before it. Those are the same on every rank, so every rank decides alike.
+
+    A wrong speculation (the step clips or is skipped) costs a rollback and a re-run iteration; a right one
+    saves at most one pipeline fill. So speculation pauses at every step that was not applied unclipped and
+    resumes once `resume_after` steps in a row were. Every step still resolves while paused, so the policy
+    keeps learning at no cost (no probing). Each wrong speculation doubles `resume_after` (up to
+    RESUME_AFTER_MAX): norms that hover around --clip-grad replay a bounded number of times. A run starts
+    paused, so a run that clips from its first step never replays.
+    """
+
+    def __init__(self) -> None:
+        self.resume_after = RESUME_AFTER
+        self.applied_in_a_row = 0
+        self.reason = "start"           # why speculation is paused: "start" or the action that paused it
+        self.paused: Counter = Counter()     # paused steps by reason
+
+    def begin_step(self) -> bool:
+        """Whether ranks may speculate on the step that starts now (a paused step is counted)."""
+        if self.applied_in_a_row >= self.resume_after:
+            return True
+        self.paused[self.reason] += 1
+        return False
+
+    def record(self, action: str, speculated: bool) -> None:
+        """The next step (steps resolve in the order they began) resolved with `action`; `speculated`: some rank
+        had speculated on it."""
+        if action == "apply":
+            self.applied_in_a_row += 1
+            return
+        if speculated:
+            self.resume_after = min(2 * self.resume_after, RESUME_AFTER_MAX)
+        self.applied_in_a_row, self.reason = 0, action
+
+    def describe(self, steps: int) -> str:
+        """E.g. "speculation paused on 14 of 16 iterations (4 at the start, 10 after clipping)"."""
+        why: Counter = Counter()
+        for reason, n in self.paused.items():
+            why[PAUSED_BY[reason]] += n
+        detail = ", ".join(f"{n} {words}" for words, n in why.items())
+        return f"speculation paused on {sum(why.values())} of {steps} iterations" + (f" ({detail})" if detail else "")

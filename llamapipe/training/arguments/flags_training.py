@@ -78,7 +78,8 @@ def add_optimizer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-optimizer-post-validation", action="store_true",
                    help="each pipeline stage steps as soon as its gradients are final and validates the global "
                         "grad norm and inf/NaN check afterwards (rolling back when they would have changed "
-                        "the step), so iterations overlap; results stay identical")
+                        "the step), so iterations overlap; results stay identical; it pauses while steps clip or "
+                        "overflow, where rolling back would cost a re-run iteration each")
     g.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this; 0: off")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
     g.add_argument("--fp16", action="store_true", help="fp16 parameters and compute with loss scaling")
