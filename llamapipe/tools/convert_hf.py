@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from llamapipe.training.checkpointing import io as cio
 from llamapipe.core.config import ParallelConfig
-from llamapipe.core.flag_parser import FlagParser
+from llamapipe.training.flag_parser import FlagParser
 from llamapipe.training.config import Config
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.training.checkpointing.resharding import TensorSpec, spec_of

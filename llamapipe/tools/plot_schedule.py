@@ -24,7 +24,7 @@ import os
 import sys
 
 from llamapipe.core.config import SCHEDULES
-from llamapipe.core.flag_parser import FlagParser
+from llamapipe.training.flag_parser import FlagParser
 from llamapipe.core.pipeline_parallel.schedule_csv import read_csv, write_csv
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from llamapipe.core.config import ArgumentError, OptimizerConfig
-from llamapipe.core.flag_parser import FlagParser
+from llamapipe.training.flag_parser import FlagParser
 from llamapipe.core.optimizer.adamw import make_adamw
 from llamapipe.core.optimizer.clip_grads import local_squared_norm
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe

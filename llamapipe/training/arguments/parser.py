@@ -15,7 +15,7 @@ import sys
 from typing import Optional, Sequence
 
 from llamapipe.core.config import ArgumentError, DataConfig, TrainingConfig
-from llamapipe.core.flag_parser import FlagParser
+from llamapipe.training.flag_parser import FlagParser
 from llamapipe.core.logger import get_logger
 from llamapipe.training.arguments.auto_layout import device_of, resolve_auto_layout
 from llamapipe.training.arguments.checkpoint_args import with_checkpoint_args
