@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from llamapipe.core.pipeline_parallel.builders import (auto, gpipe, interleaved, one_f_one_b, zb_h1, zb_h2,
-                                                       zb_h2_fitted, zbv)
+from llamapipe.core.pipeline_parallel.auto_plan import plan_auto as auto, zb_h2_fitted
+from llamapipe.core.pipeline_parallel.builders import gpipe, interleaved, one_f_one_b, zb_h1, zb_h2, zbv
 from llamapipe.core.pipeline_parallel.schedule_specs import build
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from llamapipe.core.pipeline_parallel import builders, builders_dualpipe, builders_v, schedule_csv
+from llamapipe.core.pipeline_parallel import auto_plan, builders, builders_dualpipe, builders_v, schedule_csv
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs
 from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
@@ -87,12 +87,12 @@ def _zb_h2(pp: int, vpp: int, m: int, costs: Optional[Costs], mem_limit: Optiona
     """The unit-cost ZB-H2, or with measured `costs` the plan fitted to them (ZB-H2's own cap: 2p-1)."""
     if costs is None:
         return builders.zb_h2(pp, m)
-    return builders.zb_h2_fitted(pp, m, costs, post_validation=post_validation)
+    return auto_plan.zb_h2_fitted(pp, m, costs, post_validation=post_validation)
 
 
 def _auto(pp: int, vpp: int, m: int, costs: Optional[Costs], mem_limit: Optional[float],
           post_validation: bool) -> Plan:
-    return builders.auto(pp, vpp, m, costs, mem_limit, post_validation=post_validation)
+    return auto_plan.plan_auto(pp, vpp, m, costs, mem_limit, post_validation=post_validation)
 
 
 FILE_PREFIX = "file:"      # --pipeline-schedule file:PATH (--pipeline-schedule-file PATH): a plan read from a file
