@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llamapipe.core.distributed.fsdp import is_sharded
 from llamapipe.core.distributed.grad_reduce import DEFAULT_BUCKET_SIZE, bucket_groups, group_size, unpack_bucket
 from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.core.tensor_parallel.layers import all_reduce_coalesced, grad_dtype
@@ -54,7 +55,6 @@ class GradSync:
         self._hooks = []
         self._store: Optional[WeightGradStore] = None      # the running step's, from begin_step
         self.last_counts = (0, 0, 0)          # last step's buckets launched before/during/after the last action
-        from llamapipe.core.distributed.fsdp import is_sharded
         # ZeRO-2/3: FSDP reduce-scatters once after the last W (`fsdp.reduce_scatter_grads`), so no buckets here
         self.fsdp = is_sharded(list(model_chunks))
         per_chunk = [[p for p in chunk.parameters() if p.requires_grad and not self.fsdp] for chunk in model_chunks]
