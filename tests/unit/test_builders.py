@@ -13,6 +13,7 @@ from llamapipe.core.pipeline_parallel.builders import gpipe, interleaved, one_f_
 from llamapipe.core.pipeline_parallel.schedule_specs import build
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
+from llamapipe.training.flag_names import worded_as_flags
 
 UNIT = Costs()
 
@@ -163,7 +164,7 @@ def test_single_rank_plans_run_in_microbatch_order():
     (lambda: gpipe(4, 0), "at least 1"),
 ])
 def test_bad_requests_raise_one_sentence(call, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match), worded_as_flags():
         call()
 
 

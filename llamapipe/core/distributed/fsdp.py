@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from llamapipe.core.config import FSDP_STRATEGIES, SHARDING_STRATEGIES as STRATEGIES
+from llamapipe.core.config import FSDP_STRATEGIES, SHARDING_STRATEGIES as STRATEGIES, ConfigError
 from llamapipe.core.distributed import fsdp_internals
 from llamapipe.core.tensor_parallel.layers import all_reduce_coalesced, tp_size_rank
 
@@ -75,7 +75,8 @@ def apply_data_parallel_sharding(chunks: list[nn.Module], strategy: str, ps: Any
 
     Other strategies, and a data-parallel size of 1, leave the chunks as they are."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"--data-parallel-sharding-strategy {strategy} is not one of {', '.join(STRATEGIES)}")
+        raise ConfigError(f"data_parallel_sharding_strategy {strategy} is not one of {', '.join(STRATEGIES)}",
+                          "data_parallel_sharding_strategy")
     if strategy not in FSDP_STRATEGIES or ps.dp_cp_size == 1:
         return chunks
     device = next(chunks[0].parameters()).device

@@ -10,6 +10,7 @@ greedy heuristic in builders_zb.py, at unit costs (fitted to measured costs: `au
 """
 from __future__ import annotations
 
+from llamapipe.core.config import ConfigError
 from llamapipe.core.pipeline_parallel.builders_zb import zb_h2
 from llamapipe.core.pipeline_parallel.schedule_ir import PASSES, Action, Plan
 
@@ -18,8 +19,8 @@ __all__ = ["gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "zbv"]
 
 def check_sizes(name: str, pp: int, vpp: int, m: int) -> None:
     if pp < 1 or vpp < 1 or m < 1:
-        raise ValueError(f"--pipeline-schedule {name} needs pipeline size ({pp}), model chunks ({vpp}) "
-                         f"and microbatches ({m}) of at least 1")
+        raise ConfigError(f"pipeline_schedule {name} needs pipeline size ({pp}), model chunks ({vpp}) "
+                          f"and microbatches ({m}) of at least 1", "pipeline_schedule")
 
 
 def gpipe(pp: int, m: int) -> Plan:
