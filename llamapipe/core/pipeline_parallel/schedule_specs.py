@@ -96,7 +96,7 @@ def _auto(pp: int, vpp: int, m: int, costs: Optional[Costs], mem_limit: Optional
 
 
 FILE_PREFIX = "file:"      # a schedule read from the file at PATH ("file:PATH"), added by `add_file_plan`
-_FILES: dict[str, tuple[Plan, "ScheduleSpec"]] = {}     # file:PATH -> its plan and spec, once added
+_FILES: dict[str, tuple[Plan, ScheduleSpec]] = {}     # file:PATH -> its plan and spec, once added
 
 
 class _Table(dict):
