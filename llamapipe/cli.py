@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from llamapipe.core.flag_parser import closest
+from llamapipe.training.flag_parser import closest
 
 # subcommand -> (module, one-line summary)
 SUBCOMMANDS = {

@@ -7,14 +7,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
-
 
 class ArgumentError(ValueError):
     """A user-caused configuration error; the message is one plain sentence."""
 
 
-SCHEDULES = tuple(SPECS)            # the --pipeline-schedule names, from the one table of schedule specs
+class ConfigError(ArgumentError):
+    """A user-caused configuration error raised by the library: one plain sentence that names the config fields (or
+    arguments) it is about as they are spelled, e.g. "pp_size 3 ...", never a command-line flag. `fields` lists those
+    names, so that the application can word them its own way (training/flag_names.py: as flags)."""
+
+    def __init__(self, message: str, *fields: str) -> None:
+        super().__init__(message)
+        assert fields and all(field in message for field in fields), (message, fields)
+        self.fields = fields
+
+
 # Megatron's --data-parallel-sharding-strategy values, ZeRO stage 0 to 3; the last two run on FSDP2
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 FSDP_STRATEGIES = SHARDING_STRATEGIES[2:]

@@ -11,19 +11,20 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from llamapipe.core.config import ArgumentError
+from llamapipe.core.config import ConfigError
 from llamapipe.core.logger import get_logger
 
 
 def microbatches_per_step(global_batch_size: int, micro_batch_size: int, dp_size: int,
                           said: Optional[str] = None) -> int:
     """Microbatches each data-parallel rank runs for one global batch: the one divisibility rule of the batch
-    sizes, raising ArgumentError that names the flags and the numbers (`said` opens the sentence)."""
+    sizes, raising ConfigError that names the config fields and the numbers (`said` opens the sentence)."""
     per_step = micro_batch_size * dp_size
     if global_batch_size % per_step:
-        said = said or f"--global-batch-size {global_batch_size} is"
-        raise ArgumentError(f"{said} not divisible by --micro-batch-size ({micro_batch_size}) x data-parallel size "
-                            f"({dp_size})")
+        said = said or f"global_batch_size {global_batch_size} is"
+        named = [field for field in ("global_batch_size", "rampup_batch_size") if field in said]
+        raise ConfigError(f"{said} not divisible by micro_batch_size ({micro_batch_size}) x data-parallel size "
+                          f"({dp_size})", *named, "micro_batch_size")
     return global_batch_size // per_step
 
 
@@ -41,25 +42,28 @@ def ramp_batch_size(consumed_samples: int, global_batch_size: int, rampup_batch_
 
 def check_rampup_batch_size(rampup_batch_size: tuple, global_batch_size: int, micro_batch_size: int,
                             dp_size: int, pp_size: int = 1) -> None:
-    """Raise ArgumentError (one sentence naming the flags and numbers) unless every batch size of the ramp
+    """Raise ConfigError (one sentence naming the config fields and numbers) unless every batch size of the ramp
     splits into microbatches on every data-parallel rank, and into enough of them for the pipeline."""
     start, increment, ramp_samples = (int(v) for v in rampup_batch_size)
-    flag = f"--rampup-batch-size {start} {increment} {ramp_samples}"
+    said = f"rampup_batch_size {start} {increment} {ramp_samples}"
     if start <= 0 or increment <= 0 or ramp_samples <= 0:
-        raise ArgumentError(f"{flag}: the start batch size, increment and ramp-up samples must all be positive")
+        raise ConfigError(f"{said}: the start batch size, increment and ramp-up samples must all be positive",
+                          "rampup_batch_size")
     if start >= global_batch_size:
-        raise ArgumentError(f"{flag} starts at {start}, not below --global-batch-size {global_batch_size}, so there "
-                            "is nothing to ramp up; drop --rampup-batch-size or lower its start")
+        raise ConfigError(f"{said} starts at {start}, not below global_batch_size {global_batch_size}, so there "
+                          "is nothing to ramp up; drop rampup_batch_size or lower its start", "rampup_batch_size",
+                          "global_batch_size")
     if (global_batch_size - start) % increment:
-        raise ArgumentError(f"{flag}: the ramp from {start} to --global-batch-size {global_batch_size} "
-                            f"({global_batch_size - start}) is not divisible by the increment {increment}")
+        raise ConfigError(f"{said}: the ramp from {start} to global_batch_size {global_batch_size} "
+                          f"({global_batch_size - start}) is not divisible by the increment {increment}",
+                          "rampup_batch_size", "global_batch_size")
     for size in range(start, global_batch_size + 1, increment):
-        microbatches_per_step(size, micro_batch_size, dp_size, f"{flag} reaches global batch size {size}, which is")
+        microbatches_per_step(size, micro_batch_size, dp_size, f"{said} reaches global batch size {size}, which is")
     first = microbatches_per_step(start, micro_batch_size, dp_size)
     if pp_size > 1 and first < pp_size:
-        raise ArgumentError(f"{flag} starts with {first} microbatches ({start} / (--micro-batch-size "
-                            f"{micro_batch_size} x data-parallel size {dp_size})), fewer than "
-                            f"--pipeline-model-parallel-size ({pp_size}) that the pipeline schedule needs")
+        raise ConfigError(f"{said} starts with {first} microbatches ({start} / (micro_batch_size {micro_batch_size} "
+                          f"x data-parallel size {dp_size})), fewer than pp_size ({pp_size}) that the pipeline "
+                          "schedule needs", "rampup_batch_size", "micro_batch_size", "pp_size")
 
 
 def train_iters_for_samples(train_samples: int, global_batch_size: int, rampup_batch_size: Optional[tuple]) -> int:

@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 
 from llamapipe.training.checkpointing import io as cio
 from llamapipe.core.config import ParallelConfig
-from llamapipe.core.flag_parser import FlagParser
+from llamapipe.training.flag_names import flag_message
+from llamapipe.training.flag_parser import FlagParser
 from llamapipe.training.config import Config
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.training.checkpointing.resharding import TensorSpec, spec_of
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"exported {out} to {args.hf_dir}" + (f" with tokenizer files {', '.join(tokenizer_files)}"
                   if tokenizer_files else " without a tokenizer (none recorded; give --tokenizer-model)"))
     except (ValueError, OSError, KeyError) as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = flag_message(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"convert_hf.py: error: {message}", file=sys.stderr)
         sys.exit(2)
 

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from llamapipe.core.flag_parser import FlagParser
+from llamapipe.training.flag_parser import FlagParser
 from llamapipe.training.arguments import build_parser
 
 HEADER = """# Flag reference

@@ -20,7 +20,7 @@ import sysconfig
 import tokenize
 from typing import Iterator
 
-from llamapipe.core.flag_parser import FlagParser
+from llamapipe.training.flag_parser import FlagParser
 
 
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3"}

@@ -20,7 +20,7 @@ import dataclasses
 import sys
 from typing import Optional
 
-from llamapipe.core.flag_parser import FlagParser
+from llamapipe.training.flag_parser import FlagParser
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
 from llamapipe.model.config import LlamaConfig
 from llamapipe.model.families import FAMILIES, PRESETS, family_of_preset

@@ -11,7 +11,7 @@ With --iterations K it runs K chained iterations (`simulator_iterations`): a bar
 interleave; it prints the steady-state time per iteration, and the table and picture cover every iteration.
 --export-csv writes the plan in torch.distributed.pipelining's CSV format (what torchtitan's
 pipeline_parallel_schedule_csv and `_PipelineScheduleRuntime._load_csv` read); --schedule-file reads one
-(`schedule_csv`), verifies it and draws it instead of a named schedule.
+(`training.schedule_file`), verifies it and draws it instead of a named schedule.
 With --json and no --out it draws nothing. `auto` is planned for what that costs
 (`auto_plan`): the makespan, or with --post-validation the longest stage span.
 """
@@ -23,20 +23,21 @@ import json
 import os
 import sys
 
-from llamapipe.core.config import SCHEDULES
-from llamapipe.core.flag_parser import FlagParser
-from llamapipe.core.pipeline_parallel.schedule_csv import read_csv, write_csv
-from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
-from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
-from llamapipe.core.pipeline_parallel.simulator_iterations import simulate_iterations
+from llamapipe.training.flag_parser import FlagParser
+from llamapipe.core.pipeline_parallel.schedule_specs import SCHEDULES, SPECS, build
+from llamapipe.core.pipeline_parallel.schedule_ir import Plan
+from llamapipe.core.pipeline_parallel.simulator import Costs, Result, simulate
+from llamapipe.core.pipeline_parallel.simulator_iterations import IterationsResult, simulate_iterations
 from llamapipe.core.pipeline_parallel.vocab_parallel import vocab_costs
 from llamapipe.core.pipeline_parallel.visualize import (
     ascii_timeline,
     bubble_text,
     iterations_text,
-    plot_timeline,
     rank_table,
+    timeline_figure,
 )
+from llamapipe.training.flag_names import flag_message
+from llamapipe.training.schedule_file import read_schedule_file, write_schedule_file
 
 PROG = "llamapipe plot-schedule"
 
@@ -100,7 +101,7 @@ def _build(args: argparse.Namespace, costs: Costs):
     """The plan as the runtime builds it (`auto` for what an iteration costs with or without post-validation),
     or the one in --schedule-file; --export-csv writes it."""
     if args.schedule_file is not None:
-        plan = read_csv(args.schedule_file)
+        plan = read_schedule_file(args.schedule_file)
     elif args.pp is None or args.microbatches is None:
         raise ValueError(f"--schedule {args.schedule} needs --pp and --microbatches")
     else:
@@ -108,8 +109,14 @@ def _build(args: argparse.Namespace, costs: Costs):
         plan = build(args.schedule, args.pp, vpp, args.microbatches, costs=costs, mem_limit=args.mem_limit,
                      post_validation=args.post_validation, vocab_parallel=args.vocab_parallel)
     if args.export_csv is not None:
-        write_csv(plan, args.export_csv)
+        write_schedule_file(plan, args.export_csv)
     return plan
+
+
+def plot_timeline(plan: Plan, result: Result, path: str, title: str | None = None,
+                  iterations: IterationsResult | None = None) -> None:
+    """Write the timeline to `path` (format from the suffix, .png or .svg); see `visualize.timeline_figure`."""
+    timeline_figure(plan, result, title, iterations).savefig(path)
 
 
 def _report(plan, result, iters) -> str:
@@ -135,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         iters = simulate_iterations(plan, costs, args.iterations, post_validation=args.post_validation,
                                     optimizer_step=args.optimizer_step)
     except (ValueError, OSError) as e:
-        return _fail(str(e))
+        return _fail(flag_message(e))
     # one iteration from release time 0 is exactly `simulate`'s run: no need to run it twice
     result = iters.result if args.iterations == 1 else simulate(plan, costs)
     if draw:

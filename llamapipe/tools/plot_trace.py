@@ -20,10 +20,10 @@ import statistics
 import sys
 from typing import Optional
 
-from llamapipe.core.flag_parser import FlagParser
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs, measure, simulate
 from llamapipe.core.pipeline_parallel.visualize import bubble_text, timeline_figure
+from llamapipe.training.flag_parser import FlagParser
 
 PROG = "llamapipe plot-trace"
 

@@ -23,7 +23,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from llamapipe.core.flag_parser import FlagParser
+from llamapipe.training.flag_parser import FlagParser
 from llamapipe.core.logger import get_logger
 from llamapipe.data.indexed_dataset import IndexedDatasetWriter, best_dtype
 from llamapipe.data.redpajama import Document, ReadStats, iter_documents, resolve_inputs

@@ -27,7 +27,8 @@ from typing import Callable, Optional
 import torch
 
 from llamapipe.core.config import ArgumentError, OptimizerConfig
-from llamapipe.core.flag_parser import FlagParser
+from llamapipe.training.flag_names import flag_message
+from llamapipe.training.flag_parser import FlagParser
 from llamapipe.core.optimizer.adamw import make_adamw
 from llamapipe.core.optimizer.clip_grads import local_squared_norm
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
@@ -207,7 +208,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         m = model_config(args, [])
         seq = run_seq_length(args)
     except ArgumentError as err:
-        sys.stderr.write(f"llamapipe profile: {err}\n")
+        sys.stderr.write(f"llamapipe profile: {flag_message(err)}\n")
         return 2
     if seq > m.max_position_embeddings:
         m = m.replace(max_position_embeddings=seq)

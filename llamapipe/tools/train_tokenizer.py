@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import sentencepiece as spm
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from llamapipe.core.flag_parser import FlagParser
+from llamapipe.training.flag_parser import FlagParser
 from llamapipe.core.logger import get_logger
 from llamapipe.data.redpajama import iter_documents
 from llamapipe.data.tokenizer import SENTENCEPIECE_TYPES, build_tokenizer

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from llamapipe.training.config import Config
+from llamapipe.training.flag_names import flag_message
 from llamapipe.training.initialize import init_distributed
 from llamapipe.core.host_memory import keep_freed_host_memory
 from llamapipe.core.config import ArgumentError
@@ -80,7 +81,7 @@ def _build_and_train(config: Config, device: torch.device) -> int:
         finalize_async_save()    # every exit path waits for a background save (collective)
     except MemoryLimitError as err:  # raised on every rank alike, from measured numbers all ranks share
         if dist.get_rank() == 0:
-            sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
+            sys.stderr.write(f"pretrain_llama.py: error: {flag_message(err)}\n")
         status = 2
     except CheckpointSaveError as err:  # agreed on by all ranks (e.g. a full disk on one)
         if dist.get_rank() == 0:

@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from llamapipe.training.flag_names import flag_message
+
 
 class ExitSignal:
     """Remembers a SIGTERM (SLURM preemption) so all ranks can agree to save and exit."""
@@ -101,7 +103,7 @@ def run_as_one_job(body: Callable[[], int]) -> int:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             _destroy_single_group()
             if isinstance(err, _ONE_LINE_ERRORS):
-                sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
+                sys.stderr.write(f"pretrain_llama.py: error: {flag_message(err)}\n")
                 return 2 if isinstance(err, ValueError) else 1
             raise
         return _stop_job(err)
@@ -121,7 +123,7 @@ def _stop_job(err: Exception) -> int:
     lost = any(text in str(err) for text in _PEER_GONE)
     message = (f"lost contact with another rank (it failed or was killed: see its output and the launcher's): "
                f"{str(err).splitlines()[0]}" if lost else
-               str(err) if isinstance(err, _ONE_LINE_ERRORS) else f"{type(err).__name__}: {err}")
+               flag_message(err) if isinstance(err, _ONE_LINE_ERRORS) else f"{type(err).__name__}: {err}")
     peers = _peer_failures(store, rank, world)
     alike = [peer for peer, text in peers.items() if text == message.encode()]
     if peers and not alike:             # our error is the exit of a rank that failed first

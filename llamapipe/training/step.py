@@ -32,6 +32,7 @@ from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel.runtime import ForwardBackwardFunc
 from llamapipe.core.pipeline_parallel.step_timers import StepTimers
 from llamapipe.training.config import Config
+from llamapipe.training.flag_names import as_flags
 from llamapipe.training.log import num_zeros_in_grad, params_norm
 from llamapipe.training.progress import TrainingProgress
 from llamapipe.training.setup import step_function
@@ -170,7 +171,7 @@ class SynchronousStep:
                                  bucket_size=p.config.parallel.ddp_bucket_size, grad_sync=p.grad_sync)
         if p.grad_sync is not None and not self._overlap_logged:
             self._overlap_logged = True
-            log.info(p.grad_sync.summary())
+            log.info(as_flags(p.grad_sync.summary(), ["overlap_grad_reduce"]))
         extra = {}
         if p.config.logging.log_num_zeros_in_grad:   # the reduced gradients the optimizer is about to use
             extra["num_zeros_in_grad"] = num_zeros_in_grad(p.chunks, p.ps)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from llamapipe.core.config import OptimizerConfig
+from llamapipe.core.distributed import fsdp_internals
 from llamapipe.core.distributed.fsdp import STRATEGIES, apply_data_parallel_sharding, full_of, local_tensor, \
     storage_bytes
 from llamapipe.core.distributed.grad_reduce import finalize_model_grads
@@ -33,8 +34,8 @@ def _param_bytes(chunk: torch.nn.Module) -> int:
     tensors = list(chunk.parameters())
     sharding = getattr(chunk, "_dp_sharding", None)
     if sharding is not None:
-        tensors += [fp._unsharded_param for g in sharding.param_groups() for fp in g.fsdp_params
-                    if hasattr(fp, "_unsharded_param")]
+        tensors += [param for _, _, param in fsdp_internals.gathered_params(sharding.param_groups())
+                    if param is not None]
     return storage_bytes(tensors)
 
 

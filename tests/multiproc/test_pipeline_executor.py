@@ -293,7 +293,7 @@ def _fitted_zb_h2_worker(rank: int, world: int) -> dict:
 def test_zb_h2_profiles_then_runs_a_plan_fitted_to_measured_costs():
     """`zb-h2` runs profiled 1F1B for --pipeline-profile-iters steps, then every rank runs the same
     plan, built from the measured F/B/W and p2p costs within ZB-H2's 2p-1 microbatches of activations."""
-    from llamapipe.core.pipeline_parallel.builders import zb_h2_fitted
+    from llamapipe.core.pipeline_parallel.auto_plan import zb_h2_fitted
     from llamapipe.core.pipeline_parallel.schedule_ir import Plan
     from llamapipe.core.pipeline_parallel.simulator import simulate
     results = run_distributed(_fitted_zb_h2_worker, 4)

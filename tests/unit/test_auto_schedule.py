@@ -73,11 +73,11 @@ def test_planning_p32_m256_reaches_the_papers_bubble_rate():
 def test_zb_h2_under_post_validation_plans_for_the_span_within_its_memory():
     """What AutoSchedule builds for `zb-h2` with post-validation: within ZB-H2's 2p-1 activations, a plan whose
     steady-state iteration without a barrier is shorter than the synchronous ZB-H2's."""
-    from llamapipe.core.pipeline_parallel import auto_plan, builders
+    from llamapipe.core.pipeline_parallel import auto_plan
     from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
     from llamapipe.core.pipeline_parallel.simulator_iterations import simulate_iterations
     costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.1)       # the synchronous fit: 52.2 per iteration without a barrier
-    sync = builders.zb_h2_fitted(4, 16, costs)
+    sync = auto_plan.zb_h2_fitted(4, 16, costs)
     overlapped = auto_plan.plan_auto(4, 1, 16, costs, 7, post_validation=True)
     assert max(simulate(overlapped, costs).peak_memory) <= 7 + 1e-9
     per_iter = lambda plan: simulate_iterations(plan, costs, 4, post_validation=True).time_per_iteration  # noqa

@@ -7,6 +7,7 @@ from llamapipe.core.config import ArgumentError
 from llamapipe.core.num_microbatches_calculator import (build_num_microbatches_calculator, check_rampup_batch_size,
                                                         samples_for_iters, train_iters_for_samples)
 from llamapipe.data.sampler import PretrainingSampler
+from llamapipe.training.flag_names import worded_as_flags
 
 # --global-batch-size 12 --rampup-batch-size 2 2 20, mbs 1, dp 2: 5 increments, one every 20 / 5 = 4.0 samples.
 # Megatron: consumed <= 20 -> 2 + int(consumed / 4.0) * 2, else 12.
@@ -78,7 +79,7 @@ def test_train_iters_and_samples_without_ramp():
                              r"fewer than --pipeline-model-parallel-size \(4\)"),
 ])
 def test_rampup_errors_are_one_line(ramp, gbs, mbs, dp, pp, match):
-    with pytest.raises(ArgumentError, match=match) as err:
+    with pytest.raises(ArgumentError, match=match) as err, worded_as_flags():
         check_rampup_batch_size(ramp, gbs, mbs, dp, pp)
     assert "\n" not in str(err.value)
 

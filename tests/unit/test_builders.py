@@ -8,11 +8,12 @@ import random
 
 import pytest
 
-from llamapipe.core.pipeline_parallel.builders import (auto, gpipe, interleaved, one_f_one_b, zb_h1, zb_h2,
-                                                       zb_h2_fitted, zbv)
+from llamapipe.core.pipeline_parallel.auto_plan import plan_auto as auto, zb_h2_fitted
+from llamapipe.core.pipeline_parallel.builders import gpipe, interleaved, one_f_one_b, zb_h1, zb_h2, zbv
 from llamapipe.core.pipeline_parallel.schedule_specs import build
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
+from llamapipe.training.flag_names import worded_as_flags
 
 UNIT = Costs()
 
@@ -163,7 +164,7 @@ def test_single_rank_plans_run_in_microbatch_order():
     (lambda: gpipe(4, 0), "at least 1"),
 ])
 def test_bad_requests_raise_one_sentence(call, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match), worded_as_flags():
         call()
 
 

@@ -11,6 +11,7 @@ from llamapipe.core.pipeline_parallel import builders
 from llamapipe.core.pipeline_parallel.builders_v import PERIOD, v_half, v_half_offsets, v_min, v_min_offsets
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, peak_memory, simulate
+from llamapipe.training.flag_names import worded_as_flags
 
 PAPER_PEAK = {"v-half": lambda p: (p + 2) // 2, "v-min": lambda p: (p + 4) // 3}
 BUILD = {"v-half": v_half, "v-min": v_min}
@@ -85,7 +86,9 @@ def test_specs_register_both_with_two_chunks_on_the_v():
         spec = SPECS[name]
         assert (spec.min_chunks, spec.max_chunks, spec.placement(2), spec.zero_bubble) == (2, 2, "v", True)
         assert build(name, 4, 2, 8) == BUILD[name](4, 8)
-    with pytest.raises(ValueError, match="--pipeline-schedule v-min needs exactly 2 model chunks per pipeline rank, got 1"):
+    with pytest.raises(ValueError, match="--pipeline-schedule v-min needs exactly 2 model chunks per pipeline rank, "
+                                         "got 1"), worded_as_flags():
         build("v-min", 4, 1, 8)
-    with pytest.raises(ValueError, match=r"--pipeline-schedule v-half needs pipeline size \(2\) and microbatches \(0\)"):
+    with pytest.raises(ValueError, match=r"--pipeline-schedule v-half needs pipeline size \(2\) and microbatches "
+                                         r"\(0\)"), worded_as_flags():
         v_half(2, 0)

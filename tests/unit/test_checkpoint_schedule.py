@@ -15,6 +15,7 @@ from llamapipe.core.parallel_state import ParallelState
 from llamapipe.training.arguments.parser import ArgumentError, build_parser, config_from_args
 from llamapipe.training.checkpointing.save_load import load_checkpoint, save_checkpoint
 from llamapipe.training.config import CheckpointConfig
+from llamapipe.training.flag_names import worded_as_flags
 from tests.multiproc.test_checkpointing import CONFIG, make_chunks
 
 
@@ -34,7 +35,7 @@ def saved(opt: OptimizerConfig = COSINE, train_iters: int = 4, steps: int = 4) -
 
 def test_longer_train_iters_without_lr_decay_iters_is_one_line_naming_both_values():
     resumed = OptimizerParamScheduler(Groups(), COSINE, 6)
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError) as info, worded_as_flags():
         resumed.load_state_dict(saved())
     message = str(info.value)
     assert "\n" not in message
@@ -47,7 +48,7 @@ def test_longer_train_iters_without_lr_decay_iters_is_one_line_naming_both_value
                                          (dict(lr_decay_style="linear"), "--lr-decay-style")])
 def test_each_schedule_field_is_checked(change, flag):
     resumed = OptimizerParamScheduler(Groups(), dataclasses.replace(COSINE, **change), 4)
-    with pytest.raises(ValueError, match=f"^{flag} gives"):
+    with pytest.raises(ValueError, match=f"^{flag} gives"), worded_as_flags():
         resumed.load_state_dict(saved())
 
 
@@ -110,6 +111,6 @@ def test_constant_schedule_may_change_train_iters_and_min_lr():
     resumed = OptimizerParamScheduler(Groups(), dataclasses.replace(constant, min_lr=0.0), 1000)
     resumed.load_state_dict(saved(constant))
     assert resumed.get_lr() == 1e-3
-    with pytest.raises(ValueError, match="^--lr-warmup-iters gives"):
+    with pytest.raises(ValueError, match="^--lr-warmup-iters gives"), worded_as_flags():
         OptimizerParamScheduler(Groups(), dataclasses.replace(constant, lr_warmup_iters=3), 4).load_state_dict(
             saved(constant))

@@ -1,5 +1,5 @@
 """Issue 33 for every `llamapipe` subcommand: a mistyped flag prints exactly the one-line usage and one error
-line naming the closest flag (llamapipe/core/flag_parser.py), not argparse's usage of every flag; a mistyped
+line naming the closest flag (llamapipe/training/flag_parser.py), not argparse's usage of every flag; a mistyped
 subcommand name gets the closest subcommand. Run in this process through `llamapipe.cli.main`."""
 import sys
 
@@ -58,7 +58,7 @@ def test_mistyped_subcommand_names_the_closest_one(capsys):
 
 
 def test_unknown_flags_are_only_what_argparse_takes_for_flags(capsys):
-    from llamapipe.core.flag_parser import FlagParser
+    from llamapipe.training.flag_parser import FlagParser
     p = FlagParser(prog="t")
     p.add_argument("--scale", type=float)
     p.add_argument("words", nargs="*")

@@ -12,6 +12,7 @@ from llamapipe.core.distributed import fsdp
 from llamapipe.core.num_microbatches_calculator import build_num_microbatches_calculator, microbatches_per_step
 from llamapipe.training.arguments.parser import build_parser, config_from_args
 from llamapipe.training.config import Config
+from llamapipe.training.flag_names import worded_as_flags
 
 SHAPE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--vocab-size", "256"]
@@ -74,10 +75,10 @@ def test_batch_divisibility_is_one_rule(gbs, mbs, dp, m):
     for bad_gbs in (gbs + 1, gbs - 1):
         message = f"--global-batch-size {bad_gbs} is not divisible by --micro-batch-size ({mbs}) x data-parallel " \
                   f"size ({dp})"
-        with pytest.raises(ArgumentError) as raised:
+        with pytest.raises(ArgumentError) as raised, worded_as_flags():
             microbatches_per_step(bad_gbs, mbs, dp)
         assert str(raised.value) == message
-        with pytest.raises(ArgumentError) as raised:
+        with pytest.raises(ArgumentError) as raised, worded_as_flags():
             build_num_microbatches_calculator(bad_gbs, mbs, dp)
         assert str(raised.value) == message
         argv = ["--mock-data", "--micro-batch-size", str(mbs), "--global-batch-size", str(bad_gbs)]

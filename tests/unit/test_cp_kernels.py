@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from llamapipe.core.context_parallel import context_parallel_attention
 from llamapipe.core.context_parallel.attention import attention_blocks
 from llamapipe.core.context_parallel.kernels import attend, attend_backward, attend_math, attend_math_backward
+from llamapipe.training.flag_names import worded_as_flags
 
 
 def test_ring_blocks_by_global_chunk():
@@ -51,5 +52,5 @@ def test_cp1_is_causal_sdpa_and_a2a_is_refused():
     q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(context_parallel_attention(q, k, v, None), want, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="--cp-comm-type a2a"):
+    with pytest.raises(ValueError, match="--cp-comm-type a2a"), worded_as_flags():
         context_parallel_attention(q, k, v, None, "a2a")

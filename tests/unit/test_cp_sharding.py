@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from llamapipe.core.context_parallel import chunk_ids, local_positions, shard_batch, shard_sequence, unshard_sequence
+from llamapipe.training.flag_names import worded_as_flags
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
@@ -63,11 +64,12 @@ def test_shard_batch_keeps_given_positions_and_missing_keys():
 
 
 def test_errors_name_the_flags():
-    with pytest.raises(ValueError, match=r"--seq-length 12 is not divisible by 2 x --context-parallel-size \(8\)"):
+    with pytest.raises(ValueError, match=r"--seq-length 12 is not divisible by 2 x --context-parallel-size \(8\)"), \
+            worded_as_flags():
         shard_batch({"tokens": torch.zeros(1, 12)}, 4, 0)
-    with pytest.raises(ValueError, match="--context-parallel-size"):
+    with pytest.raises(ValueError, match="--context-parallel-size"), worded_as_flags():
         local_positions(10, 4, 0)
-    with pytest.raises(ValueError, match="--seq-length 6"):
+    with pytest.raises(ValueError, match="--seq-length 6"), worded_as_flags():
         shard_sequence(torch.zeros(6), 0, 2, 1)
 
 

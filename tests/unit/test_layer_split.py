@@ -3,6 +3,7 @@ import pytest
 
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.training.checkpointing.resharding import pp_rank_of
+from llamapipe.training.flag_names import worded_as_flags
 
 
 def test_even_split_follows_stage_order():
@@ -45,7 +46,7 @@ def test_pp_rank_of_follows_the_uneven_split():
     ((9, 2, 1, None, None), "--num-layers 9 is not divisible"),
 ])
 def test_impossible_splits_name_the_flags_and_numbers(args, fragment):
-    with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(")), worded_as_flags():
         stage_layer_ranges(*args)
 
 
@@ -72,5 +73,5 @@ def test_accounting_for_embedding_and_loss_counts_them_as_layers(num_layers, pp,
     (dict(num_layers=7, pp_size=2, last=3, loss=True), "cannot be combined with --decoder-first/last"),
 ])
 def test_impossible_accounted_splits_name_the_flags(kwargs, fragment):
-    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")), worded_as_flags():
         stage_layer_ranges(**kwargs)

@@ -5,6 +5,7 @@ import pytest
 
 from llamapipe.core.pipeline_parallel.layout import layout_layer_counts, parse_layout, stage_layer_ranges
 from llamapipe.training.arguments.parser import ArgumentError, build_parser, config_from_args
+from llamapipe.training.flag_names import worded_as_flags
 
 FLAG = "--pipeline-model-parallel-layout"
 
@@ -35,7 +36,7 @@ def test_uneven_split_over_virtual_stages():
     ("Et*4|t*3L", 8, 2, "places 7 decoder layers (t), but --num-layers is 8"),
 ])
 def test_malformed_layouts_are_one_sentence(text, num_layers, pp, words):
-    with pytest.raises(ValueError, match=None) as info:
+    with pytest.raises(ValueError, match=None) as info, worded_as_flags():
         layout_layer_counts(text, num_layers, pp)
     assert words in str(info.value) and FLAG in str(info.value) and "\n" not in str(info.value)
 

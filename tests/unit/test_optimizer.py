@@ -12,6 +12,7 @@ from torch import nn
 from llamapipe.core.config import OptimizerConfig
 from llamapipe.core.optimizer import DynamicGradScaler, OptimizerParamScheduler, build_optimizer
 from llamapipe.core.parallel_state import ParallelState
+from llamapipe.training.flag_names import worded_as_flags
 
 CFG = OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0)
 
@@ -68,7 +69,7 @@ def test_lr_schedule_matches_megatron_formulas():
     resumed = OptimizerParamScheduler(torch.optim.SGD(holder.parameters(), lr=5.0), cfg, train_iters=99)
     resumed.load_state_dict(sched.state_dict(), override=True)   # the last style tried differs: take this one
     assert resumed.num_steps == 12 and resumed.get_lr() == pytest.approx(0.1)  # cosine, past decay
-    with pytest.raises(ValueError, match="--lr-warmup-iters"):
+    with pytest.raises(ValueError, match="--lr-warmup-iters"), worded_as_flags():
         OptimizerParamScheduler(opt, replace(cfg, lr_warmup_iters=20), train_iters=99)
 
 
@@ -111,7 +112,7 @@ def test_sample_based_schedule_counts_consumed_samples(style):
     resumed.load_state_dict(sched.state_dict())
     assert resumed.num_steps == 46 and resumed.get_lr(22) == pytest.approx(got[4], rel=1e-15)
     with pytest.raises(ValueError, match=r"--lr-warmup-samples 60 is larger than the decay length "
-                                         r"\(--lr-decay-samples or --train-samples\) 40"):
+                                         r"\(--lr-decay-samples or --train-samples\) 40"), worded_as_flags():
         OptimizerParamScheduler(opt, replace(cfg, lr_warmup_samples=60), train_iters=7, train_samples=50)
 
 

@@ -1,4 +1,5 @@
-"""Schedules as files (core/pipeline_parallel/schedule_csv.py): torch.distributed.pipelining's CSV format both ways.
+"""Schedules as files (core/pipeline_parallel/schedule_csv.py, read by training/schedule_file.py):
+torch.distributed.pipelining's CSV format both ways.
 
 Our plans survive plan -> CSV -> plan; torch's own ScheduleZBVZeroBubble and ScheduleDualPipeV, written by torch's
 `_dump_csv` (compute-only, and lowered with torch's send/recv actions), read back as exactly our zbv and dualpipev;
@@ -11,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from llamapipe.core.pipeline_parallel.schedule_csv import from_csv, read_csv, to_csv
+from llamapipe.core.pipeline_parallel.schedule_csv import from_csv, to_csv
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import PlanError
+from llamapipe.training.schedule_file import read_schedule_file
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -41,7 +43,7 @@ def test_torchs_own_schedules_written_by_torch_are_ours(tmp_path, cls, ours, pp)
     order = _torch_order(cls, pp, m)
     path = str(tmp_path / "compute.csv")
     torch_schedules.PipelineScheduleMulti._dump_csv(SimpleNamespace(pipeline_order=order), path)
-    assert read_csv(path).actions == build(ours, pp, 2, m).actions
+    assert read_schedule_file(path).actions == build(ours, pp, 2, m).actions
     # the same schedule with torch's communication lowered into it: those cells are left out
     stage_rank = {a.stage_index: rank for rank, acts in order.items() for a in acts if a is not None}
     compute = {rank: [a for a in acts if a is not None] for rank, acts in order.items()}
@@ -49,7 +51,7 @@ def test_torchs_own_schedules_written_by_torch_are_ours(tmp_path, cls, ours, pp)
     assert any("SEND_F" in str(a) for acts in lowered.values() for a in acts)
     comms = str(tmp_path / "comms.csv")
     torch_schedules.PipelineScheduleMulti._dump_csv(SimpleNamespace(pipeline_order=lowered), comms)
-    assert read_csv(comms).actions == build(ours, pp, 2, m).actions
+    assert read_schedule_file(comms).actions == build(ours, pp, 2, m).actions
 
 
 @pytest.mark.parametrize("name, vpp", [("v-half", 2), ("v-min", 2), ("dualpipev", 2), ("interleaved", 2),
@@ -91,7 +93,7 @@ def test_a_bad_file_is_one_line_naming_the_rank_and_the_action(tmp_path, text, m
     path = tmp_path / "bad.csv"
     path.write_text(text)
     with pytest.raises(PlanError) as err:
-        read_csv(str(path))
+        read_schedule_file(str(path))
     assert str(err.value).startswith(f"schedule file {path}: ") and message in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -115,7 +117,7 @@ def test_plot_schedule_exports_and_draws_a_file(tmp_path, capsys):
     csv_path, svg = str(tmp_path / "v_half.csv"), str(tmp_path / "v.svg")
     assert main(["--schedule", "v-half", "--pp", "4", "--microbatches", "8", "--json", "--export-csv", csv_path]) == 0
     named = json.loads(capsys.readouterr().out)
-    assert read_csv(csv_path).actions == build("v-half", 4, 2, 8).actions
+    assert read_schedule_file(csv_path).actions == build("v-half", 4, 2, 8).actions
     assert main(["--schedule-file", csv_path, "--json", "--out", svg]) == 0
     loaded = json.loads(capsys.readouterr().out)
     assert (loaded["pp"], loaded["vpp"], loaded["microbatches"]) == (4, 2, 8)

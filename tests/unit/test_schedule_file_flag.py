@@ -1,12 +1,12 @@
-"""--pipeline-schedule-file (training/arguments/schedule_file_args.py) and file:PATH specs (schedule_specs.file_spec):
+"""--pipeline-schedule-file (training/arguments/schedule_file_args.py) and file:PATH specs (training/schedule_file.py):
 the flag stands for --pipeline-schedule file:PATH with the file's chunks per rank; a bad or missing file and a
 contradicting flag are one error line while parsing; a file's spec answers what a named spec answers without
 joining the table, and refuses a run of another size in one sentence."""
 import pytest
 
-from llamapipe.core.pipeline_parallel.schedule_csv import write_csv
-from llamapipe.core.pipeline_parallel.schedule_specs import FILE_PREFIX, SPECS, build, schedule_spec
+from llamapipe.core.pipeline_parallel.schedule_specs import FILE_PREFIX, SPECS, build
 from llamapipe.training.arguments.parser import build_parser
+from llamapipe.training.schedule_file import load_schedule, write_schedule_file
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--mock-data", "--vocab-size", "256", "--pipeline-model-parallel-size", "2"]
@@ -15,7 +15,7 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
 @pytest.fixture()
 def v_half_file(tmp_path):
     path = str(tmp_path / "v_half.csv")
-    write_csv(build("v-half", 2, 2, 8), path)
+    write_schedule_file(build("v-half", 2, 2, 8), path)
     return path
 
 
@@ -23,7 +23,7 @@ def test_the_flag_is_the_file_schedule_with_its_chunks(v_half_file):
     args = build_parser().parse_args(BASE + ["--pipeline-schedule-file", v_half_file])
     assert (args.pipeline_schedule, args.num_virtual_stages_per_pipeline_rank) == (FILE_PREFIX + v_half_file, 2)
     one_chunk = v_half_file.replace("v_half", "zb_h1")
-    write_csv(build("zb-h1", 2, 1, 8), one_chunk)
+    write_schedule_file(build("zb-h1", 2, 1, 8), one_chunk)
     args = build_parser().parse_args(BASE + ["--pipeline-schedule-file", one_chunk])
     assert (args.pipeline_schedule, args.num_virtual_stages_per_pipeline_rank) == (FILE_PREFIX + one_chunk, None)
 
@@ -53,7 +53,7 @@ def test_a_bad_or_missing_file_is_one_error_line_while_parsing(tmp_path, capsys)
 
 def test_a_files_spec_answers_like_a_named_one_without_joining_the_table(v_half_file):
     names = list(SPECS)
-    spec = schedule_spec(FILE_PREFIX + v_half_file)
+    spec = load_schedule(FILE_PREFIX + v_half_file)
     assert SPECS[FILE_PREFIX + v_half_file] is spec and list(SPECS) == names
     assert (spec.min_chunks, spec.max_chunks, spec.placement(2), spec.zero_bubble, spec.profiled) == \
         (2, 2, "v", True, False)
@@ -62,7 +62,7 @@ def test_a_files_spec_answers_like_a_named_one_without_joining_the_table(v_half_
                                          "but this run has 4 microbatches on 2"):
         spec.build(2, 2, 4)
     with pytest.raises(ValueError, match="--pipeline-schedule file:/no/such.csv: no such file"):
-        schedule_spec("file:/no/such.csv")
+        load_schedule("file:/no/such.csv")
 
 
 def test_the_start_up_line_says_what_the_simulator_found(v_half_file):

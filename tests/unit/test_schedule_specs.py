@@ -5,14 +5,14 @@ import argparse
 
 import pytest
 
-from llamapipe.core.config import SCHEDULES
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel.auto_schedule import AutoSchedule
 from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
 from llamapipe.core.pipeline_parallel.schedule_ir import KINDS
-from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build, schedule_spec
+from llamapipe.core.pipeline_parallel.schedule_specs import SCHEDULES, SPECS, build, schedule_spec
 from llamapipe.core.pipeline_parallel.schedules import forward_backward_zero_bubble, get_forward_backward_func
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
+from llamapipe.training.flag_names import worded_as_flags
 
 PP, M = 4, 8
 
@@ -52,12 +52,13 @@ def test_every_plan_agrees_with_its_spec(name):
                                             ("interleaved", 1, "needs 2 or more model chunks per pipeline rank")])
 def test_chunk_counts_outside_the_spec_are_refused_in_one_sentence(name, vpp, words):
     assert not SPECS[name].accepts(vpp)
-    with pytest.raises(ValueError, match=f"--pipeline-schedule {name} {words}"):
+    with pytest.raises(ValueError, match=f"--pipeline-schedule {name} {words}"), worded_as_flags():
         build(name, PP, vpp, M)
 
 
 def test_unknown_name_lists_the_table():
-    with pytest.raises(ValueError, match="--pipeline-schedule pipedream is unknown; choose one of 1f1b, interleaved"):
+    with pytest.raises(ValueError, match="--pipeline-schedule pipedream is unknown; choose one of 1f1b, "
+                                         "interleaved"), worded_as_flags():
         schedule_spec("pipedream")
 
 

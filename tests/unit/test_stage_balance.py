@@ -12,6 +12,7 @@ from llamapipe.core.pipeline_parallel.profile_costs import PassCosts
 from llamapipe.core.pipeline_parallel.stage_balance import (allgather_s, allreduce_s, analytic_parts,
                                                             balanced_counts, layout_string, rank_work, stage_ranks,
                                                             tp_comm_parts, tp_parts)
+from llamapipe.training.flag_names import worded_as_flags
 
 
 def parts(layer=3.0, embedding=0.0, head=3.0) -> dict[str, PassCosts]:
@@ -64,7 +65,7 @@ def test_vocabulary_parallelism_spreads_the_head_so_the_split_stays_even():
 
 
 def test_too_few_layers_for_the_stages_is_refused():
-    with pytest.raises(ValueError, match="--num-layers 3 is fewer than the 4 virtual stages"):
+    with pytest.raises(ValueError, match="--num-layers 3 is fewer than the 4 virtual stages"), worded_as_flags():
         balanced_counts(parts(), 3, [0, 1, 1, 0])
 
 

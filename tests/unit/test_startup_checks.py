@@ -13,7 +13,7 @@ from llamapipe.core.parallel_state import ParallelState
 from llamapipe.model.config import LlamaConfig
 from llamapipe.training.arguments import parser as parser_module
 from llamapipe.training.arguments.memory import check_fits_memory, model_parameters
-from llamapipe.core.flag_parser import unrecognized
+from llamapipe.training.flag_parser import unrecognized
 from llamapipe.training.arguments.parser import build_parser, config_from_args, parse_args
 from llamapipe.training.startup import startup_lines
 from llamapipe.training.validation_progress import ValidationProgress

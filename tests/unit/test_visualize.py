@@ -6,19 +6,18 @@ import sys
 
 import pytest
 
-from llamapipe.core.config import SCHEDULES
 from llamapipe.core.pipeline_parallel.builders import one_f_one_b, zbv
-from llamapipe.core.pipeline_parallel.schedule_specs import build
+from llamapipe.core.pipeline_parallel.schedule_specs import SCHEDULES, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 from llamapipe.core.pipeline_parallel.simulator_iterations import simulate_iterations
 from llamapipe.core.pipeline_parallel.visualize import (
     ascii_timeline,
     bubble_text,
-    plot_timeline,
     rank_table,
     timeline_figure,
 )
 from llamapipe.tools import plot_schedule
+from llamapipe.tools.plot_schedule import plot_timeline
 from tests.harness import ROOT
 
 

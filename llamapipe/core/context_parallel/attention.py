@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from llamapipe.core.config import ConfigError
 from llamapipe.core.context_parallel.kernels import attend, attend_backward
 from llamapipe.core.context_parallel.sharding import chunk_ids, shard_sequence, unshard_sequence
 from llamapipe.core.tensor_parallel.graph_breaks import eager
@@ -219,8 +220,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q: (b, heads, s_local, d), k/v: (b, groups, s_local, d) in the load-balanced layout (sharding.py) ->
     (b, heads, s_local, d). A group of one (or None) is plain causal SDPA."""
     if comm_type not in COMM_TYPES:
-        raise ValueError(f"--cp-comm-type {comm_type} is not supported (Ulysses all-to-all is not built); "
-                         f"use one of {', '.join(COMM_TYPES)}")
+        raise ConfigError(f"cp_comm_type {comm_type} is not supported (Ulysses all-to-all is not built); "
+                          f"use one of {', '.join(COMM_TYPES)}", "cp_comm_type")
     assert q.shape[1] % k.shape[1] == 0, f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} groups"
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if cp_group is None or dist.get_world_size(cp_group) == 1:

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import torch
 
+from llamapipe.core.config import ConfigError
+
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")   # the (b, s) tensors of a microbatch
 
 
@@ -24,10 +26,10 @@ def chunk_ids(cp_size: int, cp_rank: int) -> tuple[int, int]:
 
 
 def check_seq_length(seq_len: int, cp_size: int) -> None:
-    """One sentence naming the flags when the sequence does not split into 2 * cp equal chunks."""
+    """One sentence naming the config fields when the sequence does not split into 2 * cp equal chunks."""
     if seq_len % (2 * cp_size):
-        raise ValueError(f"--seq-length {seq_len} is not divisible by 2 x --context-parallel-size ({2 * cp_size}): "
-                         "context parallelism splits the sequence into 2 chunks per rank")
+        raise ConfigError(f"seq_length {seq_len} is not divisible by 2 x cp_size ({2 * cp_size}): context "
+                          "parallelism splits the sequence into 2 chunks per rank", "seq_length", "cp_size")
 
 
 def shard_sequence(t: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:

@@ -20,8 +20,9 @@ pre-pass, the pre-backward hooks on S's logits and on the pre-pass's output gath
 embedding's backward, and its gradient is reduce-scattered with the chunk's (the same `reduce_scatter_grads`).
 So they stay sharded like every other weight (the largest ones under a big vocabulary), and the optimizer,
 gradient norm and checkpoints see ordinary FSDP parameters. The chunk's FSDP state is initialised at wrap time
-(`_lazy_init`), because these units may run before the chunk's first forward (the pre-pass does), and FSDP
-makes the first module whose forward runs the root.
+(`fsdp_internals.init_root`), because these units may run before the chunk's first forward (the pre-pass
+does), and FSDP makes the first module whose forward runs the root. Every use of torch's private FSDP2 and
+DTensor API goes through `fsdp_internals`.
 
 Checkpoints: a chunk's `state_dict()` returns full (DP-gathered) `nn.Parameter`s carrying the TP attributes,
 as the ZeRO-1 checkpoint path expects; copying into such a tensor (loading) is written back to the shard by
@@ -34,9 +35,13 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from llamapipe.core.config import FSDP_STRATEGIES, SHARDING_STRATEGIES as STRATEGIES
+from llamapipe.core.config import FSDP_STRATEGIES, SHARDING_STRATEGIES as STRATEGIES, ConfigError
+from llamapipe.core.distributed import fsdp_internals
+from llamapipe.core.tensor_parallel.layers import all_reduce_coalesced, tp_size_rank
 
 _TP_ATTRS = ("tensor_model_parallel", "partition_dim", "vocab_padded", "sequence_parallel", "shared", "vocab_shard",
              "vocab_shards")
@@ -49,24 +54,20 @@ def is_sharded(chunks: list[nn.Module]) -> bool:
 
 def local_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """This rank's storage of a (possibly FSDP-sharded) tensor; plain tensors pass through."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return fsdp_internals.local_tensor(t)
 
 
 class _ChunkSharding:
     """What one wrapped chunk needs later: its FSDP param groups, the tensors handed out by `state_dict`."""
 
     def __init__(self, chunk: nn.Module, attrs: dict[str, dict]) -> None:
-        from torch.distributed.fsdp import FSDPModule
         self.modules = [m for m in chunk.modules() if isinstance(m, FSDPModule)]
         self.attrs = attrs                         # parameter name -> TP attributes of the original
         self.views: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.view_versions: dict[str, int] = {}
 
     def param_groups(self) -> list:
-        groups = []
-        for module in self.modules:
-            groups += module._get_fsdp_state()._fsdp_param_groups
-        return groups
+        return [group for module in self.modules for group in fsdp_internals.param_groups(module)]
 
 
 def apply_data_parallel_sharding(chunks: list[nn.Module], strategy: str, ps: Any) -> list[nn.Module]:
@@ -74,11 +75,10 @@ def apply_data_parallel_sharding(chunks: list[nn.Module], strategy: str, ps: Any
 
     Other strategies, and a data-parallel size of 1, leave the chunks as they are."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"--data-parallel-sharding-strategy {strategy} is not one of {', '.join(STRATEGIES)}")
+        raise ConfigError(f"data_parallel_sharding_strategy {strategy} is not one of {', '.join(STRATEGIES)}",
+                          "data_parallel_sharding_strategy")
     if strategy not in FSDP_STRATEGIES or ps.dp_cp_size == 1:
         return chunks
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     device = next(chunks[0].parameters()).device
     mesh = DeviceMesh.from_group(ps.dp_cp_group, device.type)
     reshard = strategy == "optim_grads_params"
@@ -101,7 +101,7 @@ def apply_data_parallel_sharding(chunks: list[nn.Module], strategy: str, ps: Any
         chunk._dp_sharding = _ChunkSharding(chunk, attrs)
         chunk.register_state_dict_post_hook(_full_state_dict)
         if len(units) > len(chunk.layers):
-            chunk._get_fsdp_state()._lazy_init()     # the chunk is the root, whichever unit runs first
+            fsdp_internals.init_root(chunk)     # the chunk is the root, whichever unit runs first
     return chunks
 
 
@@ -146,17 +146,14 @@ def shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """This DP rank's part of `full`, laid out like the sharded `param`'s local tensor."""
     if not isinstance(param, DTensor):
         return full
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-    return full[index]
+    return full[fsdp_internals.local_index(param)]
 
 
 def full_of(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The full tensor of which `local` is this rank's part, sharded like `param` (collective over DP)."""
     if not isinstance(param, DTensor):
         return local
-    dt = DTensor.from_local(local.reshape(param._local_tensor.shape), param.device_mesh, param.placements,
+    dt = DTensor.from_local(local.reshape(local_tensor(param).shape), param.device_mesh, param.placements,
                             shape=param.shape, stride=param.stride(), run_check=False)
     return dt.full_tensor()
 
@@ -165,23 +162,14 @@ def reduce_scatter_grads(chunks: list[nn.Module], ps: Any, divisor: Optional[flo
     """Sum the step's gathered-parameter gradients over DP into the shards and divide by `divisor`.
 
     Collective over TP (sequence-parallel norm gradients) and DP; call after the step's last W."""
-    from llamapipe.core.distributed.grad_reduce import group_size
-    from llamapipe.core.tensor_parallel.layers import all_reduce_coalesced
     for chunk in chunks:
         sharding: _ChunkSharding = chunk._dp_sharding
         groups = sharding.param_groups()
-        if group_size(ps.tp_group) > 1:
-            sp = [fp._unsharded_param.grad for g in groups for fp in g.fsdp_params
-                  if getattr(fp._unsharded_param, "grad", None) is not None
-                  and _orig_attr(chunk, sharding, fp, "sequence_parallel")]
-            all_reduce_coalesced(sp, ps.tp_group)
+        if tp_size_rank(ps.tp_group)[0] > 1:
+            all_reduce_coalesced(_sequence_parallel_grads(chunk, sharding, groups), ps.tp_group)
         chunk.set_requires_gradient_sync(True)
         try:
-            for group in reversed(groups):
-                group.post_backward()
-            for group in groups:
-                group.finalize_backward()
-                group._training_state = type(group._training_state).IDLE
+            fsdp_internals.reduce_scatter(groups)
         finally:
             chunk.set_requires_gradient_sync(False)
         if divisor is not None:
@@ -190,13 +178,17 @@ def reduce_scatter_grads(chunks: list[nn.Module], ps: Any, divisor: Optional[flo
                 torch._foreach_div_(grads, divisor)
 
 
-def _orig_attr(chunk: nn.Module, sharding: _ChunkSharding, fsdp_param: Any, attr: str) -> Any:
-    info = fsdp_param._module_info
-    for name, module in chunk.named_modules():
-        if module is info.module:
-            full_name = f"{name}.{info.param_name}" if name else info.param_name
-            return sharding.attrs.get(full_name, {}).get(attr, False)
-    return False
+def _sequence_parallel_grads(chunk: nn.Module, sharding: _ChunkSharding, groups: list) -> list[torch.Tensor]:
+    """The gradients on the gathered parameters that sequence parallelism leaves partial over TP (norms)."""
+    prefix = {module: name for name, module in chunk.named_modules()}
+    grads = []
+    for module, name, param in fsdp_internals.gathered_params(groups):
+        if module not in prefix or param is None or param.grad is None:
+            continue
+        full_name = f"{prefix[module]}.{name}" if prefix[module] else name
+        if sharding.attrs.get(full_name, {}).get("sequence_parallel", False):
+            grads.append(param.grad)
+    return grads
 
 
 def zero_sharded_grads(chunks: list[nn.Module]) -> None:
@@ -204,13 +196,8 @@ def zero_sharded_grads(chunks: list[nn.Module]) -> None:
     the optimizer's zero_grad)."""
     for chunk in chunks:
         sharding = getattr(chunk, "_dp_sharding", None)
-        if sharding is None:
-            continue
-        for group in sharding.param_groups():
-            for fp in group.fsdp_params:
-                if hasattr(fp, "_unsharded_param"):
-                    fp._unsharded_param.grad = None
-                fp.unsharded_accumulated_grad = None
+        if sharding is not None:
+            fsdp_internals.drop_gathered_grads(sharding.param_groups())
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:

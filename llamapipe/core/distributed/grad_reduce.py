@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from llamapipe.core.distributed.fsdp import is_sharded, reduce_scatter_grads
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.tensor_parallel.layers import allreduce_sequence_parallel_grads, grad_dtype
 
@@ -143,8 +144,7 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module], parallel_state: Pa
     reduces the rest and divides; the sums are the same as without it (buckets are per chunk).
     """
     ps = parallel_state
-    from llamapipe.core.distributed import fsdp
-    if fsdp.is_sharded(model_chunks):
+    if is_sharded(model_chunks):
         return _finalize_sharded(model_chunks, ps, num_tokens, global_tokens, grad_sync)
     params = _model_params(model_chunks)
     if grad_sync is None:
@@ -166,7 +166,6 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module], parallel_state: Pa
 def _finalize_sharded(model_chunks: list[torch.nn.Module], ps: ParallelState, num_tokens: Optional[torch.Tensor],
                       global_tokens: Optional[float], grad_sync: Any) -> Optional[float]:
     """ZeRO-2/3 (`core.distributed.fsdp`): reduce-scatter instead of all-reduce, once, after the last W."""
-    from llamapipe.core.distributed.fsdp import reduce_scatter_grads
     if global_tokens is not None and global_tokens <= 0:
         raise ValueError("the global batch has no loss tokens (every loss_mask entry is 0), so the loss is undefined")
     total = float(global_tokens) if global_tokens is not None else global_num_tokens(num_tokens, ps)

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llamapipe.core.config import ConfigError
+from llamapipe.core.distributed.fsdp import is_sharded
 from llamapipe.core.distributed.grad_reduce import DEFAULT_BUCKET_SIZE, bucket_groups, group_size, unpack_bucket
 from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.core.tensor_parallel.layers import all_reduce_coalesced, grad_dtype
@@ -47,19 +49,19 @@ class GradSync:
 
     def __init__(self, model_chunks: Sequence[nn.Module], parallel_state, bucket_size: int = DEFAULT_BUCKET_SIZE):
         if bucket_size <= 0:
-            raise ValueError(f"--ddp-bucket-size {bucket_size} must be positive")
+            raise ConfigError(f"ddp_bucket_size {bucket_size} must be positive", "ddp_bucket_size")
         self.dp_group, self.tp_group = parallel_state.dp_cp_group, parallel_state.tp_group
         self.chunk_buckets: list[list[_Bucket]] = []
         self._where: dict[int, tuple[int, _Bucket]] = {}      # id(param) -> (chunk, bucket)
         self._hooks = []
         self._store: Optional[WeightGradStore] = None      # the running step's, from begin_step
         self.last_counts = (0, 0, 0)          # last step's buckets launched before/during/after the last action
-        from llamapipe.core.distributed.fsdp import is_sharded
         # ZeRO-2/3: FSDP reduce-scatters once after the last W (`fsdp.reduce_scatter_grads`), so no buckets here
         self.fsdp = is_sharded(list(model_chunks))
         per_chunk = [[p for p in chunk.parameters() if p.requires_grad and not self.fsdp] for chunk in model_chunks]
         if len({id(p) for params in per_chunk for p in params}) < sum(map(len, per_chunk)):
-            raise ValueError("--overlap-grad-reduce cannot handle a parameter shared by two model chunks")
+            raise ConfigError("overlap_grad_reduce cannot handle a parameter shared by two model chunks",
+                              "overlap_grad_reduce")
         late = [p for params in per_chunk for p in params if getattr(p, "grad_after_plan", False)]
         self.late_buckets = [_Bucket(group) for group in bucket_groups(late, bucket_size, grad_dtype)]
         for c, params in enumerate(per_chunk):
@@ -171,11 +173,12 @@ class GradSync:
         return self.last_counts
 
     def summary(self) -> str:
+        """One line on where the last step's all-reduces started, naming the config field overlap_grad_reduce."""
         if self.fsdp:
-            return ("--overlap-grad-reduce with a sharded data-parallel strategy: FSDP reduce-scatters the "
+            return ("overlap_grad_reduce with a sharded data-parallel strategy: FSDP reduce-scatters the "
                     "gradients once, after the step's last backward action")
         before, during, after = self.last_counts
-        return (f"--overlap-grad-reduce: of this rank's {before + during + after} gradient buckets, {before} "
+        return (f"overlap_grad_reduce: of this rank's {before + during + after} gradient buckets, {before} "
                 f"started their data-parallel all-reduce before its last backward action, {during} during it "
                 f"and {after} after it")
 

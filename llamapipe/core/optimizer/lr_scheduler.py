@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from llamapipe.core.config import OptimizerConfig
+from llamapipe.core.config import ConfigError, OptimizerConfig
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -24,7 +24,8 @@ class OptimizerParamScheduler:
     def __init__(self, optimizer: Any, opt_cfg: OptimizerConfig, train_iters: int,
                  train_samples: Optional[int] = None) -> None:
         if opt_cfg.lr_decay_style not in DECAY_STYLES:
-            raise ValueError(f"--lr-decay-style {opt_cfg.lr_decay_style} is not one of {', '.join(DECAY_STYLES)}")
+            raise ConfigError(f"lr_decay_style {opt_cfg.lr_decay_style} is not one of {', '.join(DECAY_STYLES)}",
+                              "lr_decay_style")
         self.optimizer = optimizer
         self.max_lr = float(opt_cfg.lr)
         self.min_lr = float(opt_cfg.min_lr)
@@ -33,22 +34,24 @@ class OptimizerParamScheduler:
         given_decay = opt_cfg.lr_decay_samples if self.counts_samples else opt_cfg.lr_decay_iters
         self.lr_decay_steps = int(given_decay if given_decay is not None else
                                   train_samples if self.counts_samples else train_iters)
-        # field -> (the flag that set it here, what it is), for the resume check in load_state_dict
-        self._flags = {"max_lr": ("--lr", "learning rate"), "min_lr": ("--min-lr", "minimum learning rate"),
-                       "lr_decay_style": ("--lr-decay-style", "decay style"),
-                       "lr_decay_steps": (f"--lr-decay-{unit}" if given_decay is not None else f"--train-{unit}",
-                                          f"decay length in {unit}")}
+        # attribute -> (the config field that set it here, what it is), for the resume check in load_state_dict
+        self._fields = {"max_lr": ("lr", "learning rate"), "min_lr": ("min_lr", "minimum learning rate"),
+                        "lr_decay_style": ("lr_decay_style", "decay style"),
+                        "lr_decay_steps": (f"lr_decay_{unit}" if given_decay is not None else f"train_{unit}",
+                                           f"decay length in {unit}")}
         if opt_cfg.lr_warmup_fraction is not None:
             self.lr_warmup_steps = opt_cfg.lr_warmup_fraction * self.lr_decay_steps
-            warmup_flag = f"--lr-warmup-fraction {opt_cfg.lr_warmup_fraction:g} ({self.lr_warmup_steps:g} {unit})"
+            warmup_field = "lr_warmup_fraction"
+            warmup_said = f"{warmup_field} {opt_cfg.lr_warmup_fraction:g} ({self.lr_warmup_steps:g} {unit})"
         else:
             self.lr_warmup_steps = int(opt_cfg.lr_warmup_samples if self.counts_samples else opt_cfg.lr_warmup_iters)
-            warmup_flag = f"--lr-warmup-{unit} {self.lr_warmup_steps}"
-        self._flags["lr_warmup_steps"] = (warmup_flag.split(" ")[0], f"warmup length in {unit}")
+            warmup_field = f"lr_warmup_{unit}"
+            warmup_said = f"{warmup_field} {self.lr_warmup_steps}"
+        self._fields["lr_warmup_steps"] = (warmup_field, f"warmup length in {unit}")
         self.lr_decay_style = opt_cfg.lr_decay_style
         if self.lr_decay_style != "constant" and self.lr_warmup_steps > self.lr_decay_steps:
-            raise ValueError(f"{warmup_flag} is larger than the decay length (--lr-decay-{unit} or --train-{unit}) "
-                             f"{self.lr_decay_steps}")
+            raise ConfigError(f"{warmup_said} is larger than the decay length (lr_decay_{unit} or train_{unit}) "
+                              f"{self.lr_decay_steps}", warmup_field, f"lr_decay_{unit}", f"train_{unit}")
         self.num_steps = 0
         self.step(0)
 
@@ -86,20 +89,22 @@ class OptimizerParamScheduler:
     def load_state_dict(self, state: dict, *, override: bool = False, use_checkpoint: bool = False) -> None:
         """Resume the step count, with Megatron's rule for the schedule's shape (lr, min-lr, warmup, decay
         length and style): `override` keeps the command line's, `use_checkpoint` takes the checkpoint's, and
-        with neither a difference that changes a learning rate is a ValueError naming the flag and both values."""
+        with neither a difference that changes a learning rate is a ConfigError naming the config field and both
+        values (`override`, `use_checkpoint`: the config's override_opt_param_scheduler and
+        use_checkpoint_opt_param_scheduler)."""
+        choices = ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler")
         if override and use_checkpoint:
-            raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler cannot be "
-                             "used together")
+            raise ConfigError(f"{choices[0]} and {choices[1]} cannot be used together", *choices)
         # under a constant style on both sides the decay length and min-lr set no learning rate, so a
         # difference cannot make the schedule drift (Megatron compares them anyway)
         inert = ("lr_decay_steps", "min_lr") if self.lr_decay_style == state.get("lr_decay_style") == "constant" else ()
-        for name, (flag, what) in ([] if override else self._flags.items()):
+        for name, (field, what) in ([] if override else self._fields.items()):
             if name not in state or state[name] == getattr(self, name) or name in inert:
                 continue
             if not use_checkpoint:
-                raise ValueError(f"{flag} gives the {what} {getattr(self, name)} but the checkpoint's schedule has "
-                                 f"{state[name]}; pass --override-opt_param-scheduler to keep the command line's "
-                                 "schedule or --use-checkpoint-opt_param-scheduler to take the checkpoint's")
+                raise ConfigError(f"{field} gives the {what} {getattr(self, name)} but the checkpoint's schedule has "
+                                  f"{state[name]}; pass {choices[0]} to keep the command line's schedule or "
+                                  f"{choices[1]} to take the checkpoint's", field, *choices)
             setattr(self, name, state[name])
         self.num_steps = 0
         self.step(int(state["num_steps"]))

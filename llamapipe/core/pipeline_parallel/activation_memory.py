@@ -9,7 +9,7 @@ did not save: the output gradients, and the all-gathered input under sequence pa
 adds those (read from the closures queued in the step's `WeightGradStore`): all that W holds from B until it
 runs (M_W).
 `--pipeline-schedule auto` uses it on its first profiling iteration to simulate memory as it is and to
-turn a byte cap into units.
+turn a byte cap into units (the cap's flag value is read by training/arguments/memory_limit.py).
 
 The graph is only read: saved-tensor hooks would have been simpler, but while they are active autograd
 hands backward a copy of each saved tensor instead of the tensor itself, which breaks code that sets
@@ -17,9 +17,6 @@ hands backward a copy of each saved tensor instead of the tensor itself, which b
 """
 from __future__ import annotations
 
-import argparse
-import math
-import re
 import statistics
 import time
 import weakref
@@ -29,37 +26,6 @@ import torch
 from torch import nn
 
 from llamapipe.core.pipeline_parallel.runtime import StepObserver
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
-_SCALE = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
-          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
-
-
-def parse_size(text: str) -> Optional[int]:
-    """Bytes of a size such as "512MiB", "1.5GB" or "24 GiB"; None when `text` has no size unit."""
-    match = _SIZE.match(text)
-    if match is None:
-        return None
-    return int(float(match[1]) * _SCALE[match[2].upper()])
-
-
-class MemoryBytes(int):
-    """--pipeline-memory-limit given as a size (bytes) rather than a number of activation units."""
-
-
-def memory_limit(text: str) -> float:
-    """argparse type of --pipeline-memory-limit: "6" (units) -> 6.0, "24GiB" -> MemoryBytes(24 * 2**30)."""
-    nbytes = parse_size(text)
-    if nbytes is not None:
-        return MemoryBytes(nbytes)
-    try:
-        units = float(text)
-    except ValueError:
-        units = math.nan
-    if not math.isfinite(units):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of activation units (e.g. 6) nor a size "
-                                         "such as 24GiB or 512MB")
-    return units
 
 
 def _saved_tensors(node) -> Iterator[torch.Tensor]:

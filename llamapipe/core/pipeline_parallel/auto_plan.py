@@ -7,7 +7,8 @@ iterations overlap, and the cost is the longest stage span, first F to last W of
 objective of the paper's heuristic and ILP (appendix G, eq. 3) and the `cost` of its bubble rate (section
 5.3). Candidates: the paper's heuristic over its hyperparameter grid (`zb_heuristic`), the list scheduler
 of builders_zb, and the fixed plans that fit the cap (ZB-H1, 1F1B, ZB-H2 unit-cost and fitted for one
-chunk; ZB-V for two), so `auto` is never worse than any of them at the same memory.
+chunk; ZB-V for two), so `auto` is never worse than any of them at the same memory. `zb-h2` fitted to
+measured costs (`zb_h2_fitted`) chooses among some of the same candidates, under ZB-H2's own cap.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def candidates(pp: int, vpp: int, m: int, costs: Costs, mem_limit: float) -> lis
     assert vpp == 1, "auto plans one chunk per rank, or two in V placement"
     plans = heuristic_plans("auto", pp, m, costs, mem_limit)
     plans.append(greedy_plan("auto", pp, 1, m, "interleaved", costs, mem_limit))
-    if mem_limit != 2 * pp - 1:     # with the next three, what `zb-h2` chooses from (builders.zb_h2_fitted)
+    if mem_limit != 2 * pp - 1:     # with the next three, what `zb-h2` chooses from (zb_h2_fitted)
         plans.append(greedy_plan("zb-h2", pp, 1, m, "interleaved", costs, 2 * pp - 1))
     return plans + [builders.zb_h2(pp, m), builders.zb_h1(pp, m), builders.one_f_one_b(pp, m)]
 
@@ -66,3 +67,28 @@ def plan_auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: 
             best = (score, plan)
     assert best is not None, "the list scheduler always keeps within the cap"
     return dataclasses.replace(best[1], name="auto")
+
+
+def _fastest(name: str, candidates: list[Plan], costs: Costs, limit: float) -> Plan:
+    """The candidate with the smallest simulated makespan under `costs` among those within `limit`."""
+    best = None
+    for plan in candidates:
+        result = simulate(plan, costs)
+        if max(result.peak_memory) <= limit + 1e-9 and (best is None or result.makespan < best[0] - 1e-9):
+            best = (result.makespan, plan)
+    return dataclasses.replace(best[1], name=name)
+
+
+def zb_h2_fitted(pp: int, m: int, costs: Costs, *, post_validation: bool = False) -> Plan:
+    """ZB-H2 for measured costs: the paper's heuristic run on `costs` under ZB-H2's cap of 2p-1
+    microbatches, or the unit-cost ZB-H2, ZB-H1 or 1F1B if one of those simulates faster. The unit-cost
+    plan relies on F = B = W; with B about 2W it can be slower than 1F1B (1.05x at p=2, m=8). Under
+    post-validation iterations overlap, so it plans for the longest stage span within the same cap, as
+    `auto` does (the candidates above are among auto's there)."""
+    builders.check_sizes("zb-h2", pp, 1, m)
+    limit = 2 * pp - 1
+    if post_validation:
+        return dataclasses.replace(plan_auto(pp, 1, m, costs, limit, post_validation=True), name="zb-h2")
+    candidates = [greedy_plan("zb-h2", pp, 1, m, "interleaved", costs, limit), builders.zb_h2(pp, m),
+                  builders.zb_h1(pp, m), builders.one_f_one_b(pp, m)]
+    return _fastest("zb-h2", candidates, costs, limit)

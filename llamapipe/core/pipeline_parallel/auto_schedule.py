@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llamapipe.core.config import ConfigError
 from llamapipe.core.logger import get_logger
 from llamapipe.core.pipeline_parallel import builders, executor
 from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
@@ -72,7 +73,7 @@ def broadcast_plan(plan: Optional[Plan], src: int = 0, group: Any = None) -> Pla
     return Plan.from_json(json.loads(bytes(data.tolist()).decode()))
 
 
-class MemoryLimitError(ValueError):
+class MemoryLimitError(ConfigError):
     """A byte cap (--pipeline-memory-limit 2GiB) too small for one microbatch on every chunk of a rank."""
 
 
@@ -86,8 +87,8 @@ class AutoSchedule:
             profiled = " or ".join(name for name, spec in SPECS.items() if spec.profiled)
             raise ValueError(f"AutoSchedule fits {profiled} to measured costs, not {variant}")
         if options.profile_iters < 1:
-            raise ValueError(f"--pipeline-schedule {variant} needs at least 1 profiling iteration, "
-                             f"got {options.profile_iters}")
+            raise ConfigError(f"pipeline_schedule {variant} needs at least 1 profiling iteration, "
+                              f"got {options.profile_iters}", "pipeline_schedule")
         self.ps, self.options = parallel_state, options
         self.unit_bytes, self.w_share = 0, 0.5    # measured on the first profiling iteration
         self.plan: Optional[Plan] = None
@@ -166,9 +167,9 @@ class AutoSchedule:
         units = nbytes / unit if unit > 0 else float("inf")
         if units < vpp:
             raise MemoryLimitError(
-                f"--pipeline-memory-limit {nbytes / 2 ** 20:.3g} MiB holds {units:.2f} microbatch-chunks of "
+                f"pipeline_memory_limit {nbytes / 2 ** 20:.3g} MiB holds {units:.2f} microbatch-chunks of "
                 f"activations ({unit / 2 ** 20:.3g} MiB each, measured), but one microbatch on the {vpp} model "
-                f"chunk(s) of a rank needs {vpp}")
+                f"chunk(s) of a rank needs {vpp}", "pipeline_memory_limit")
         return units
 
     def _comm_latency(self) -> float:

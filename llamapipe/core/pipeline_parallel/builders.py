@@ -5,36 +5,34 @@ Fixed-order schedules live here: GPipe (Huang et al., arXiv 1811.06965), 1F1B an
 (Narayanan et al., arXiv 2104.04473, Megatron's order), ZB-H1 (Qi et al., arXiv 2401.10241,
 figure 3) and ZB-V (Qi et al., arXiv 2405.15362; the handcrafted order of sail-sg/zero-bubble-pipeline-
 parallelism and torch.distributed.pipelining's ScheduleZBVZeroBubble). ZB-H2 comes from the zero-bubble
-greedy heuristic in builders_zb.py, at unit costs or (`zb_h2_fitted`) on measured costs, as `auto`
-runs it. `schedule_specs.build` turns a --pipeline-schedule name into one of these.
+greedy heuristic in builders_zb.py, at unit costs (fitted to measured costs: `auto_plan.zb_h2_fitted`).
+`schedule_specs.build` turns a --pipeline-schedule name into one of these.
 """
 from __future__ import annotations
 
-import dataclasses
-
-from llamapipe.core.pipeline_parallel.builders_zb import greedy_plan, zb_h2
+from llamapipe.core.config import ConfigError
+from llamapipe.core.pipeline_parallel.builders_zb import zb_h2
 from llamapipe.core.pipeline_parallel.schedule_ir import PASSES, Action, Plan
-from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "zb_h2_fitted", "zbv", "auto"]
+__all__ = ["gpipe", "one_f_one_b", "interleaved", "zb_h1", "zb_h2", "zbv"]
 
 
-def _check_sizes(name: str, pp: int, vpp: int, m: int) -> None:
+def check_sizes(name: str, pp: int, vpp: int, m: int) -> None:
     if pp < 1 or vpp < 1 or m < 1:
-        raise ValueError(f"--pipeline-schedule {name} needs pipeline size ({pp}), model chunks ({vpp}) "
-                         f"and microbatches ({m}) of at least 1")
+        raise ConfigError(f"pipeline_schedule {name} needs pipeline size ({pp}), model chunks ({vpp}) "
+                          f"and microbatches ({m}) of at least 1", "pipeline_schedule")
 
 
 def gpipe(pp: int, m: int) -> Plan:
     """All forwards, then all fused backwards; peak memory m microbatches on every rank."""
-    _check_sizes("gpipe", pp, 1, m)
+    check_sizes("gpipe", pp, 1, m)
     rank_actions = tuple(Action("F", 0, mb) for mb in range(m)) + tuple(Action("BW", 0, mb) for mb in range(m))
     return Plan("gpipe", pp, 1, m, "interleaved", (rank_actions,) * pp)
 
 
 def one_f_one_b(pp: int, m: int) -> Plan:
     """Megatron's non-interleaved 1F1B: pp-rank-1 warmup forwards, steady F/BW pairs, cooldown BWs."""
-    _check_sizes("1f1b", pp, 1, m)
+    check_sizes("1f1b", pp, 1, m)
     actions = []
     for rank in range(pp):
         warmup = min(pp - rank - 1, m)
@@ -60,7 +58,7 @@ def interleaved(pp: int, vpp: int, m: int) -> Plan:
     group deadlocks), so other m are built for the next multiple of pp and the phantom microbatches
     dropped: removing whole microbatches keeps a plan's dependency graph acyclic and its streams in order.
     """
-    _check_sizes("interleaved", pp, vpp, m)
+    check_sizes("interleaved", pp, vpp, m)
     padded = -(-m // pp) * pp
     table = _interleaved_table(pp, vpp, padded)
     total = len(table)
@@ -81,7 +79,7 @@ def zb_h1(pp: int, m: int) -> Plan:
     """ZB-H1: 1F1B with B and W split; rank r delays its W's by r microbatches, so the cooldown's
     backward chain runs at B speed and the W's fill the bubbles. Bubble (p-1)(F+B-W) instead of
     1F1B's (p-1)(F+B+W); in-flight forwards, hence peak memory p*M_B, as in 1F1B."""
-    _check_sizes("zb-h1", pp, 1, m)
+    check_sizes("zb-h1", pp, 1, m)
     actions = []
     for rank in range(pp):
         next_f = min(pp - rank, m)
@@ -106,7 +104,7 @@ def zbv(pp: int, m: int) -> Plan:
     that feeds it, so the V stays full whatever the F:B:W ratio, unlike a list schedule made at unit
     costs. The order needs m >= 2p-1: smaller m are built for 2p-1 and the phantom microbatches dropped
     (as in interleaved)."""
-    _check_sizes("zbv", pp, 2, m)
+    check_sizes("zbv", pp, 2, m)
     n = max(2 * pp - 1, m)
     actions = []
     for rank in range(pp):
@@ -133,39 +131,3 @@ def zbv(pp: int, m: int) -> Plan:
                 add("W", chunk)
         actions.append(tuple(a for a in acts if a.microbatch < m))
     return Plan("zbv", pp, 2, m, "v", tuple(actions))
-
-
-def _fastest(name: str, candidates: list[Plan], costs: Costs, limit: float) -> Plan:
-    """The candidate with the smallest simulated makespan under `costs` among those within `limit`."""
-    best = None
-    for plan in candidates:
-        result = simulate(plan, costs)
-        if max(result.peak_memory) <= limit + 1e-9 and (best is None or result.makespan < best[0] - 1e-9):
-            best = (result.makespan, plan)
-    return dataclasses.replace(best[1], name=name)
-
-
-def zb_h2_fitted(pp: int, m: int, costs: Costs, *, post_validation: bool = False) -> Plan:
-    """ZB-H2 for measured costs: the paper's heuristic run on `costs` under ZB-H2's cap of 2p-1
-    microbatches, or the unit-cost ZB-H2, ZB-H1 or 1F1B if one of those simulates faster. The unit-cost
-    plan relies on F = B = W; with B about 2W it can be slower than 1F1B (1.05x at p=2, m=8). Under
-    post-validation iterations overlap, so it plans for the longest stage span within the same cap, as
-    `auto` does (the candidates above are among auto's there)."""
-    _check_sizes("zb-h2", pp, 1, m)
-    limit = 2 * pp - 1
-    if post_validation:
-        from llamapipe.core.pipeline_parallel.auto_plan import plan_auto
-        return dataclasses.replace(plan_auto(pp, 1, m, costs, limit, post_validation=True), name="zb-h2")
-    candidates = [greedy_plan("zb-h2", pp, 1, m, "interleaved", costs, limit), zb_h2(pp, m), zb_h1(pp, m),
-                  one_f_one_b(pp, m)]
-    return _fastest("zb-h2", candidates, costs, limit)
-
-
-def auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: float | None = None, *,
-         post_validation: bool = False) -> Plan:
-    """Fastest plan for one or two chunks per rank (`schedule_specs` checks vpp) under measured `costs`
-    within `mem_limit` activation units per rank (default 2p), for what the runtime pays: the makespan of a
-    synchronous step, or the longest stage span under post-validation (`auto_plan.plan_auto`)."""
-    from llamapipe.core.pipeline_parallel.auto_plan import plan_auto
-    return plan_auto(pp, vpp, m, costs, mem_limit, post_validation=post_validation)
-

@@ -17,6 +17,7 @@ smaller m are built for 2p and the phantom microbatches dropped (as zbv does), w
 """
 from __future__ import annotations
 
+from llamapipe.core.config import ConfigError
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
 
 __all__ = ["dualpipev"]
@@ -82,8 +83,8 @@ def _rank_actions(pp: int, m: int, rank: int) -> list[Action]:
 def dualpipev(pp: int, m: int) -> Plan:
     """DualPipeV on pp ranks with two chunks each (V placement) for m microbatches."""
     if pp < 1 or m < 1:
-        raise ValueError(f"--pipeline-schedule dualpipev needs pipeline size ({pp}) and microbatches ({m}) of at "
-                         "least 1")
+        raise ConfigError(f"pipeline_schedule dualpipev needs pipeline size ({pp}) and microbatches ({m}) of at "
+                          "least 1", "pipeline_schedule")
     n = max(m, 2 * pp)
     actions = tuple(tuple(a for a in _rank_actions(pp, n, rank) if a.microbatch < m) for rank in range(pp))
     return Plan("dualpipev", pp, 2, m, "v", actions)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from llamapipe.core.config import ConfigError
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
 
 __all__ = ["v_half", "v_min", "v_half_offsets", "v_min_offsets", "PERIOD"]
@@ -64,8 +65,8 @@ def _rank_order(offsets: tuple[int, ...], m: int) -> tuple[Action, ...]:
 
 def _from_blocks(name: str, offsets: list[tuple[int, int, int, int]], pp: int, m: int) -> Plan:
     if pp < 1 or m < 1:
-        raise ValueError(f"--pipeline-schedule {name} needs pipeline size ({pp}) and microbatches ({m}) "
-                         "of at least 1")
+        raise ConfigError(f"pipeline_schedule {name} needs pipeline size ({pp}) and microbatches ({m}) "
+                          "of at least 1", "pipeline_schedule")
     return Plan(name, pp, 2, m, "v", tuple(_rank_order(rank_offsets, m) for rank_offsets in offsets))
 
 

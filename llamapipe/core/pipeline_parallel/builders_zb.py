@@ -20,6 +20,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from llamapipe.core.config import ConfigError
 from llamapipe.core.pipeline_parallel.schedule_ir import (
     Action,
     Plan,
@@ -156,12 +157,12 @@ def greedy_plan(name: str, pp: int, vpp: int, m: int, placement: str, costs: Cos
                 mem_limit: float = math.inf) -> Plan:
     """List-schedule F/B/W under `costs` and a per-rank activation-memory cap."""
     if pp < 1 or m < 1:
-        raise ValueError(f"--pipeline-schedule {name} needs pipeline size ({pp}) and microbatches ({m}) "
-                         f"of at least 1")
+        raise ConfigError(f"pipeline_schedule {name} needs pipeline size ({pp}) and microbatches ({m}) "
+                          "of at least 1", "pipeline_schedule")
     need = vpp * costs.act_mem
     if mem_limit < need - _EPS:
-        raise ValueError(f"--pipeline-memory-limit {mem_limit:g} is below the {need:g} activation units one "
-                         f"microbatch needs on all {vpp} model chunks of a rank")
+        raise ConfigError(f"pipeline_memory_limit {mem_limit:g} is below the {need:g} activation units one "
+                          f"microbatch needs on all {vpp} model chunks of a rank", "pipeline_memory_limit")
     return _Greedy(pp, vpp, m, placement, costs, mem_limit).run(name)
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+from llamapipe.core.config import ConfigError
+
+_FIRST_LAST = "first_stage_layers/last_stage_layers"     # the uneven split's two fields, said together
 _GROUP = re.compile(r"\(([^()]*)\)\*(\d+)")
 _SINGLE = re.compile(r"([^()|*\d])\*(\d+)")
 
@@ -24,27 +26,32 @@ def parse_layout(text: str) -> list[str]:
     expanded = _SINGLE.sub(lambda g: g[1] * int(g[2]), expanded)
     unknown = sorted(set(expanded) - set("EtL|"))
     if unknown:
-        raise ValueError(f"{LAYOUT_FLAG} {text!r} contains {' '.join(unknown)}; it knows E (embedding), t (decoder "
-                         "layer), L (loss), | between virtual stages, x*N and (...)*N to repeat")
+        raise ConfigError(f"pipeline_layout {text!r} contains {' '.join(unknown)}; it knows E (embedding), t "
+                          "(decoder layer), L (loss), | between virtual stages, x*N and (...)*N to repeat",
+                          "pipeline_layout")
     return expanded.split("|")
 
 
 def layout_layer_counts(text: str, num_layers: int, pp_size: int) -> list[int]:
     """Decoder layers of each virtual stage of a layout string, checked against the model and pipeline size."""
-    stages, said = parse_layout(text), f"{LAYOUT_FLAG} {text!r}"
+    stages, said = parse_layout(text), f"pipeline_layout {text!r}"
     if len(stages) % pp_size:
-        raise ValueError(f"{said} has {len(stages)} virtual stages, which is not a multiple of "
-                         f"--pipeline-model-parallel-size {pp_size}")
+        raise ConfigError(f"{said} has {len(stages)} virtual stages, which is not a multiple of pp_size {pp_size}",
+                          "pipeline_layout", "pp_size")
     letters = "".join(stages)
     if letters.count("E") != 1 or not stages[0].startswith("E"):
-        raise ValueError(f"{said} must place the embedding E once, at the start of the first virtual stage")
+        raise ConfigError(f"{said} must place the embedding E once, at the start of the first virtual stage",
+                          "pipeline_layout")
     if letters.count("L") != 1 or not stages[-1].endswith("L"):
-        raise ValueError(f"{said} must place the loss L once, at the end of the last virtual stage")
+        raise ConfigError(f"{said} must place the loss L once, at the end of the last virtual stage",
+                          "pipeline_layout")
     empty = [i for i, stage in enumerate(stages) if not stage]
     if empty:
-        raise ValueError(f"{said} leaves virtual stage {empty[0]} empty; give every stage a t, E or L")
+        raise ConfigError(f"{said} leaves virtual stage {empty[0]} empty; give every stage a t, E or L",
+                          "pipeline_layout")
     if letters.count("t") != num_layers:
-        raise ValueError(f"{said} places {letters.count('t')} decoder layers (t), but --num-layers is {num_layers}")
+        raise ConfigError(f"{said} places {letters.count('t')} decoder layers (t), but num_layers is {num_layers}",
+                          "pipeline_layout", "num_layers")
     return [stage.count("t") for stage in stages]
 
 
@@ -65,37 +72,38 @@ def stage_layer_ranges(num_layers: int, pp_size: int, vpp_size: int = 1, first: 
     if layout is not None:
         counts = layout_layer_counts(layout, num_layers, pp_size)
         if len(counts) != stages:
-            raise ValueError(f"{LAYOUT_FLAG} {layout!r} has {len(counts)} virtual stages, but "
-                             f"--pipeline-model-parallel-size {pp_size} x {vpp_size} model chunks is {stages}")
+            raise ConfigError(f"pipeline_layout {layout!r} has {len(counts)} virtual stages, but pp_size {pp_size} "
+                              f"x {vpp_size} model chunks is {stages}", "pipeline_layout", "pp_size")
     elif embedding or loss:
         counts = _accounted_counts(num_layers, pp_size, vpp_size, first, last, embedding, loss)
     elif first is None and last is None:
         if num_layers % stages:
-            raise ValueError(f"--num-layers {num_layers} is not divisible by pipeline-model-parallel size "
-                             f"({pp_size}) x virtual stages per rank ({vpp_size})")
+            raise ConfigError(f"num_layers {num_layers} is not divisible by pipeline-model-parallel size "
+                              f"({pp_size}) x virtual stages per rank ({vpp_size})", "num_layers")
         counts = [num_layers // stages] * stages
     else:
         if vpp_size != 1 or pp_size < 2:
-            raise ValueError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1 "
-                             f"and one model chunk per rank (got pp {pp_size}, {vpp_size} chunks per rank)")
-        given = {f"--decoder-{end}-pipeline-num-layers": n for end, n in (("first", first), ("last", last))
+            raise ConfigError(f"{_FIRST_LAST} need pp_size > 1 and one model chunk per rank (got pp {pp_size}, "
+                              f"{vpp_size} chunks per rank)", "first_stage_layers", "last_stage_layers", "pp_size")
+        given = {field: n for field, n in (("first_stage_layers", first), ("last_stage_layers", last))
                  if n is not None}
-        for flag, n in given.items():
+        for field, n in given.items():
             if n < 1:
-                raise ValueError(f"{flag} {n} must be at least 1")
+                raise ConfigError(f"{field} {n} must be at least 1", field)
         middle_stages, middle_layers = pp_size - len(given), num_layers - sum(given.values())
-        flags = " and ".join(f"{flag} {n}" for flag, n in given.items())
+        said = " and ".join(f"{field} {n}" for field, n in given.items())
         if middle_stages == 0 and middle_layers:
-            raise ValueError(f"{flags} must add up to --num-layers {num_layers} with "
-                             f"--pipeline-model-parallel-size {pp_size}")
+            raise ConfigError(f"{said} must add up to num_layers {num_layers} with pp_size {pp_size}", *given,
+                              "num_layers", "pp_size")
         if middle_layers < 0:
-            raise ValueError(f"{flags} {'are' if len(given) > 1 else 'is'} more than --num-layers {num_layers}")
+            raise ConfigError(f"{said} {'are' if len(given) > 1 else 'is'} more than num_layers {num_layers}",
+                              *given, "num_layers")
         if middle_layers < middle_stages or (middle_stages and middle_layers % middle_stages):
-            raise ValueError(f"{flags} {'leave' if len(given) > 1 else 'leaves'} {middle_layers} of --num-layers "
-                             f"{num_layers} for the other " + (
-                                 f"{middle_stages} pipeline stages, which must all get the same number of "
-                                 "layers, at least 1 each" if middle_stages > 1 else
-                                 "pipeline stage, which needs at least 1"))
+            raise ConfigError(f"{said} {'leave' if len(given) > 1 else 'leaves'} {middle_layers} of num_layers "
+                              f"{num_layers} for the other " + (
+                                  f"{middle_stages} pipeline stages, which must all get the same number of "
+                                  "layers, at least 1 each" if middle_stages > 1 else
+                                  "pipeline stage, which needs at least 1"), *given, "num_layers")
         even = middle_layers // middle_stages if middle_stages else 0
         counts = [even] * pp_size
         if first is not None:
@@ -108,18 +116,20 @@ def stage_layer_ranges(num_layers: int, pp_size: int, vpp_size: int = 1, first: 
 
 def _accounted_counts(num_layers: int, pp_size: int, vpp_size: int, first: int | None, last: int | None,
                       embedding: bool, loss: bool) -> list[int]:
-    flags = " and ".join(f"--account-for-{part}-in-pipeline-split" for part, on in
-                         (("embedding", embedding), ("loss", loss)) if on)
+    fields = [field for field, on in (("account_for_embedding", embedding), ("account_for_loss", loss)) if on]
+    said = " and ".join(fields)
     if first is not None or last is not None:
-        raise ValueError(f"{flags} cannot be combined with --decoder-first/last-pipeline-num-layers")
+        raise ConfigError(f"{said} cannot be combined with {_FIRST_LAST}", *fields, "first_stage_layers",
+                          "last_stage_layers")
     stages, units = pp_size * vpp_size, num_layers + embedding + loss
     if units % stages:
-        raise ValueError(f"--num-layers {num_layers} plus {flags} ({units} layers) is not divisible by "
-                         f"pipeline-model-parallel size ({pp_size}) x virtual stages per rank ({vpp_size})")
+        raise ConfigError(f"num_layers {num_layers} plus {said} ({units} layers) is not divisible by "
+                          f"pipeline-model-parallel size ({pp_size}) x virtual stages per rank ({vpp_size})",
+                          "num_layers", *fields)
     counts = [units // stages] * stages
     counts[0] -= embedding
     counts[-1] -= loss
     if min(counts) < 1:
-        raise ValueError(f"--num-layers {num_layers} with {flags} over {stages} stages leaves a stage "
-                         "without a transformer layer; use fewer stages or more layers")
+        raise ConfigError(f"num_layers {num_layers} with {said} over {stages} stages leaves a stage without a "
+                          "transformer layer; use fewer stages or more layers", "num_layers", *fields)
     return counts

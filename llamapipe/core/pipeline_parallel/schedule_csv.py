@@ -1,4 +1,4 @@
-"""Schedules as files: torch.distributed.pipelining's CSV action format to and from our plan IR.
+"""Schedules as text: torch.distributed.pipelining's CSV action format to and from our plan IR.
 
 Why: torchtitan takes a schedule as a file (`parallelism.pipeline_parallel_schedule_csv`, read by torch's
 `_PipelineScheduleRuntime._load_csv`), and our schedules already are data, so the two can be exchanged. The format
@@ -10,7 +10,8 @@ RECV_B) and FSDP's UNSHARD, RESHARD and REDUCE_GRAD are read too: those cells ar
 derives messages from the plan and reduces gradients itself. Which rank holds a stage is read off the file and
 must be one of our placements (Megatron's interleaved: stage % pp; or the V with two stages per rank).
 A loaded plan is verified by the simulator (every F, B, W once and in order, streams in order, no deadlock);
-a bad file is one `PlanError` line naming the file, the rank and the action (its cell as written).
+a bad file is one `PlanError` line naming the file, the rank and the action (its cell as written). The text is
+parsed here; reading and writing the file is the application's (training/schedule_file.py).
 """
 from __future__ import annotations
 
@@ -38,11 +39,6 @@ def to_csv(plan: Plan) -> str:
     for rank, actions in enumerate(plan.actions):
         writer.writerow([f"{plan.stage_of(rank, a.chunk)}{TO_TORCH[a.kind]}{a.microbatch}" for a in actions])
     return out.getvalue()
-
-
-def write_csv(plan: Plan, path: str) -> None:
-    with open(path, "w", newline="") as fh:
-        fh.write(to_csv(plan))
 
 
 def _parse_cell(text: str, where: str) -> list[tuple[int, str, int]]:
@@ -120,13 +116,6 @@ def verify(plan: Plan, label: str, cells: Optional[list] = None, costs: Costs = 
         raise PlanError(f"{label}: {text}") from None
 
 
-def read_csv(path: str, *, name: Optional[str] = None) -> Plan:
-    """The plan in the torch CSV file at `path` (named after the file unless `name`), verified."""
-    with open(path, newline="") as fh:
-        text = fh.read()
-    return from_csv(text, name=name or "file", label=f"schedule file {path}")
-
-
 def describe(plan: Plan, costs: Costs = Costs()) -> str:
     """One line on a loaded plan: its shape and what the simulator finds at `costs`."""
     result = simulate(plan, costs)
@@ -136,4 +125,4 @@ def describe(plan: Plan, costs: Costs = Costs()) -> str:
             f"{result.bubble_rate:.1%}, peak {max(result.peak_memory):g} microbatch-chunks of activations")
 
 
-__all__ = ["to_csv", "write_csv", "from_csv", "read_csv", "verify", "describe"]
+__all__ = ["to_csv", "from_csv", "verify", "describe"]

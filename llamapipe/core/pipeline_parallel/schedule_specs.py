@@ -7,17 +7,16 @@ answer here instead of spelling out its own list of names. `build` is the only d
 Papers: 1F1B and interleaved (arXiv 2104.04473), GPipe (arXiv 1811.06965), ZB-H1/H2 and the cost-fitted
 `auto` (arXiv 2401.10241), ZB-V, V-Half and V-Min (arXiv 2405.15362), DualPipeV (DualPipe of arXiv
 2412.19437 on the V placement, as torch.distributed.pipelining's ScheduleDualPipeV). A schedule can also be a
-file, "file:PATH" (torch's CSV action format, `schedule_csv`): its spec is made from the plan the file holds.
+file, "file:PATH" (torch's CSV action format, `schedule_csv`): once the application has read the file and added
+its plan (`add_file_plan`), that name has a spec made from the plan.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from llamapipe.core.pipeline_parallel import builders, builders_dualpipe, builders_v, schedule_csv
+from llamapipe.core.config import ConfigError
+from llamapipe.core.pipeline_parallel import auto_plan, builders, builders_dualpipe, builders_v
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs
 from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
@@ -56,15 +55,16 @@ class ScheduleSpec:
         return f"supports {' or '.join(map(str, range(lo, hi + 1)))} model chunks per pipeline rank"
 
     def chunks_error(self, vpp: int) -> Optional[str]:
-        """One sentence when `vpp` chunks per rank do not fit this schedule, else None."""
+        """One sentence when `vpp` chunks per rank do not fit this schedule (naming the config field
+        pipeline_schedule), else None."""
         if self.accepts(vpp):
             return None
-        return f"--pipeline-schedule {self.name} {self.chunks_text()}, got {vpp}"
+        return f"pipeline_schedule {self.name} {self.chunks_text()}, got {vpp}"
 
     def check_chunks(self, vpp: int) -> None:
         error = self.chunks_error(vpp)
         if error is not None:
-            raise ValueError(error)
+            raise ConfigError(error, "pipeline_schedule")
 
     def placement(self, vpp: int) -> str:
         """Where virtual stages go (`schedule_ir.stage_of`): "v" or "interleaved"."""
@@ -87,24 +87,25 @@ def _zb_h2(pp: int, vpp: int, m: int, costs: Optional[Costs], mem_limit: Optiona
     """The unit-cost ZB-H2, or with measured `costs` the plan fitted to them (ZB-H2's own cap: 2p-1)."""
     if costs is None:
         return builders.zb_h2(pp, m)
-    return builders.zb_h2_fitted(pp, m, costs, post_validation=post_validation)
+    return auto_plan.zb_h2_fitted(pp, m, costs, post_validation=post_validation)
 
 
 def _auto(pp: int, vpp: int, m: int, costs: Optional[Costs], mem_limit: Optional[float],
           post_validation: bool) -> Plan:
-    return builders.auto(pp, vpp, m, costs, mem_limit, post_validation=post_validation)
+    return auto_plan.plan_auto(pp, vpp, m, costs, mem_limit, post_validation=post_validation)
 
 
-FILE_PREFIX = "file:"      # --pipeline-schedule file:PATH (--pipeline-schedule-file PATH): a plan read from a file
+FILE_PREFIX = "file:"      # a schedule read from the file at PATH ("file:PATH"), added by `add_file_plan`
+_FILES: dict[str, tuple[Plan, ScheduleSpec]] = {}     # file:PATH -> its plan and spec, once added
 
 
 class _Table(dict):
-    """The table of named schedules; `SPECS["file:PATH"]` is also answered, by the spec of the schedule file at PATH
-    (`file_spec`), without joining the table: iterating it lists the named schedules only."""
+    """The table of named schedules; `SPECS["file:PATH"]` is also answered, by the spec of an added schedule file
+    (`add_file_plan`), without joining the table: iterating it lists the named schedules only."""
 
     def __missing__(self, name: str) -> ScheduleSpec:
-        if isinstance(name, str) and name.startswith(FILE_PREFIX):
-            return file_spec(name[len(FILE_PREFIX):])
+        if name in _FILES:
+            return _FILES[name][1]
         raise KeyError(name)
 
 
@@ -123,19 +124,28 @@ SPECS: dict[str, ScheduleSpec] = _Table({spec.name: spec for spec in (
 )})
 
 
-@functools.lru_cache(maxsize=8)
-def file_plan(path: str) -> Plan:
-    """The plan in a schedule file (torch.distributed.pipelining's CSV format, `schedule_csv`), read and verified
-    once, named file:PATH; PlanError (a ValueError) naming the rank and the action for a bad file."""
-    return dataclasses.replace(schedule_csv.read_csv(path), name=FILE_PREFIX + path)
+SCHEDULES = tuple(SPECS)            # the --pipeline-schedule names (a schedule file's file:PATH is none of them)
 
 
-@functools.lru_cache(maxsize=8)
-def file_spec(path: str) -> ScheduleSpec:
-    """The spec of a schedule file: its builder returns the file's plan for the pipeline size and microbatches it
+def add_file_plan(plan: Plan) -> ScheduleSpec:
+    """Make a plan the application read from a schedule file a schedule of this process, named as the plan is
+    (file:PATH): `SPECS`, `schedule_spec` and `build` answer that name from then on. The first plan added under a
+    name stays (a file is read once per run)."""
+    assert plan.name.startswith(FILE_PREFIX), f"a schedule file's plan is named {FILE_PREFIX}PATH, not {plan.name}"
+    if plan.name not in _FILES:
+        _FILES[plan.name] = (plan, _file_spec(plan))
+    return _FILES[plan.name][1]
+
+
+def file_plan(name: str) -> Optional[Plan]:
+    """The plan of the schedule file `name` (file:PATH) once it was added (`add_file_plan`), else None."""
+    return _FILES[name][0] if name in _FILES else None
+
+
+def _file_spec(plan: Plan) -> ScheduleSpec:
+    """The spec of a schedule file's plan: its builder returns the plan for the pipeline size and microbatches it
     was written for, and refuses others in one sentence."""
-    plan = file_plan(path)
-    name = plan.name
+    path = plan.name[len(FILE_PREFIX):]
 
     def builder(pp: int, vpp: int, m: int, *_) -> Plan:
         if (pp, m) != (plan.pp, plan.num_microbatches):
@@ -143,19 +153,19 @@ def file_spec(path: str) -> ScheduleSpec:
                              f"ranks, but this run has {m} microbatches on {pp}")
         return plan
     split = any(a.kind == "W" for acts in plan.actions for a in acts)
-    return ScheduleSpec(name, builder, plan.vpp, plan.vpp, plan.vpp, v_placement=plan.placement == "v",
+    return ScheduleSpec(plan.name, builder, plan.vpp, plan.vpp, plan.vpp, v_placement=plan.placement == "v",
                         zero_bubble=split, planned=False)
 
 
 def schedule_spec(name: str) -> ScheduleSpec:
-    """The spec of a --pipeline-schedule name (or file:PATH); ValueError naming the choices if there is none, or
-    what is wrong with the file."""
-    if isinstance(name, str) and name.startswith(FILE_PREFIX):
-        if not os.path.isfile(name[len(FILE_PREFIX):]):
-            raise ValueError(f"--pipeline-schedule {name}: no such file")
-        return SPECS[name]
-    if name not in SPECS:
-        raise ValueError(f"--pipeline-schedule {name} is unknown; choose one of {', '.join(SPECS)}")
+    """The spec of a --pipeline-schedule name (or of an added schedule file, file:PATH); ConfigError naming the
+    choices if there is none."""
+    if isinstance(name, str) and name.startswith(FILE_PREFIX) and name not in _FILES:
+        raise ConfigError(f"pipeline_schedule {name} names a schedule file that was not read; the application reads "
+                          "it and adds its plan (add_file_plan)", "pipeline_schedule")
+    if name not in SPECS and name not in _FILES:
+        raise ConfigError(f"pipeline_schedule {name} is unknown; choose one of {', '.join(SPECS)}",
+                          "pipeline_schedule")
     return SPECS[name]
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from llamapipe.core.config import ConfigError
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.simulator import (
     Costs,
@@ -61,7 +62,7 @@ def simulate_iterations(plan: Plan, costs: Costs | None = None, iterations: int 
 
     `optimizer_step` is the optimizer step's time, one number or one per pipeline rank."""
     if iterations < 1:
-        raise ValueError(f"--iterations must be at least 1, got {iterations}")
+        raise ConfigError(f"iterations must be at least 1, got {iterations}", "iterations")
     costs = costs or Costs()
     opt = _per_rank(optimizer_step, plan.pp)
     verify(plan)

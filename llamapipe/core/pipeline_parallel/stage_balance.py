@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from llamapipe.core.config import ConfigError
 from llamapipe.core.pipeline_parallel.profile_costs import PassCosts
 
 # One element of memory-bound work (read and write of a value: the embedding's dense gradient, the softmax over
@@ -69,7 +70,8 @@ def balanced_counts(parts: dict[str, PassCosts], num_layers: int, ranks: Sequenc
     moving one layer at a time off the busiest rank; every stage keeps at least one layer."""
     stages = len(ranks)
     if num_layers < stages:
-        raise ValueError(f"--num-layers {num_layers} is fewer than the {stages} virtual stages to split it over")
+        raise ConfigError(f"num_layers {num_layers} is fewer than the {stages} virtual stages to split it over",
+                          "num_layers")
     counts = even_counts(num_layers, stages)
     best = max(rank_work(parts, counts, ranks, vocab_parallel))
     while True:

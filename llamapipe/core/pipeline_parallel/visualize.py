@@ -1,5 +1,5 @@
-"""Draw a simulated pipeline timeline: ASCII for terminals and logs, PNG/SVG with matplotlib, and a
-per-rank table of where the time goes.
+"""Draw a simulated pipeline timeline: ASCII for terminals and logs, a matplotlib figure (plot-schedule writes
+it as PNG/SVG), and a per-rank table of where the time goes.
 
 Why: a schedule is easiest to judge by eye, in the style of the figures of the Megatron interleaving
 paper (arXiv 2104.04473) and the zero-bubble paper (arXiv 2401.10241): one row per pipeline rank,
@@ -200,9 +200,3 @@ def timeline_figure(plan: Plan, result: Result, title: str | None = None,
         _draw_labels(ax, groups, makespan, len(str(plan.num_microbatches - 1)),
                      (-0.4 + _STRIP_TOP) / 2 if hatched else 0.0)
     return fig
-
-
-def plot_timeline(plan: Plan, result: Result, path: str, title: str | None = None,
-                  iterations: IterationsResult | None = None) -> None:
-    """Write the timeline to `path` (format from the suffix, e.g. .png or .svg); see `timeline_figure`."""
-    timeline_figure(plan, result, title, iterations).savefig(path)

@@ -22,15 +22,16 @@ import copy
 from typing import Optional
 
 from llamapipe.core.config import ArgumentError
-from llamapipe.core.pipeline_parallel.layout import LAYOUT_FLAG
 from llamapipe.core.pipeline_parallel.profile_costs import PassCosts
-from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule, schedule_spec
+from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule
 from llamapipe.core.pipeline_parallel.stage_balance import (ELEMENT_FLOPS, analytic_parts, balanced_counts,
                                                             even_counts, layout_string, rank_work, stage_ranks,
                                                             tp_parts)
 from llamapipe.model.config import LlamaConfig
 from llamapipe.training import profile_schema
-from llamapipe.training.arguments.pipeline import vpp_size
+from llamapipe.training.arguments.pipeline import LAYOUT_FLAG, vpp_size
+from llamapipe.training.flag_names import flag_message
+from llamapipe.training.schedule_file import load_schedule
 
 AUTO = "auto"
 PROFILE_FLAG = "--pipeline-profile"
@@ -56,7 +57,7 @@ def resolve_auto_layout(args: argparse.Namespace, model: LlamaConfig, seq_length
         notices.append(f"notice: {LAYOUT_FLAG} {AUTO} has nothing to split at --pipeline-model-parallel-size 1")
         return out
     vpp, schedule = _chunks(args, model.num_layers)
-    ranks = stage_ranks(pp, vpp, schedule_spec(schedule).placement(vpp))
+    ranks = stage_ranks(pp, vpp, load_schedule(schedule).placement(vpp))
     vocab_parallel = bool(args.enable_vocab_parallel)
     if profile_path is not None:
         parts, unit, source = _profiled_parts(args, model, seq_length, profile_path), 1e3, \
@@ -96,9 +97,9 @@ def _chunks(args: argparse.Namespace, num_layers: int) -> tuple[int, str]:
     vpp = vpp_size(explicit, num_layers)
     schedule = args.pipeline_schedule or default_schedule(vpp)
     try:
-        spec = schedule_spec(schedule)
+        spec = load_schedule(schedule)
     except ValueError as err:
-        raise ArgumentError(str(err)) from None
+        raise ArgumentError(flag_message(err)) from None
     if not spec.accepts(vpp) and args.num_layers_per_virtual_pipeline_stage is None and \
             args.num_virtual_stages_per_pipeline_rank is None:
         vpp = spec.min_chunks

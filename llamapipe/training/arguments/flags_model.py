@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from llamapipe.core.config import SCHEDULES, SHARDING_STRATEGIES
-from llamapipe.core.pipeline_parallel.activation_memory import memory_limit
+from llamapipe.core.config import SHARDING_STRATEGIES
+from llamapipe.core.pipeline_parallel.schedule_specs import SCHEDULES
+from llamapipe.training.arguments.memory_limit import memory_limit
 from llamapipe.model.families import PRESETS
 
 

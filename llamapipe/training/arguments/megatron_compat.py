@@ -9,20 +9,11 @@ value is the one that means "off" in Megatron (e.g. --expert-model-parallel-size
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from typing import Callable, Optional, Union
 
 from llamapipe.core.config import ArgumentError
-
-
-@dataclass(frozen=True)
-class CompatFlag:
-    flag: str
-    why: str                                    # notices: why it has no effect; refusals: why and what instead
-    type: Optional[Callable] = None             # None: a switch; else it takes a value of this type
-    nargs: Union[int, str, None] = None         # for a flag taking several values
-    off: tuple = ()                             # refused flags: values that mean "off" and pass silently
-
+from llamapipe.training.arguments.compat_table import CompatFlag, add_table, dest_of, said
+from llamapipe.training.arguments.schedule_file_args import add_schedule_file_flag, schedule_file_lines
+from llamapipe.training.arguments.zb_fork_flags import add_fork_flags, check_fork_flags
 
 _FUSION = "a switch of Megatron's fused CUDA kernels; llamapipe has none (torch picks its kernels)"
 _TB = "TensorBoard gets the loss, learning rate, grad norm and loss scale only"
@@ -109,25 +100,9 @@ REFUSED: tuple[CompatFlag, ...] = (
 )
 
 
-def dest_of(flag: str) -> str:
-    return flag[2:].replace("-", "_")
-
-
-def add_table(g, entries: tuple, prefix: str) -> None:
-    """Each entry as a flag of argument group `g` with Megatron's arity, its reason as help."""
-    for e in entries:
-        text = prefix + e.why if not e.off else f"refused unless {' or '.join(map(str, e.off))} (off): {e.why}"
-        if e.type is None:
-            g.add_argument(e.flag, dest=dest_of(e.flag), action="store_true", help=text)
-        else:
-            g.add_argument(e.flag, dest=dest_of(e.flag), type=e.type, nargs=e.nargs, default=None, help=text)
-
-
 def add_compat_flags(p: argparse.ArgumentParser) -> None:
     """Both tables as flags of two groups, each with its reason as help, the zero-bubble fork's flags
     (zb_fork_flags) in a third, and torchtitan's schedule file (schedule_file_args)."""
-    from llamapipe.training.arguments.schedule_file_args import add_schedule_file_flag
-    from llamapipe.training.arguments.zb_fork_flags import add_fork_flags   # it builds on this module's tables
     add_table(p.add_argument_group("Megatron-LM flags with no effect here (one notice line each)"), NOTICES,
               "no effect: ")
     add_table(p.add_argument_group("Megatron-LM flags refused (the run stops with the reason)"), REFUSED, "refused: ")
@@ -135,17 +110,9 @@ def add_compat_flags(p: argparse.ArgumentParser) -> None:
     add_schedule_file_flag(p)
 
 
-def said(entry: CompatFlag, value) -> str:
-    if entry.type is None:
-        return entry.flag
-    return f"{entry.flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
-
-
 def check_compat(args: argparse.Namespace) -> list[str]:
     """Raise ArgumentError for the first refused flag given; return one notice line per no-effect flag given,
     then the zero-bubble fork's (zb_fork_flags.check_fork_flags) and the line on a schedule file."""
-    from llamapipe.training.arguments.schedule_file_args import schedule_file_lines
-    from llamapipe.training.arguments.zb_fork_flags import check_fork_flags
     for e in REFUSED:
         value = getattr(args, dest_of(e.flag))
         if value not in (None, False) and value not in e.off:

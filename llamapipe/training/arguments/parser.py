@@ -15,7 +15,8 @@ import sys
 from typing import Optional, Sequence
 
 from llamapipe.core.config import ArgumentError, DataConfig, TrainingConfig
-from llamapipe.core.flag_parser import FlagParser
+from llamapipe.training.flag_names import worded_as_flags
+from llamapipe.training.flag_parser import FlagParser
 from llamapipe.core.logger import get_logger
 from llamapipe.training.arguments.auto_layout import device_of, resolve_auto_layout
 from llamapipe.training.arguments.checkpoint_args import with_checkpoint_args
@@ -65,8 +66,14 @@ def config_from_args(args: argparse.Namespace, world_size: int, check_memory: bo
     them, do not depend on the machine).
 
     The start-up notices (flags with no effect here, values taken from a checkpoint) are logged once the
-    whole configuration is valid, so a refused run prints only its error line.
+    whole configuration is valid, so a refused run prints only its error line. The library's checks name config
+    fields; their errors are re-raised naming the flags (`flag_names.worded_as_flags`).
     """
+    with worded_as_flags():
+        return _build_config(args, world_size, check_memory)
+
+
+def _build_config(args: argparse.Namespace, world_size: int, check_memory: bool) -> Config:
     notices = check_compat(args)
     args = with_checkpoint_args(args, notices)      # a copy: `args` itself stays as parsed
     check_positive(args, world_size)

@@ -11,8 +11,11 @@ import argparse
 from typing import Optional
 
 from llamapipe.core.config import ArgumentError, ParallelConfig
-from llamapipe.core.pipeline_parallel.layout import LAYOUT_FLAG, layout_layer_counts, parse_layout, stage_layer_ranges
+from llamapipe.core.pipeline_parallel.layout import layout_layer_counts, parse_layout, stage_layer_ranges
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, ScheduleSpec
+from llamapipe.training.flag_names import as_flags, flag_message, flag_of
+
+LAYOUT_FLAG = flag_of("pipeline_layout")
 
 
 def vpp_size(args: argparse.Namespace, num_layers: int) -> int:
@@ -52,7 +55,7 @@ def _layout_vpp(args: argparse.Namespace, pp: int) -> int:
     try:
         stages = parse_layout(text)
     except ValueError as err:
-        raise ArgumentError(str(err)) from None
+        raise ArgumentError(flag_message(err)) from None
     said = f"{LAYOUT_FLAG} {text!r} ({len(stages)} virtual stages)"
     if len(stages) % pp:
         raise ArgumentError(f"{said} is not a multiple of --pipeline-model-parallel-size {pp}")
@@ -76,7 +79,7 @@ def _check_layout(args: argparse.Namespace, num_layers: int, par: ParallelConfig
     try:
         counts = layout_layer_counts(text, num_layers, par.pp_size)
     except ValueError as err:
-        raise ArgumentError(str(err)) from None
+        raise ArgumentError(flag_message(err)) from None
     for part, on in (("embedding", par.account_for_embedding), ("loss", par.account_for_loss)):
         if on:
             raise ArgumentError(f"--account-for-{part}-in-pipeline-split cannot be combined with {LAYOUT_FLAG} "
@@ -141,7 +144,7 @@ def check_layer_split(args: argparse.Namespace, num_layers: int, par: ParallelCo
         stage_layer_ranges(num_layers, pp, par.vpp_size, par.first_stage_layers, par.last_stage_layers,
                            embedding=par.account_for_embedding, loss=par.account_for_loss)
     except ValueError as err:
-        raise ArgumentError(str(err)) from None
+        raise ArgumentError(flag_message(err)) from None
 
 
 def _either(names: list[str]) -> str:
@@ -174,7 +177,7 @@ def check_schedule(args: argparse.Namespace, par: ParallelConfig, m: int, num_la
         return
     error = spec.chunks_error(vpp)
     if error is not None:
-        raise ArgumentError(error + _chunks_fix(args, spec, par, num_layers))
+        raise ArgumentError(as_flags(error, ["pipeline_schedule"]) + _chunks_fix(args, spec, par, num_layers))
     capped = _either([name for name, other in SPECS.items() if other.memory_capped])
     limited = par.pipeline_memory_limit is not None or par.pipeline_memory_limit_bytes is not None
     if limited and not spec.memory_capped:

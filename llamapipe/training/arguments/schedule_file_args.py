@@ -2,7 +2,7 @@
 
 Why: torchtitan users hand their schedule over as a file (`parallelism.pipeline_parallel_schedule_csv`, read by
 torch's `_PipelineScheduleRuntime._load_csv`), and `llamapipe plot-schedule --export-csv` writes any of ours. The
-file is read and verified by the simulator while the flag is parsed (`schedule_specs.file_spec`; a bad file is one
+file is read and verified by the simulator while the flag is parsed (`training.schedule_file`; a bad file is one
 error line naming the rank and the action), and the flag then stands for `--pipeline-schedule file:PATH` with the
 file's model chunks per rank (`--num-virtual-stages-per-pipeline-rank`); other values given those flags are an error.
 """
@@ -12,7 +12,8 @@ import argparse
 import os
 
 from llamapipe.core.pipeline_parallel.schedule_csv import describe
-from llamapipe.core.pipeline_parallel.schedule_specs import FILE_PREFIX, file_plan, file_spec
+from llamapipe.core.pipeline_parallel.schedule_specs import FILE_PREFIX, file_plan
+from llamapipe.training.schedule_file import load_schedule
 
 
 def _flag(dest: str) -> str:
@@ -25,7 +26,7 @@ class _ScheduleFile(argparse.Action):
         if not os.path.isfile(path):
             parser.error(f"{option_string} {path}: no such file")
         try:
-            spec = file_spec(path)
+            spec = load_schedule(FILE_PREFIX + path)
         except ValueError as err:
             parser.error(f"{option_string}: {err}")
         setattr(namespace, self.dest, path)
@@ -53,4 +54,4 @@ def schedule_file_lines(args: argparse.Namespace) -> list[str]:
     path = getattr(args, "pipeline_schedule_file", None)
     if path is None:
         return []
-    return [f"--pipeline-schedule-file {path}: verified, {describe(file_plan(path))}"]
+    return [f"--pipeline-schedule-file {path}: verified, {describe(file_plan(FILE_PREFIX + path))}"]

@@ -16,9 +16,11 @@ import torch
 from llamapipe.core.config import FSDP_STRATEGIES, ArgumentError, ParallelConfig
 from llamapipe.core.context_parallel import COMM_TYPES
 from llamapipe.core.parallel_state import AXES, DEFAULT_ORDER, full_order
-from llamapipe.core.pipeline_parallel.activation_memory import MemoryBytes
-from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule, schedule_spec
+from llamapipe.training.arguments.memory_limit import MemoryBytes
+from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule
 from llamapipe.training.arguments.pipeline import vpp_size
+from llamapipe.training.flag_names import flag_message
+from llamapipe.training.schedule_file import load_schedule
 from llamapipe.training.config import CheckpointConfig, LoggingConfig
 
 
@@ -84,9 +86,9 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
     vpp = vpp_size(args, num_layers)
     schedule = args.pipeline_schedule or default_schedule(vpp)
     try:
-        schedule_spec(schedule)     # a name in the table, or file:PATH (read and verified)
+        load_schedule(schedule)     # a name in the table, or file:PATH (read and verified)
     except ValueError as err:
-        raise ArgumentError(str(err)) from None
+        raise ArgumentError(flag_message(err)) from None
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 cannot be used together")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:

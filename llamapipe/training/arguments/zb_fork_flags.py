@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 
 from llamapipe.core.config import ArgumentError
-from llamapipe.core.pipeline_parallel.activation_memory import memory_limit
-from llamapipe.training.arguments.megatron_compat import CompatFlag, add_table, dest_of, said
+from llamapipe.training.arguments.memory_limit import memory_limit
+from llamapipe.training.arguments.compat_table import CompatFlag, add_table, dest_of, said
 
 V_SCHEDULES = {"zb": "zbv", "half": "v-half", "min": "v-min"}   # --zero-bubble-v-schedule-mem-setup -> schedule
 TIMERS_END_DEFAULT = 110          # the fork's defaults: timers on from iteration 100 to 110

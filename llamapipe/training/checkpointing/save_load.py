@@ -27,6 +27,7 @@ from llamapipe.training.checkpointing.selection import choose_checkpoint, same_l
 from llamapipe.training.checkpointing.writer import (  # noqa: F401  (finalize and the error: this module's API)
     CheckpointSaveError, FileJob, SaveJob, finalize_async_save, start)
 from llamapipe.training.config import Config
+from llamapipe.training.flag_names import flag_message
 from llamapipe.core.logger import get_logger
 from llamapipe.core.parallel_state import AXES, ParallelState
 from llamapipe.training.checkpointing.resharding import (TensorSpec, gather_vocab_shards, named_tensors,
@@ -217,7 +218,7 @@ def _load_scheduler(scheduler: Any, state: dict, config: Config, path: str) -> N
         scheduler.load_state_dict(state, override=ckpt.override_opt_param_scheduler,
                                   use_checkpoint=ckpt.use_checkpoint_opt_param_scheduler)
     except ValueError as err:
-        raise ValueError(f"checkpoint {path}: {err}") from None
+        raise ValueError(f"checkpoint {path}: {flag_message(err)}") from None
 
 
 def _check_model_config(saved: dict, current: LlamaConfig, path: str) -> None:
