@@ -37,7 +37,7 @@ MODEL = dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_h
 
 def _model(cp: int, comm: str, seq: int):
     from llamapipe.core.parallel_state import ParallelState
-    from llamapipe.model.config import LlamaConfig
+    from llamapipe.model.llama import LlamaConfig
     from llamapipe.model.llama import LlamaModel
     rank = dist.get_rank() if dist.is_initialized() else 0
     group = dist.group.WORLD if cp > 1 else None
@@ -143,7 +143,7 @@ def memory(seq: int) -> dict:
 
 def _predicted(seq: int) -> dict:
     """The planner's activation bytes per rank (llamapipe.tools.parallel_estimate, fp32, no recompute, pp 1)."""
-    from llamapipe.model.config import LlamaConfig
+    from llamapipe.model.llama import LlamaConfig
     from llamapipe.tools.parallel_estimate import Layout, activation_peaks
     config = LlamaConfig(**MODEL, max_position_embeddings=seq)
     out = {}

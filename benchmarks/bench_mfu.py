@@ -15,7 +15,7 @@ import time
 import torch
 
 from llamapipe.training.log import device_peak_tflops, flops_per_token
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.llama import LlamaModel
 from benchmarks.results_io import write_json
 

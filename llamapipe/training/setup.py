@@ -27,7 +27,7 @@ from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
 from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
 from llamapipe.core.tensor_parallel.vocab_pipeline import VocabTargets
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 
 log = get_logger()
 

@@ -13,7 +13,7 @@ from llamapipe.core.context_parallel import shard_batch, unshard_sequence
 from llamapipe.core.pipeline_parallel.activation_memory import saved_storages
 from llamapipe.core.tensor_parallel.layers import allreduce_sequence_parallel_grads, gather_logical_tensor
 from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.llama import LlamaModel
 from llamapipe.model.qwen2 import Qwen2Config, Qwen2Model
 from tests.harness import run_distributed

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from llamapipe.core.tensor_parallel.layers import allreduce_sequence_parallel_grads, gather_logical_tensor
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.llama import LlamaModel
 from tests.harness import run_distributed
 

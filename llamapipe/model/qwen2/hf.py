@@ -1,6 +1,6 @@
 """Conversion between HF transformers `Qwen2ForCausalLM` weights/config and ours (in memory).
 
-LLaMA's conversion (model/hf_checkpoint.py) plus the q/k/v biases. HF Qwen2 has no `attention_bias` key (its
+LLaMA's conversion (model/llama/hf.py) plus the q/k/v biases. HF Qwen2 has no `attention_bias` key (its
 biases are always there) and may use sliding-window attention, which ours does not: such a config is refused.
 """
 from __future__ import annotations
@@ -9,9 +9,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from llamapipe.model import hf_checkpoint as llama_hf
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.qwen2 import Qwen2Config
+from llamapipe.model.llama import LlamaConfig, hf as llama_hf
+from llamapipe.model.qwen2.config import Qwen2Config
 
 HF_ARCHITECTURE, HF_MODEL_TYPE = "Qwen2ForCausalLM", "qwen2"
 _LAYER_NAMES = {**llama_hf.LAYER_NAMES, **{f"attention.{p}_proj.bias": f"self_attn.{p}_proj.bias" for p in "qkv"}}

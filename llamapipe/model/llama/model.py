@@ -1,4 +1,5 @@
-"""LLaMA model chunk with tensor, sequence and pipeline parallelism (Megatron-LM chunk protocol).
+"""The LLaMA model chunk with tensor, sequence and pipeline parallelism (Megatron-LM chunk protocol), built from
+the parts its `spec` names (model/spec.py): every LLaMA-shaped family's chunk is this class with its own spec.
 
 `LlamaModel(config)` is the whole model on one process. Given a `ParallelState` it holds this TP rank's
 shards; `layer_range` / `pre_process` / `post_process` make it one pipeline chunk. Parameter names are
@@ -31,8 +32,9 @@ from llamapipe.core.tensor_parallel.vocab_pipeline import PipelineVocabEmbedding
 from llamapipe.core.tensor_parallel.layers import (INPUT_COPY, INPUT_GATHER, ColumnParallelLinear, VocabParallelEmbedding,
                                          parallel_linear, set_tensor_model_parallel_attributes,
                                          shard_logical_tensor)
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from llamapipe.model.layers import DecoderLayer
+from llamapipe.model.llama.config import LlamaConfig
+from llamapipe.model.spec import ModelSpec
 
 _SCALED_INIT = ("attention.o_proj.weight", "mlp.down_proj.weight")
 
@@ -73,9 +75,9 @@ def init_logical_tensor(name: str, shape: Sequence[int], config: LlamaConfig, se
 
 class LlamaModel(nn.Module):
     """A LLaMA chunk: [embedding] -> layers[start:end] -> [final norm, output head, loss]. Another family
-    with LLaMA's chunk structure subclasses it with its own `layer_class` (model/qwen2.py)."""
+    with LLaMA's chunk structure subclasses it with its own `spec` (model/qwen2/model.py)."""
 
-    layer_class = DecoderLayer
+    spec = ModelSpec()
 
     def __init__(self, config: LlamaConfig, parallel_state: Optional[ParallelState] = None, *,
                  layer_range: Optional[tuple[int, int]] = None, pre_process: bool = True,
@@ -105,12 +107,12 @@ class LlamaModel(nn.Module):
         padded_vocab = config.padded_vocab_size(tp_size)
         if pre_process:
             self.embedding = VocabParallelEmbedding(padded_vocab, config.hidden_size, self.tp_group, **kw)
-        self.rotary = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
-        self.layers = nn.ModuleDict({str(i): self.layer_class(config, self.tp_group, cp_group=cp_group,
-                                                              cp_comm_type=cp_comm_type, **kw)
+        self.rotary = self.spec.positions(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, self.spec, self.tp_group, cp_group=cp_group,
+                                                          cp_comm_type=cp_comm_type, **kw)
                                      for i in range(*layer_range)})
         if post_process:
-            self.final_norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw)
+            self.final_norm = self.spec.norm(config.hidden_size, config.norm_epsilon, **kw)
             if not config.tie_word_embeddings and not vocab_parallel:
                 self.output = ColumnParallelLinear(config.hidden_size, padded_vocab, self.tp_group, **kw)
                 set_tensor_model_parallel_attributes(self.output.weight, 0, vocab_padded=True)

@@ -6,7 +6,7 @@ projections keep their (num_query_groups * head_dim, hidden) shape. The vocabula
 rows to `padded_vocab_size(1)`; `LlamaModel.load_logical_state_dict` adapts it to any TP layout.
 Reading and writing files belongs to the checkpointing code. A family of the same shape reuses the
 pieces: `hf_config_fields` / `hf_config_dict` for the shared config keys, `convert_from_hf` / `convert_to_hf`
-with its own layer name map (model/qwen2_hf.py).
+with its own layer name map (model/qwen2/hf.py).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama.config import LlamaConfig
 
 LAYER_NAMES = {  # ours -> HF, inside layers.<i>
     "input_norm.weight": "input_layernorm.weight",
