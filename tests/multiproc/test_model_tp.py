@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from llamapipe.core.tensor_parallel.layers import allreduce_sequence_parallel_grads, gather_logical_tensor
-from llamapipe.model.llama import LlamaConfig
-from llamapipe.model.llama import LlamaModel
+from llamapipe.model.llama import LlamaConfig, LlamaModel
 from tests.harness import run_distributed
 
 # vocab 1003 padded to a multiple of 100 x tp: 1100 rows at TP=1, 1200 at TP=2 and 4 (one shard all padding-heavy)
