@@ -158,8 +158,14 @@ class _RotaryFunction(torch.autograd.Function):
 
 class Attention(nn.Module):
     """Grouped-query self-attention: q/k/v projections (with biases when the spec says `qkv_bias`, Qwen2),
-    RoPE, the spec's `core_attention` and the output projection. Heads and query groups split over TP ranks,
-    the sequence over the CP ranks of `cp_group` (None: one rank)."""
+    the spec's norm over each head of q and k when it says `qk_norm` (Qwen3), RoPE, the spec's
+    `core_attention` and the output projection. Heads and query groups split over TP ranks, the sequence over
+    the CP ranks of `cp_group` (None: one rank).
+
+    A q/k norm's weight (head_dim,) is replicated over TP and acts on this rank's heads only, so each rank's
+    gradient is the part of its heads: it is marked `per_head` and summed over TP at the step's end, as the
+    sequence-parallel norms' are (core/tensor_parallel/layers.py `TP_PARTIAL_GRADS`), with or without sequence
+    parallelism; its input is never a sequence shard, so it is not a sequence-parallel parameter."""
 
     def __init__(self, config: LlamaConfig, spec: ModelSpec, tp_group: Optional[Any], *, sequence_parallel: bool,
                  params_dtype: torch.dtype, recompute_core: bool, cp_group: Optional[Any] = None,
@@ -175,6 +181,12 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(h, config.num_query_groups * d, tp_group, bias=bias, **kw)
         self.v_proj = ColumnParallelLinear(h, config.num_query_groups * d, tp_group, bias=bias, **kw)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, h, tp_group, **kw)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm:
+            self.q_norm = spec.norm(d, config.norm_epsilon, params_dtype=params_dtype)
+            self.k_norm = spec.norm(d, config.norm_epsilon, params_dtype=params_dtype)
+            for norm in (self.q_norm, self.k_norm):
+                set_tensor_model_parallel_attributes(norm.weight, -1, per_head=True)
         self.core = spec.core_attention(config, cp_group=cp_group, cp_comm_type=cp_comm_type,
                                         grouped=self.groups != self.heads)
 
@@ -187,7 +199,7 @@ class Attention(nn.Module):
         q = q.view(s, b, self.heads, self.head_dim)
         k = k.view(s, b, self.groups, self.head_dim)
         v = v.view(s, b, self.groups, self.head_dim)
-        if self.recompute_core:  # selective recompute (arXiv 2205.05198): keep only q, k, v
+        if self.recompute_core:  # selective recompute (arXiv 2205.05198): keep only q, k, v (before their norms)
             context = checkpoint(self._core, q, k, v, rope[0], rope[1], use_reentrant=False)
         else:
             context = self._core(q, k, v, *rope)
@@ -197,6 +209,8 @@ class Attention(nn.Module):
               sin: torch.Tensor) -> torch.Tensor:
         # q: (s, b, heads, d), k/v: (s, b, groups, d) -> (s, b, heads*d)
         s, b = q.shape[:2]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, (cos, sin)).permute(1, 2, 0, 3)  # (b, heads, s, d)
         k = apply_rotary(k, (cos, sin)).permute(1, 2, 0, 3)  # (b, groups, s, d)
         out = self.core(q, k, v.permute(1, 2, 0, 3))         # (b, heads, s, d)

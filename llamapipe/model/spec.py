@@ -30,6 +30,8 @@ class ModelSpec:
     norm: type[nn.Module] = RMSNorm            # every norm: (size, eps, *, sequence_parallel, params_dtype)
     attention: type[nn.Module] = Attention     # the q/k/v/o projections around the core: (config, spec, tp_group, ...)
     qkv_bias: bool = False                     # biases on the q, k and v projections (Qwen2; --add-qkv-bias)
+    qk_norm: bool = False                      # `norm` over each head of q and k before RoPE (Qwen3; Megatron's
+                                               # q_layernorm / k_layernorm)
     core_attention: type[nn.Module] = CausalAttention   # the mask: causal over the sequence (and the CP group)
     mlp: type[nn.Module] = MLP                 # the feed-forward block: (config, tp_group, *, sequence_parallel, ...)
     positions: type[nn.Module] = RotaryEmbedding   # the tables every layer gets: (rotary_dim, max_positions, theta)

@@ -38,8 +38,8 @@ from torch.distributed.tensor import DTensor
 
 from llamapipe.core.config import FSDP_STRATEGIES, SHARDING_STRATEGIES as STRATEGIES
 
-_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "vocab_padded", "sequence_parallel", "shared", "vocab_shard",
-             "vocab_shards")
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "vocab_padded", "sequence_parallel", "per_head", "shared",
+             "vocab_shard", "vocab_shards")
 
 
 def is_sharded(chunks: list[nn.Module]) -> bool:
@@ -164,16 +164,16 @@ def full_of(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def reduce_scatter_grads(chunks: list[nn.Module], ps: Any, divisor: Optional[float]) -> None:
     """Sum the step's gathered-parameter gradients over DP into the shards and divide by `divisor`.
 
-    Collective over TP (sequence-parallel norm gradients) and DP; call after the step's last W."""
+    Collective over TP (sequence-parallel and per-head norm gradients) and DP; call after the step's last W."""
     from llamapipe.core.distributed.grad_reduce import group_size
-    from llamapipe.core.tensor_parallel.layers import all_reduce_coalesced
+    from llamapipe.core.tensor_parallel.layers import TP_PARTIAL_GRADS, all_reduce_coalesced
     for chunk in chunks:
         sharding: _ChunkSharding = chunk._dp_sharding
         groups = sharding.param_groups()
         if group_size(ps.tp_group) > 1:
             sp = [fp._unsharded_param.grad for g in groups for fp in g.fsdp_params
                   if getattr(fp._unsharded_param, "grad", None) is not None
-                  and _orig_attr(chunk, sharding, fp, "sequence_parallel")]
+                  and any(_orig_attr(chunk, sharding, fp, attr) for attr in TP_PARTIAL_GRADS)]
             all_reduce_coalesced(sp, ps.tp_group)
         chunk.set_requires_gradient_sync(True)
         try:
