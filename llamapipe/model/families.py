@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from llamapipe.model import llama, qwen2
+from llamapipe.model import llama, qwen2, qwen3
 from llamapipe.model.llama.config import LlamaConfig
 from llamapipe.model.spec import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     llama.FAMILY,
     qwen2.FAMILY,
+    qwen3.FAMILY,
 )}
 PRESETS: dict[str, dict] = {name: fields for f in FAMILIES.values() for name, fields in f.presets.items()}
 
