@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-import torch
-
 from llamapipe.model.llama import LlamaConfig, hf as llama_hf
 from llamapipe.model.qwen3.config import Qwen3Config
 
@@ -34,14 +32,4 @@ def config_to_hf(config: LlamaConfig, token_ids: Optional[dict[str, Optional[int
             "max_window_layers": config.num_layers}
 
 
-def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: Union[Any, dict],
-            make_vocab_size_divisible_by: int = 128) -> tuple[Qwen3Config, dict[str, torch.Tensor]]:
-    """(our config, our full logical state dict) from a Qwen3ForCausalLM state dict and its config."""
-    config = config_from_hf(hf_config, make_vocab_size_divisible_by)
-    return config, llama_hf.convert_from_hf(config, hf_state_dict, _LAYER_NAMES)
-
-
-def to_hf(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
-          token_ids: Optional[dict[str, Optional[int]]] = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """(Qwen3ForCausalLM state dict, config.json dict) from our full logical state dict."""
-    return llama_hf.convert_to_hf(config, state_dict, _LAYER_NAMES), config_to_hf(config, token_ids)
+from_hf, to_hf = llama_hf.converters(config_from_hf, config_to_hf, _LAYER_NAMES)
