@@ -1,8 +1,9 @@
 """The qwen3 model family through the command lines: `pretrain_llama.py --model qwen3-tiny` trains (loss finite
-and falling) and tp 2 with sequence parallelism and pp 2 under ZB-V give the single-rank losses (fp32; the
-per-head q/k norms replicated over TP, their gradients summed over it; a head dim of 32 with 4 heads of a
-64-wide model); `convert-hf` imports a random HF Qwen3ForCausalLM into tp 2 and exports it back with identical
-tensors and logits."""
+and falling) and tp 2 with sequence parallelism, pp 2 under ZB-V, and tp 2 x dp 2 under ZeRO-3 and with the
+overlapped gradient reduction give the single-rank losses (fp32; the per-head q/k norms replicated over TP,
+their gradients summed over it on each reduction path; a head dim of 32 with 4 heads of a 64-wide model);
+`convert-hf` imports a random HF Qwen3ForCausalLM into tp 2 and exports it back with identical tensors and
+logits."""
 from __future__ import annotations
 
 import json
@@ -22,10 +23,13 @@ transformers = pytest.importorskip("transformers")
 QWEN = ["--mock-data", "--model", "qwen3-tiny", "--vocab-size", "64", "--seq-length", "32", "--seed", "1234",
         "--lr", "1e-2", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--log-interval", "1", "--eval-iters", "0",
         "--num-workers", "0", "--train-iters", "6", "--micro-batch-size", "1", "--global-batch-size", "4"]
-LAYOUTS = {
-    "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-    "pp2-zbv": ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
-                "--pipeline-schedule", "zbv"],
+TP2 = ["--tensor-model-parallel-size", "2"]
+LAYOUTS = {   # name: (processes, flags); the dp 2 ones sum the per-head norms' gradients over TP on the other paths
+    "tp2-sp": (2, TP2 + ["--sequence-parallel"]),
+    "pp2-zbv": (2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                    "--pipeline-schedule", "zbv"]),
+    "tp2-dp2-zero3": (4, TP2 + ["--data-parallel-sharding-strategy", "optim_grads_params"]),
+    "tp2-dp2-overlap": (4, TP2 + ["--overlap-grad-reduce"]),
 }
 
 
@@ -42,7 +46,8 @@ def test_qwen3_tiny_trains(reference):
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_qwen3_layout_matches_single_rank(name, reference, tmp_path):
-    losses = [r["lm_loss"] for r in train(2, LAYOUTS[name], str(tmp_path / "m.jsonl"), tiny=QWEN)]
+    nproc, flags = LAYOUTS[name]
+    losses = [r["lm_loss"] for r in train(nproc, flags, str(tmp_path / "m.jsonl"), tiny=QWEN)]
     assert losses == pytest.approx(reference, rel=1e-5), (losses, reference)
 
 
