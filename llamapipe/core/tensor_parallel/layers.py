@@ -11,8 +11,8 @@ computes the input gradient and hands the weight-gradient GEMM to the store its 
 (`weight_grad_store.current`), so the zero-bubble schedules (arXiv 2401.10241) can run it later. Under
 `--compile` every linear call is a graph break (`graph_breaks.eager`): it runs eagerly between compiled regions.
 Parameters carry Megatron's attributes (`tensor_model_parallel`, `partition_dim`, and `vocab_padded` /
-`sequence_parallel` where they apply; `per_head` on a replicated weight applied to each of a rank's heads); a shard is a contiguous slice of the logical tensor along
-`partition_dim` in tp_rank order.
+`sequence_parallel` where they apply; `per_head` on a replicated weight applied to each of a rank's heads); a
+shard is a contiguous slice of the logical tensor along `partition_dim` in tp_rank order.
 """
 from __future__ import annotations
 
