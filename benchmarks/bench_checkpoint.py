@@ -21,8 +21,7 @@ import torch
 from llamapipe.core.config import OptimizerConfig
 from llamapipe.core.optimizer import build_optimizer
 from llamapipe.core.parallel_state import ParallelState
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.llama import LlamaModel
+from llamapipe.model.llama import LlamaConfig, LlamaModel
 from llamapipe.training.checkpointing.save_load import finalize_async_save, save_checkpoint
 from llamapipe.training.config import Config
 from benchmarks.results_io import write_json

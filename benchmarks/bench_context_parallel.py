@@ -37,8 +37,7 @@ MODEL = dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_h
 
 def _model(cp: int, comm: str, seq: int):
     from llamapipe.core.parallel_state import ParallelState
-    from llamapipe.model.config import LlamaConfig
-    from llamapipe.model.llama import LlamaModel
+    from llamapipe.model.llama import LlamaConfig, LlamaModel
     rank = dist.get_rank() if dist.is_initialized() else 0
     group = dist.group.WORLD if cp > 1 else None
     ps = ParallelState(rank=rank, world_size=cp, cp_size=cp, cp_rank=rank, cp_group=group)
@@ -46,12 +45,11 @@ def _model(cp: int, comm: str, seq: int):
     return LlamaModel(config, ps, cp_comm_type=comm), ps
 
 
-def _batch(seq: int, cp: int, rank: int) -> dict:
-    from llamapipe.core.context_parallel.sharding import shard_batch
+def _batch(seq: int) -> dict:
+    """One sequence; each CP rank's model keeps its share of it."""
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, MODEL["vocab_size"], (1, seq + 1), generator=g)
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, seq)}
-    return shard_batch(batch, cp, rank)
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
 class SavedBytes:
@@ -72,10 +70,10 @@ class SavedBytes:
 def _memory_rank(rank: int, world: int, comm: str, seq: int) -> int:
     torch.set_num_threads(1)
     model, _ = _model(world, comm, seq)
-    batch = _batch(seq, world, rank)
+    batch = _batch(seq)
     tracker = SavedBytes()
     with torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t):
-        losses = model(input_ids=batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"))
+        losses = model(input_ids=batch["tokens"], labels=batch["labels"])
     losses.sum().backward()
     return tracker.total
 
@@ -112,7 +110,7 @@ class CommTimer:
 def _time_rank(rank: int, world: int, comm: str, seq: int, steps: int) -> list[tuple[float, float]]:
     torch.set_num_threads(1)
     model, _ = _model(world, comm, seq)
-    batch = _batch(seq, world, rank)
+    batch = _batch(seq)
     out = []
     timer = CommTimer()
     with timer.patched():
@@ -120,8 +118,7 @@ def _time_rank(rank: int, world: int, comm: str, seq: int, steps: int) -> list[t
             if world > 1:
                 dist.barrier()
             timer.seconds, start = 0.0, time.perf_counter()
-            model(input_ids=batch["tokens"], labels=batch["labels"],
-                  position_ids=batch.get("position_ids")).sum().backward()
+            model(input_ids=batch["tokens"], labels=batch["labels"]).sum().backward()
             if step:
                 out.append((time.perf_counter() - start, timer.seconds))
     return out
@@ -143,7 +140,7 @@ def memory(seq: int) -> dict:
 
 def _predicted(seq: int) -> dict:
     """The planner's activation bytes per rank (llamapipe.tools.parallel_estimate, fp32, no recompute, pp 1)."""
-    from llamapipe.model.config import LlamaConfig
+    from llamapipe.model.llama import LlamaConfig
     from llamapipe.tools.parallel_estimate import Layout, activation_peaks
     config = LlamaConfig(**MODEL, max_position_embeddings=seq)
     out = {}

@@ -15,8 +15,7 @@ import time
 import torch
 
 from llamapipe.training.log import device_peak_tflops, flops_per_token
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.llama import LlamaModel
+from llamapipe.model.llama import LlamaConfig, LlamaModel
 from benchmarks.results_io import write_json
 
 TINYLLAMA_1B = LlamaConfig(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32,

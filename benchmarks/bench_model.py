@@ -25,7 +25,7 @@ from functools import partial
 import torch
 
 
-from llamapipe.model.hf_checkpoint import from_hf
+from llamapipe.model.llama.hf import from_hf
 from llamapipe.model.llama import LlamaModel
 from benchmarks.results_io import write_json
 

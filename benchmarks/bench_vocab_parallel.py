@@ -69,7 +69,7 @@ def memory_worker(rank: int, world: int, args, vocab: bool) -> dict:
     from benchmarks.schedules_real import loss_step
     from llamapipe.core.parallel_state import initialize_model_parallel
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
-    from llamapipe.model.config import LlamaConfig
+    from llamapipe.model.llama import LlamaConfig
     torch.set_num_threads(1)
     ps = initialize_model_parallel(1, world)
     config = LlamaConfig(num_layers=8, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4,

@@ -76,7 +76,7 @@ def check_same_losses(ours: list, theirs: list, name: str, rtol: float = 1e-4) -
 
 
 def llama_config(args):
-    from llamapipe.model.config import LlamaConfig
+    from llamapipe.model.llama import LlamaConfig
     return LlamaConfig(num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.hidden * 11 // 4,
                        num_attention_heads=args.hidden // 32, num_query_groups=args.hidden // 64,
                        vocab_size=1024, max_position_embeddings=args.seq)

@@ -84,13 +84,14 @@ def compile_chunks(chunks: list[nn.Module], *, micro_batch_size: int, seq_length
 
 
 def _warm_up(chunk: nn.Module, micro_batch_size: int, seq_length: int, *, grad: bool) -> None:
-    """One forward (and backward when `grad`) of a dummy microbatch, shaped as the executor feeds the chunk."""
+    """One forward (and backward when `grad`) of a dummy microbatch of `seq_length` tokens (the whole sequence),
+    shaped as the executor feeds the chunk."""
     param = next(chunk.parameters())
     generator = torch.Generator().manual_seed(0)   # leaves the global RNG streams alone
     ids = torch.randint(0, chunk.config.vocab_size, (micro_batch_size, seq_length), generator=generator)
     ids = ids.to(param.device)
-    if not chunk.pre_process:
-        local_seq = seq_length // (chunk.tp_size if chunk.sequence_parallel else 1)
+    if not chunk.pre_process:   # the previous stage's output: this CP rank's tokens, split over TP under SP
+        local_seq = seq_length // chunk.sequence_shard.cp_size // (chunk.tp_size if chunk.sequence_parallel else 1)
         hidden = torch.randn(local_seq, micro_batch_size, chunk.config.hidden_size, generator=generator)
         chunk.set_input_tensor(hidden.to(param.device, param.dtype).requires_grad_(grad))
     out = chunk(input_ids=ids if chunk.pre_process else None, labels=ids if chunk.post_process else None)

@@ -1,8 +1,8 @@
 """The model family registry: what the rest of the code knows of a model, looked up in one place.
 
-A `ModelFamily` holds a family's config class (a `LlamaConfig` subclass whose `family` field names it),
-its chunk class (the Megatron chunk protocol of model/llama.py), its HF adapter and HF names, its parameter
-count and training FLOPs per token, and its presets. Training builds chunks, the log line counts FLOPs, the
+Each family is a folder `model/<name>/` whose package exports its `FAMILY` record (`model/spec.ModelFamily`:
+config class, chunk class with the spec of its parts, HF adapter and names, parameter count, FLOPs per token,
+presets); the registry is one line per family. Training builds chunks, the log line counts FLOPs, the
 start-up memory check counts parameters and convert-hf picks the adapter through it: by `--model` preset
 (`family_of_preset`), by the config in hand (`family_of`, also for a checkpoint's recorded config,
 `config_from_dict`) or by an HF config.json's `model_type` (`family_of_hf`). docs/model.md, "Model families",
@@ -10,40 +10,27 @@ says how to add one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+import dataclasses
+from typing import Any
 
-from llamapipe.model import config as llama_config, counts, hf_checkpoint, qwen2, qwen2_hf
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.llama import LlamaModel
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    name: str
-    config_class: type                  # LlamaConfig or a subclass whose `family` default is `name`
-    model_class: type                   # the chunk: LlamaModel or a subclass
-    hf_architecture: str                # config.json "architectures" entry export writes
-    hf_model_type: str                  # config.json "model_type" import reads and export writes
-    config_from_hf: Callable[..., LlamaConfig]
-    config_to_hf: Callable[..., dict]
-    from_hf: Callable[..., tuple]       # (HF state dict, HF config, divisible_by) -> (config, logical state dict)
-    to_hf: Callable[..., tuple]         # (config, logical state dict, token ids) -> (HF state dict, config.json)
-    parameters: Callable[..., int]      # (config, tp) -> parameters of the built model
-    flops_per_token: Callable[..., float]   # (config, seq_length, tp, full_recompute) -> training FLOPs
-    presets: dict[str, dict]
-
+from llamapipe.model import llama, qwen2, qwen3
+from llamapipe.model.llama.config import LlamaConfig
+from llamapipe.model.spec import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
-    ModelFamily("llama", LlamaConfig, LlamaModel, hf_checkpoint.HF_ARCHITECTURE, hf_checkpoint.HF_MODEL_TYPE,
-                hf_checkpoint.config_from_hf, hf_checkpoint.config_to_hf, hf_checkpoint.from_hf,
-                hf_checkpoint.to_hf, counts.model_parameters, counts.flops_per_token, llama_config.PRESETS),
-    ModelFamily("qwen2", qwen2.Qwen2Config, qwen2.Qwen2Model, qwen2_hf.HF_ARCHITECTURE, qwen2_hf.HF_MODEL_TYPE,
-                qwen2_hf.config_from_hf, qwen2_hf.config_to_hf, qwen2_hf.from_hf, qwen2_hf.to_hf,
-                qwen2.model_parameters, qwen2.flops_per_token, qwen2.PRESETS),
+    llama.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
 )}
 PRESETS: dict[str, dict] = {name: fields for f in FAMILIES.values() for name, fields in f.presets.items()}
-BIAS_FAMILY = "qwen2"   # Megatron's --add-qkv-bias: the dense family whose q/k/v projections have biases
+
+
+def qkv_bias_family() -> ModelFamily:
+    """Megatron's --add-qkv-bias: the family whose parts are LLaMA's with biases on the q, k and v projections."""
+    wanted = dataclasses.replace(FAMILIES["llama"].spec, qkv_bias=True)
+    found = [family for family in FAMILIES.values() if family.spec == wanted]
+    assert len(found) == 1, f"{len(found)} families are LLaMA with q/k/v biases"
+    return found[0]
 
 
 def family_named(name: str) -> ModelFamily:
@@ -66,7 +53,7 @@ def family_of_preset(preset: str) -> ModelFamily:
 
 def family_of_hf(hf_config: dict[str, Any]) -> ModelFamily:
     """The family of an HF config.json dict, by its model_type (a config without one is LLaMA's)."""
-    model_type = hf_config.get("model_type", hf_checkpoint.HF_MODEL_TYPE)
+    model_type = hf_config.get("model_type", FAMILIES["llama"].hf_model_type)
     for family in FAMILIES.values():
         if family.hf_model_type == model_type:
             return family
@@ -85,5 +72,5 @@ def model_parameters(config: LlamaConfig, tp: int = 1) -> int:
 
 
 def flops_per_token(config: LlamaConfig, seq_length: int, tp: int = 1, full_recompute: bool = False) -> float:
-    """Training FLOPs per token of `config`'s family (Megatron's accounting, model/counts.py)."""
+    """Training FLOPs per token of `config`'s family (Megatron's accounting, model/llama/counts.py)."""
     return family_of(config).flops_per_token(config, seq_length, tp, full_recompute)

@@ -1,4 +1,6 @@
-"""LLaMA building blocks (arXiv 2302.13971): RMSNorm, rotary embedding, GQA attention, SwiGLU MLP, decoder layer.
+"""The shared building blocks of the LLaMA-shaped families (arXiv 2302.13971): RMSNorm, rotary embedding, GQA
+attention with its causal core, SwiGLU MLP, and the decoder layer that takes its parts from a family's
+`ModelSpec` (model/spec.py).
 
 Activations are sequence-first, (s, b, h) as in Megatron-LM, or (s/tp, b, h) with sequence parallelism.
 Linear layers are the tensor-parallel ones from core/tensor_parallel; q/k/v (and gate/up) stay separate
@@ -19,7 +21,7 @@ their neighbours and differentiates itself.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,10 @@ from torch.utils.checkpoint import checkpoint
 from llamapipe.core.context_parallel import context_parallel_attention
 from llamapipe.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, add_bias, parallel_linear,
                                          set_tensor_model_parallel_attributes, tp_size_rank)
-from llamapipe.model.config import LlamaConfig
+
+if TYPE_CHECKING:
+    from llamapipe.model.llama.config import LlamaConfig
+    from llamapipe.model.spec import ModelSpec
 
 try:  # NVIDIA apex, when installed, provides a fused CUDA RMSNorm
     from apex.normalization.fused_layer_norm import fused_rms_norm_affine
@@ -152,28 +157,38 @@ class _RotaryFunction(torch.autograd.Function):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention; heads and query groups split over TP ranks, the sequence over the
-    CP ranks of `cp_group` (None: one rank). A family whose q/k/v projections have biases (Qwen2) subclasses
-    it with `qkv_bias = True`."""
+    """Grouped-query self-attention: q/k/v projections (with biases when the spec says `qkv_bias`, Qwen2),
+    the spec's norm over each head of q and k when it says `qk_norm` (Qwen3), RoPE, the spec's
+    `core_attention` and the output projection. Heads and query groups split over TP ranks, the sequence over
+    the CP ranks of `cp_group` (None: one rank).
 
-    qkv_bias = False
+    A q/k norm's weight (head_dim,) is replicated over TP and acts on this rank's heads only, so each rank's
+    gradient is the part of its heads: it is marked `per_head` and summed over TP at the step's end, as the
+    sequence-parallel norms' are (core/tensor_parallel/layers.py `TP_PARTIAL_GRADS`), with or without sequence
+    parallelism; its input is never a sequence shard, so it is not a sequence-parallel parameter."""
 
-    def __init__(self, config: LlamaConfig, tp_group: Optional[Any], *, sequence_parallel: bool,
+    def __init__(self, config: LlamaConfig, spec: ModelSpec, tp_group: Optional[Any], *, sequence_parallel: bool,
                  params_dtype: torch.dtype, recompute_core: bool, cp_group: Optional[Any] = None,
                  cp_comm_type: str = "p2p") -> None:
         super().__init__()
         tp_size, _ = tp_size_rank(tp_group)
-        h, d = config.hidden_size, config.head_dim
+        h, d, bias = config.hidden_size, config.head_dim, spec.qkv_bias
         self.heads = config.num_attention_heads // tp_size
         self.groups = config.num_query_groups // tp_size
         self.head_dim, self.tp_group, self.recompute_core = d, tp_group, recompute_core
-        self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
-        self.use_flash_attn = config.use_flash_attn
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
-        self.q_proj = ColumnParallelLinear(h, config.num_attention_heads * d, tp_group, bias=self.qkv_bias, **kw)
-        self.k_proj = ColumnParallelLinear(h, config.num_query_groups * d, tp_group, bias=self.qkv_bias, **kw)
-        self.v_proj = ColumnParallelLinear(h, config.num_query_groups * d, tp_group, bias=self.qkv_bias, **kw)
+        self.q_proj = ColumnParallelLinear(h, config.num_attention_heads * d, tp_group, bias=bias, **kw)
+        self.k_proj = ColumnParallelLinear(h, config.num_query_groups * d, tp_group, bias=bias, **kw)
+        self.v_proj = ColumnParallelLinear(h, config.num_query_groups * d, tp_group, bias=bias, **kw)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, h, tp_group, **kw)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm:
+            self.q_norm = spec.norm(d, config.norm_epsilon, params_dtype=params_dtype)
+            self.k_norm = spec.norm(d, config.norm_epsilon, params_dtype=params_dtype)
+            for norm in (self.q_norm, self.k_norm):
+                set_tensor_model_parallel_attributes(norm.weight, -1, per_head=True)
+        self.core = spec.core_attention(config, cp_group=cp_group, cp_comm_type=cp_comm_type,
+                                        grouped=self.groups != self.heads)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         # x: (s, b, h) or (s/tp, b, h) -> same
@@ -184,7 +199,7 @@ class Attention(nn.Module):
         q = q.view(s, b, self.heads, self.head_dim)
         k = k.view(s, b, self.groups, self.head_dim)
         v = v.view(s, b, self.groups, self.head_dim)
-        if self.recompute_core:  # selective recompute (arXiv 2205.05198): keep only q, k, v
+        if self.recompute_core:  # selective recompute (arXiv 2205.05198): keep only q, k, v (before their norms)
             context = checkpoint(self._core, q, k, v, rope[0], rope[1], use_reentrant=False)
         else:
             context = self._core(q, k, v, *rope)
@@ -194,17 +209,32 @@ class Attention(nn.Module):
               sin: torch.Tensor) -> torch.Tensor:
         # q: (s, b, heads, d), k/v: (s, b, groups, d) -> (s, b, heads*d)
         s, b = q.shape[:2]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, (cos, sin)).permute(1, 2, 0, 3)  # (b, heads, s, d)
         k = apply_rotary(k, (cos, sin)).permute(1, 2, 0, 3)  # (b, groups, s, d)
-        v = v.permute(1, 2, 0, 3)
+        out = self.core(q, k, v.permute(1, 2, 0, 3))         # (b, heads, s, d)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+
+
+class CausalAttention(nn.Module):
+    """The attention core under the causal mask: SDPA on one rank (its FlashAttention kernel on CUDA under
+    --use-flash-attn), or over the whole sequence of the CP group (`context_parallel_attention`, ring or
+    all-gather) when this rank holds s/cp tokens of it."""
+
+    def __init__(self, config: LlamaConfig, *, cp_group: Optional[Any], cp_comm_type: str, grouped: bool) -> None:
+        super().__init__()
+        self.cp_group, self.cp_comm_type, self.grouped = cp_group, cp_comm_type, grouped
+        self.use_flash_attn = config.use_flash_attn
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: (b, heads, s, d), k/v: (b, groups, s, d) -> (b, heads, s, d)
         if self.cp_group is not None:   # s is this rank's s/cp tokens: attend over the whole sequence
-            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type)
-            return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type)
         # --use-flash-attn: fail loudly rather than let SDPA fall back to a slower kernel
         kernel = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if self.use_flash_attn and q.is_cuda else nullcontext()
         with kernel:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups != self.heads)
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
 
 
 class MLP(nn.Module):
@@ -228,20 +258,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block of the spec's parts: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    attention_class = Attention
-
-    def __init__(self, config: LlamaConfig, tp_group: Optional[Any], *, sequence_parallel: bool,
+    def __init__(self, config: LlamaConfig, spec: ModelSpec, tp_group: Optional[Any], *, sequence_parallel: bool,
                  params_dtype: torch.dtype, cp_group: Optional[Any] = None, cp_comm_type: str = "p2p") -> None:
         super().__init__()
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
-        self.input_norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw)
-        self.attention = self.attention_class(config, tp_group,
-                                              recompute_core=config.recompute_granularity == "selective",
-                                              cp_group=cp_group, cp_comm_type=cp_comm_type, **kw)
-        self.post_attention_norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw)
-        self.mlp = MLP(config, tp_group, **kw)
+        self.input_norm = spec.norm(config.hidden_size, config.norm_epsilon, **kw)
+        self.attention = spec.attention(config, spec, tp_group,
+                                        recompute_core=config.recompute_granularity == "selective",
+                                        cp_group=cp_group, cp_comm_type=cp_comm_type, **kw)
+        self.post_attention_norm = spec.norm(config.hidden_size, config.norm_epsilon, **kw)
+        self.mlp = spec.mlp(config, tp_group, **kw)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         # x: (s, b, h) or (s/tp, b, h) -> same

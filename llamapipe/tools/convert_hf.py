@@ -30,7 +30,7 @@ from llamapipe.training.flag_parser import FlagParser
 from llamapipe.training.config import Config
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.training.checkpointing.resharding import TensorSpec, spec_of
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.families import config_from_dict, family_of, family_of_hf
 from llamapipe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from llamapipe.data.tokenizers.hf_export import special_token_ids, write_hf_tokenizer

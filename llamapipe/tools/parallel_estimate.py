@@ -36,8 +36,8 @@ from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.counts import layer_matmul_parameters
+from llamapipe.model.llama import LlamaConfig
+from llamapipe.model.llama.counts import layer_matmul_parameters
 from llamapipe.model.families import flops_per_token
 
 GIB = 2 ** 30

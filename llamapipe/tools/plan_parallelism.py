@@ -22,7 +22,7 @@ from typing import Optional
 
 from llamapipe.training.flag_parser import FlagParser
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.families import FAMILIES, PRESETS, family_of_preset
 from llamapipe.tools import profile_plan
 from llamapipe.training import profile_schema

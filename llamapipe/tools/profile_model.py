@@ -35,7 +35,7 @@ from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
 from llamapipe.core.pipeline_parallel.profile_costs import PassCosts, pass_medians
 from llamapipe.core.pipeline_parallel.schedule_ir import Action
 from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.families import family_of
 from llamapipe.model.llama import LlamaModel
 from llamapipe.tools import profile_comm, profile_overhead

@@ -37,7 +37,7 @@ from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel.profile_costs import PassCosts
 from llamapipe.core.pipeline_parallel.schedules import cached_plan, get_forward_backward_func
 from llamapipe.data.gpt_dataset import MockGPTDataset
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.families import family_of
 from llamapipe.training.setup import forward_step
 from llamapipe.training.step import run_schedule

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from llamapipe.core.config import DataConfig, OptimizerConfig, ParallelConfig, TrainingConfig
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 
 
 @dataclass(frozen=True)

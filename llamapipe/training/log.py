@@ -3,7 +3,7 @@ iteration, plus the model-wide norms some of them report.
 
 Only global rank 0 writes; the loss it reports has already been reduced over data- and pipeline-parallel
 ranks by the training loop. FLOPs per token come from the model's family (model/families.py; LLaMA's
-is model/counts.py, Megatron's accounting: the padded vocabulary, --kv-channels and GQA honoured), the formula
+is model/llama/counts.py, Megatron's accounting: the padded vocabulary, --kv-channels and GQA honoured), the formula
 the planner and the memory check use too.
 """
 from __future__ import annotations

@@ -34,7 +34,7 @@ from llamapipe.core.parallel_state import ParallelState, initialize_model_parall
 from llamapipe.training.log import MetricsWriter, check_wandb
 from llamapipe.training.process_control import ExitSignal, collect_for_eval, manual_gc, run_as_one_job
 from llamapipe.training.progress import TrainingProgress
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.training.setup import build_model_chunks, build_iterators
 from llamapipe.training.step import StepParts, SynchronousStep, TrainState, run_schedule
 from llamapipe.training.timers_log import TimersLog, build_timers

@@ -28,7 +28,7 @@ import platform
 from typing import Optional
 
 from llamapipe.core.pipeline_parallel.profile_costs import PassCosts
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 
 SCHEMA = "llamapipe-profile/1"
 COMPONENTS = ("layer", "embedding", "head")

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from llamapipe.core.logger import get_logger
 from llamapipe.training.log import MetricsWriter, device_peak_tflops, flops_per_token, max_memory_gib
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 
 SUMMARY_WINDOW = 10     # iterations averaged at each end of the run for the summary
 

@@ -18,7 +18,6 @@ from typing import Optional
 import torch
 
 from llamapipe.training.config import Config
-from llamapipe.core.context_parallel import shard_batch
 from llamapipe.core.logger import get_logger
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
@@ -27,7 +26,7 @@ from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
 from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
 from llamapipe.core.tensor_parallel.vocab_pipeline import VocabTargets
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 
 log = get_logger()
 
@@ -84,8 +83,8 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
     apply_data_parallel_sharding(chunks, config.parallel.data_parallel_sharding_strategy, ps)   # ZeRO-2/3: FSDP2
     if config.training.compile:
         from llamapipe.model.compile import compile_chunks
-        compile_chunks(chunks, micro_batch_size=config.training.micro_batch_size,   # this CP rank's tokens
-                       seq_length=config.training.seq_length // ps.cp_size, eval_too=config.training.eval_iters > 0)
+        compile_chunks(chunks, micro_batch_size=config.training.micro_batch_size,
+                       seq_length=config.training.seq_length, eval_too=config.training.eval_iters > 0)
     return chunks, roles
 
 
@@ -153,12 +152,6 @@ def _per_chunk(iterator, needs: list[bool]) -> list:
     return [next(copies) if need else None for need in needs]
 
 
-def step_function(ps: ParallelState):
-    """`forward_step` for this rank: with its CP size and rank under context parallelism (every chunk's
-    microbatch, and the vocabulary-parallel embedding's, is cut the same way)."""
-    return partial(forward_step, cp_size=ps.cp_size, cp_rank=ps.cp_rank) if ps.cp_size > 1 else forward_step
-
-
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Token-sum loss of one microbatch: (sum of masked token losses, token count, log values).
 
@@ -173,23 +166,19 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[tor
     return loss_sum, num_tokens, {"lm loss": (loss_sum.detach(), num_tokens)}
 
 
-def forward_step(data_iterator, model: torch.nn.Module, *, cp_size: int = 1, cp_rank: int = 0):
-    """Megatron's forward_step_func: read a microbatch when this chunk embeds or computes the loss. Under
-    context parallelism (`step_function`) the microbatch is cut to this CP rank's two chunks of every sequence,
-    and the model gets their global positions."""
+def forward_step(data_iterator, model: torch.nn.Module):
+    """Megatron's forward_step_func: read a microbatch when this chunk embeds or computes the loss, and give the
+    chunk its whole sequences. Under context parallelism the chunk keeps its CP rank's tokens of them and
+    returns their losses, so the loss mask is cut the same way (`model.sequence_shard`)."""
     pre, post = model.pre_process, model.post_process
     batch = next(data_iterator) if data_iterator is not None and (pre or post) else None
-    if batch is not None and cp_size > 1:
-        batch = shard_batch(batch, cp_size, cp_rank)
     device = next(model.parameters()).device
     tokens = batch["tokens"].to(device) if pre else None
     labels = batch["labels"].to(device) if post else None
-    # the model chunk takes them (the vocabulary-parallel embedding's prepass looks tokens up, without positions)
-    with_positions = batch is not None and cp_size > 1 and getattr(model, "cp_size", 1) > 1
-    positions = {"position_ids": batch["position_ids"].to(device)} if with_positions else {}
-    output = model(input_ids=tokens, labels=labels, **positions)
+    output = model(input_ids=tokens, labels=labels)
     if not post:
         return output, None
+    loss_mask = model.sequence_shard(batch["loss_mask"])
     if model.vocab_parallel:    # the output layer runs in the plan's S/T actions, on every pipeline rank
-        return output, VocabTargets(labels, batch["loss_mask"].to(device), partial(loss_func, batch["loss_mask"]))
-    return output, partial(loss_func, batch["loss_mask"])
+        return output, VocabTargets(model.sequence_shard(labels), loss_mask.to(device), partial(loss_func, loss_mask))
+    return output, partial(loss_func, loss_mask)

@@ -35,7 +35,7 @@ from llamapipe.training.config import Config
 from llamapipe.training.flag_names import as_flags
 from llamapipe.training.log import num_zeros_in_grad, params_norm
 from llamapipe.training.progress import TrainingProgress
-from llamapipe.training.setup import step_function
+from llamapipe.training.setup import forward_step
 
 log = get_logger()
 
@@ -82,7 +82,7 @@ def run_schedule(parts: StepParts, iterators: list, *, forward_only: bool, num_m
     `reduce_pp` is False, PP (then ranks without the loss, and TP ranks other than 0, return zeros)."""
     ps = parts.ps
     scale = 1.0 if forward_only else parts.optimizer.get_loss_scale()
-    losses = parts.fb_func(forward_step_func=step_function(ps), data_iterator=iterators, model=parts.chunks,
+    losses = parts.fb_func(forward_step_func=forward_step, data_iterator=iterators, model=parts.chunks,
                            num_microbatches=num_microbatches, forward_only=forward_only, loss_scale=scale)
     totals = torch.zeros(2, dtype=torch.float64)
     for out in losses:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.training.checkpointing import io as cio
 from llamapipe.training.checkpointing.save_load import LoadResult, load_checkpoint
 from llamapipe.training.config import Config
@@ -69,7 +69,7 @@ def test_import_tp2_pp2_export_roundtrip(hf_model, tmp_path):
 
 def test_imported_checkpoint_loads_into_llama_model(hf_model, tmp_path):
     """Our model, loaded from a tp=2 pp=2 vpp=2 import, reproduces HF's logits (fp32, 1e-5)."""
-    from llamapipe.model.hf_checkpoint import config_from_hf
+    from llamapipe.model.llama.hf import config_from_hf
     from llamapipe.model.llama import LlamaModel
     model, hf_dir = hf_model
     convert_hf.import_hf(hf_dir, str(tmp_path), 2, 2, 1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llamapipe.training.checkpointing.io import read_model_state_dict
-from llamapipe.model.hf_checkpoint import from_hf
+from llamapipe.model.llama.hf import from_hf
 from llamapipe.model.llama import LlamaModel
 from tests.cli import ROOT, TINY, train
 

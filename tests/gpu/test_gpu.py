@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.llama import LlamaModel
+from llamapipe.model.llama import LlamaConfig, LlamaModel
 from tests.cli import train
 
 pytestmark = pytest.mark.gpu

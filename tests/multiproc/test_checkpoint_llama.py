@@ -12,8 +12,7 @@ from llamapipe.training.config import Config
 from llamapipe.core.optimizer import OptimizerParamScheduler, build_optimizer
 from llamapipe.core.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.llama import LlamaModel
+from llamapipe.model.llama import LlamaConfig, LlamaModel
 from tests.harness import run_distributed
 
 CFG = LlamaConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,

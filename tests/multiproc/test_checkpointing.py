@@ -18,7 +18,7 @@ from llamapipe.training.checkpointing import io as cio
 from llamapipe.training.checkpointing.save_load import LoadResult, latest_checkpoint, load_checkpoint, save_checkpoint
 from llamapipe.training.config import Config
 from llamapipe.core.parallel_state import ParallelState, RankGrid
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from tests.harness import ROOT, run_distributed
 
 CFG = LlamaConfig(num_layers=4, hidden_size=8, ffn_hidden_size=12, num_attention_heads=2, num_query_groups=2,

@@ -1,6 +1,7 @@
 """A LLaMA model under context parallelism (gloo ranks) against the single-rank model.
 
-Each CP rank runs the whole model (pp 1) on its load-balanced share of the sequence (`shard_batch`); its
+Each CP rank runs the whole model (pp 1) on the whole sequence, of which it keeps its load-balanced share
+(the chunk's `sequence_shard`); its
 per-token losses, unsharded, and its parameter gradients, summed over the CP ranks (what the gradient
 reduction over dp x cp does), must equal the single-rank model's (fp32, rel 1e-5): for both comm types, with
 selective and full recompute, with the weight gradients deferred to W (zero-bubble B/W split), with GQA
@@ -9,12 +10,11 @@ saved activations per rank halve.
 """
 import torch
 
-from llamapipe.core.context_parallel import shard_batch, unshard_sequence
+from llamapipe.core.context_parallel import unshard_sequence
 from llamapipe.core.pipeline_parallel.activation_memory import saved_storages
 from llamapipe.core.tensor_parallel.layers import allreduce_sequence_parallel_grads, gather_logical_tensor
 from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.llama import LlamaModel
+from llamapipe.model.llama import LlamaConfig, LlamaModel
 from llamapipe.model.qwen2 import Qwen2Config, Qwen2Model
 from tests.harness import run_distributed
 
@@ -52,8 +52,8 @@ def _step(model: LlamaModel, batch: dict, tp_group, deferred: bool) -> tuple[tor
     the parameters that had no gradient after B (when the weight gradients are deferred)."""
     store = WeightGradStore()
     with store.active():
-        losses = model(batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"))
-    loss = (losses * batch["loss_mask"]).sum() / (B * S)
+        losses = model(batch["tokens"], labels=batch["labels"])
+    loss = (losses * model.sequence_shard(batch["loss_mask"])).sum() / (B * S)
     with store.capture("mb") if deferred else store.active():
         loss.backward()
     after_b = sorted(n for n, p in model.named_parameters() if p.grad is None)
@@ -68,15 +68,16 @@ def _step(model: LlamaModel, batch: dict, tp_group, deferred: bool) -> tuple[tor
 
 def _two_chunks_step(state, batch: dict, tp_group, sequence_parallel: bool) -> tuple[torch.Tensor, dict, list]:
     """Layers [0, 1) with the embedding, then [1, 2) with the head, joined as pipeline stages are
-    (set_input_tensor); the second stage gets no position_ids, as a later pipeline stage does not."""
+    (set_input_tensor); the first stage is given the sequence's positions (which it cuts), the second none, as
+    a later pipeline stage is not."""
     kw = dict(sequence_parallel=sequence_parallel)
     first = LlamaModel(CONFIG, state, layer_range=(0, 1), post_process=False, **kw)
     second = LlamaModel(CONFIG, state, layer_range=(1, 2), pre_process=False, **kw)
-    sent = first(batch["tokens"], position_ids=batch["position_ids"])
+    sent = first(batch["tokens"], position_ids=torch.arange(S).expand(B, -1))
     received = sent.detach().requires_grad_()
     second.set_input_tensor(received)
     losses = second(labels=batch["labels"])
-    ((losses * batch["loss_mask"]).sum() / (B * S)).backward()
+    ((losses * second.sequence_shard(batch["loss_mask"])).sum() / (B * S)).backward()
     sent.backward(received.grad)
     grads = {}
     for chunk in (first, second):
@@ -89,7 +90,7 @@ def _two_chunks_step(state, batch: dict, tp_group, sequence_parallel: bool) -> t
 def _worker(rank: int, world_size: int, tp: int, cases: list, sequence_parallel: bool) -> dict:
     from llamapipe.core.parallel_state import initialize_model_parallel
     state = initialize_model_parallel(tp=tp, cp=world_size // tp)
-    batch = shard_batch(_batch(), state.cp_size, state.cp_rank)
+    batch = _batch()
     out = {"cp_rank": state.cp_rank, "tp_rank": state.tp_rank}
     for name, comm, changes, deferred in cases:
         if name == "two chunks":
@@ -136,9 +137,7 @@ def _saved_bytes(state, comm: str, seq_len: int) -> int:
     config = CONFIG.replace(max_position_embeddings=seq_len)
     model = LlamaModel(config, state, cp_comm_type=comm)
     ids = torch.randint(0, config.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
-    cp_size, cp_rank = (state.cp_size, state.cp_rank) if state is not None else (1, 0)
-    batch = shard_batch({"tokens": ids[:, :-1], "labels": ids[:, 1:]}, cp_size, cp_rank)
-    losses = model(batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"))
+    losses = model(ids[:, :-1], labels=ids[:, 1:])
     weights = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
     return sum(s.nbytes() for s in saved_storages(losses, weights).values())
 
@@ -162,8 +161,7 @@ def test_cp_divides_saved_activations():
 def _half_worker(rank: int, world_size: int) -> dict:
     from llamapipe.core.parallel_state import initialize_model_parallel
     state = initialize_model_parallel(cp=world_size)
-    batch = shard_batch(_batch(), state.cp_size, state.cp_rank)
-    return {comm: _step(_model({}, state, cp_comm_type=comm, params_dtype=torch.bfloat16), batch, None, False)
+    return {comm: _step(_model({}, state, cp_comm_type=comm, params_dtype=torch.bfloat16), _batch(), None, False)
             for comm in ("p2p", "allgather")}
 
 

@@ -28,7 +28,7 @@ def activation_worker(rank: int, world: int, flags: list[str]) -> int:
     from llamapipe.core.pipeline_parallel.schedules import cached_plan
     from llamapipe.training.arguments.parser import build_parser, config_from_args
     from llamapipe.training.loop import set_seeds
-    from llamapipe.training.setup import build_iterators, build_model_chunks, step_function
+    from llamapipe.training.setup import build_iterators, build_model_chunks, forward_step
     config = config_from_args(build_parser().parse_args(BASE + flags), world)
     par = config.parallel
     ps = initialize_model_parallel(par.tp_size, par.pp_size, par.vpp_size, par.order, cp=par.cp_size)
@@ -38,7 +38,7 @@ def activation_worker(rank: int, world: int, flags: list[str]) -> int:
         iterators, _ = build_iterators(config, config.model, ps, roles, consumed_samples=0)
         live = LiveActivations(chunks)
         executor.run(cached_plan(par.pipeline_schedule, 1, 1, 1), model_chunks=chunks,
-                     forward_step_func=step_function(ps), data_iterator=iterators, parallel_state=ps,
+                     forward_step_func=forward_step, data_iterator=iterators, parallel_state=ps,
                      num_microbatches=1, options=RuntimeOptions(observers=(live,)))
         return live.peak
     finally:

@@ -102,8 +102,7 @@ def test_sequence_parallel_sum_and_token_count_from_last_stage():
 def _accumulated_vs_summed(fp32_accumulation: bool, microbatches: int = 24):
     """Gradients accumulated over microbatches, and the fp32 sum of each microbatch's own gradient."""
     from llamapipe.core.distributed.grad_reduce import accumulate_grads_in_fp32
-    from llamapipe.model.config import LlamaConfig
-    from llamapipe.model.llama import LlamaModel
+    from llamapipe.model.llama import LlamaConfig, LlamaModel
     cfg = LlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                       vocab_size=256, max_position_embeddings=64)
     model = LlamaModel(cfg, params_dtype=torch.bfloat16)

@@ -20,8 +20,7 @@ from llamapipe.core.distributed.fsdp import STRATEGIES, apply_data_parallel_shar
 from llamapipe.core.distributed.grad_reduce import finalize_model_grads
 from llamapipe.core.optimizer import build_optimizer
 from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.llama import LlamaModel
+from llamapipe.model.llama import LlamaConfig, LlamaModel
 from tests.harness import run_distributed
 
 MODEL = LlamaConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, vocab_size=256,

@@ -12,8 +12,7 @@ from llamapipe.core.distributed.fsdp import apply_data_parallel_sharding, full_o
 from llamapipe.core.distributed.grad_reduce import finalize_model_grads
 from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from llamapipe.core.tensor_parallel.vocab_pipeline import EmbeddingPrepass, PipelineVocabOutput
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.llama import LlamaModel
+from llamapipe.model.llama import LlamaConfig, LlamaModel
 from tests.harness import run_distributed
 
 MODEL = LlamaConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=250,

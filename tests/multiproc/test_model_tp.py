@@ -1,10 +1,13 @@
-"""TP=2/4 (gloo processes) and pipeline chunks against the single-rank model: loss, logits and gradients."""
+"""TP=2/4 (gloo processes) and pipeline chunks against the single-rank model: loss, logits and gradients; and
+the spec's q/k norm part (per-head norms, Qwen3's) at TP=2."""
+import zlib
+
 import pytest
 import torch
 
 from llamapipe.core.tensor_parallel.layers import allreduce_sequence_parallel_grads, gather_logical_tensor
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.llama import LlamaModel
+from llamapipe.model.llama import LlamaConfig, LlamaModel
+from llamapipe.model.spec import ModelSpec
 from tests.harness import run_distributed
 
 # vocab 1003 padded to a multiple of 100 x tp: 1100 rows at TP=1, 1200 at TP=2 and 4 (one shard all padding-heavy)
@@ -145,3 +148,43 @@ def test_parameter_attributes():
         assert p.partition_dim == dim and p.tensor_model_parallel == (dim >= 0), name
     assert model.embedding.weight.vocab_padded and model.output.weight.vocab_padded
     assert model.embedding.weight.shape[0] == CONFIG.padded_vocab_size(1) == 1100
+
+
+class _QKNormModel(LlamaModel):
+    """LLaMA's chunk with a norm over each head of q and k before RoPE (the spec part Qwen3 uses)."""
+
+    spec = ModelSpec(qk_norm=True)
+
+
+def _qk_norm_model(state=None, sequence_parallel: bool = False) -> LlamaModel:
+    """The chunk with its q/k norm scales away from one (as trained ones are), the same on every rank."""
+    model = _QKNormModel(CONFIG, state, sequence_parallel=sequence_parallel)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+    return model
+
+
+def _qk_norm_worker(rank: int, world_size: int) -> dict:
+    from llamapipe.core.parallel_state import initialize_model_parallel
+    state = initialize_model_parallel(tp=world_size)
+    return _portable({sp: _run_step(_qk_norm_model(state, sp), *_batch(), state.tp_group) for sp in (False, True)})
+
+
+def test_qk_norm_grads_are_summed_over_tp():
+    """At TP=2, with and without sequence parallelism, the loss and every gradient of a chunk with per-head q/k
+    norms equal TP=1's (rel 1e-5): each rank's q/k norm gradient covers only its heads until the TP sum
+    (`per_head`); the norms are replicated and not sequence-parallel."""
+    weight = _qk_norm_model().layers["0"].attention.q_norm.weight
+    assert weight.shape == (CONFIG.head_dim,) and weight.per_head and not weight.sequence_parallel
+    assert weight.partition_dim == -1 and not weight.tensor_model_parallel
+    ref_loss, ref_grads = _run_step(_qk_norm_model(), *_batch(), None)
+    assert "layers.1.attention.k_norm.weight" in ref_grads
+    for rank, per_sp in enumerate(_tensors(run_distributed(_qk_norm_worker, 2, timeout=240))):
+        for sp, (loss, grads) in per_sp.items():
+            case = f"tp rank {rank} sp={sp}"
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=case)
+            assert set(grads) == set(ref_grads), case
+            for name, ref in ref_grads.items():
+                torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=f"{case} {name}")

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from tests.harness import run_distributed
 
 CONFIG = LlamaConfig(num_layers=8, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4, num_query_groups=2,

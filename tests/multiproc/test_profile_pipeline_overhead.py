@@ -10,7 +10,7 @@ from tests.harness import run_distributed
 
 
 def _pipeline_worker(rank: int, world: int) -> float:
-    from llamapipe.model.config import LlamaConfig
+    from llamapipe.model.llama import LlamaConfig
     from llamapipe.tools import profile_comm, profile_model, profile_overhead
     torch.set_num_threads(1)
     m = LlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=4,

@@ -20,7 +20,7 @@ def main() -> int:
     rank = int(argv[argv.index("--fail-rank") + 1])
     where = argv[argv.index("--fail-in") + 1]
     mine = int(os.environ["RANK"]) == rank
-    original_iterators, original_step_function = training.build_iterators, step.step_function
+    original_iterators, original_forward = training.build_iterators, step.forward_step
     forwards = []
 
     def build_iterators(*args, **kwargs):
@@ -28,17 +28,13 @@ def main() -> int:
             raise ValueError("--data-path shard /data/shard_07.bin: cannot read it on this node (injected)")
         return original_iterators(*args, **kwargs)
 
-    def step_function(ps):
-        original_forward = original_step_function(ps)    # this rank's forward_step (its CP rank's chunks)
+    def forward_step(data_iterator, model):
+        forwards.append(None)
+        if mine and where == "train" and len(forwards) == 6:    # 4 microbatches per step
+            raise OSError(errno.EIO, "reading /data/shard_07.bin: Input/output error (injected)")
+        return original_forward(data_iterator, model)
 
-        def forward_step(data_iterator, model):
-            forwards.append(None)
-            if mine and where == "train" and len(forwards) == 6:    # 4 microbatches per step
-                raise OSError(errno.EIO, "reading /data/shard_07.bin: Input/output error (injected)")
-            return original_forward(data_iterator, model)
-        return forward_step
-
-    training.build_iterators, step.step_function = build_iterators, step_function
+    training.build_iterators, step.forward_step = build_iterators, forward_step
     return pretrain_main(argv[split + 1:])
 
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.llama import LlamaModel
+from llamapipe.model.llama import LlamaConfig, LlamaModel
 from tests.harness import ROOT
 
 TINY = LlamaConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -90,8 +89,8 @@ def test_executor_runs_compiled_weight_grads_at_w():
 
 def test_eager_runs_never_import_torchdynamo():
     """The graph breaks are registered lazily, so a run without --compile skips TorchDynamo's import."""
-    code = ("import sys, torch; from llamapipe.model.llama import LlamaModel; from llamapipe.model.config import "
-            "LlamaConfig; m = LlamaModel(LlamaConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64)); "
+    code = ("import sys, torch; from llamapipe.model.llama import LlamaConfig, LlamaModel; "
+            "m = LlamaModel(LlamaConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64)); "
             "m(torch.zeros(1, 8, dtype=torch.long), labels=torch.zeros(1, 8, dtype=torch.long)).sum().backward(); "
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

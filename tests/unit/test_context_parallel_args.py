@@ -103,7 +103,7 @@ def test_memory_check_divides_the_logits_by_cp():
 
 
 def test_planner_divides_activations_and_compute_by_cp_and_adds_the_kv_traffic():
-    from llamapipe.model.config import LlamaConfig
+    from llamapipe.model.llama import LlamaConfig
     from llamapipe.tools.parallel_estimate import DEVICES, Layout, context_parallel_seconds, estimate, rank_memory
     model = LlamaConfig(num_layers=4, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16,
                         num_query_groups=4, vocab_size=32000, max_position_embeddings=32768)

@@ -1,9 +1,10 @@
 """Causal load balance of context parallelism (core/context_parallel/sharding.py): chunks, round trips,
-global positions, batch sharding and the errors a user can cause."""
+global positions, a chunk's sequence shard and the errors a user can cause."""
 import pytest
 import torch
 
-from llamapipe.core.context_parallel import chunk_ids, local_positions, shard_batch, shard_sequence, unshard_sequence
+from llamapipe.core.context_parallel import (SequenceShard, chunk_ids, local_positions, shard_sequence,
+                                             unshard_sequence)
 from llamapipe.training.flag_names import worded_as_flags
 
 
@@ -38,35 +39,30 @@ def test_local_positions():
     assert local_positions(8, 2, 0).dtype == torch.long
 
 
-def test_shard_batch():
-    """tokens/labels/loss_mask cut along dim 1, position_ids added (b, s_local) with global positions;
-    other keys kept, the input untouched; cp 1 returns the batch itself."""
+def test_sequence_shard():
+    """A chunk's SequenceShard cuts a (b, s) tensor along dim 1 to its rank's head and tail chunks (a new tensor,
+    the input untouched; cp 1 returns the tensor itself, None stays None) and gives the global positions of
+    those tokens, (b, s_local) long."""
     tokens = torch.arange(16).reshape(2, 8)
-    batch = {"tokens": tokens, "labels": tokens + 100, "loss_mask": torch.ones(2, 8), "extra": "kept"}
-    assert shard_batch(batch, 1, 0) is batch
-    out = shard_batch(batch, 2, 0)
-    assert out is not batch and set(out) == set(batch) | {"position_ids"}
-    assert out["tokens"].tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
-    assert out["labels"].tolist() == [[100, 101, 106, 107], [108, 109, 114, 115]]
-    assert out["loss_mask"].shape == (2, 4) and out["extra"] == "kept"
-    assert out["position_ids"].tolist() == [[0, 1, 6, 7]] * 2 and out["position_ids"].dtype == torch.long
-    assert batch["tokens"].shape == (2, 8) and "position_ids" not in batch
+    assert SequenceShard()(tokens) is tokens and SequenceShard(2, 0)(None) is None
+    shard = SequenceShard(2, 0)
+    assert shard(tokens).tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
+    assert shard(tokens + 100).tolist() == [[100, 101, 106, 107], [108, 109, 114, 115]]
+    assert shard(torch.ones(2, 8)).shape == (2, 4) and tokens.shape == (2, 8)
+    positions = shard.positions(4, 2, torch.device("cpu"))
+    assert positions.tolist() == [[0, 1, 6, 7]] * 2 and positions.dtype == torch.long
 
 
-def test_shard_batch_keeps_given_positions_and_missing_keys():
-    """position_ids already in the batch (e.g. documents reset) are sharded, not recomputed; a pipeline
-    stage's batch without tokens (labels only) shards too."""
+def test_given_positions_are_cut_not_recomputed():
+    """Positions of the whole sequence (e.g. documents reset) are cut like the tokens."""
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
-    out = shard_batch({"labels": torch.zeros(1, 8, dtype=torch.long), "position_ids": positions,
-                       "tokens": None}, 2, 1)
-    assert out["position_ids"].tolist() == [[2, 0, 1, 2]] and out["tokens"] is None
-    assert out["labels"].shape == (1, 4)
+    assert SequenceShard(2, 1)(positions).tolist() == [[2, 0, 1, 2]]
 
 
 def test_errors_name_the_flags():
     with pytest.raises(ValueError, match=r"--seq-length 12 is not divisible by 2 x --context-parallel-size \(8\)"), \
             worded_as_flags():
-        shard_batch({"tokens": torch.zeros(1, 12)}, 4, 0)
+        SequenceShard(4, 0)(torch.zeros(1, 12))
     with pytest.raises(ValueError, match="--context-parallel-size"), worded_as_flags():
         local_positions(10, 4, 0)
     with pytest.raises(ValueError, match="--seq-length 6"), worded_as_flags():
@@ -74,13 +70,13 @@ def test_errors_name_the_flags():
 
 
 def test_rope_tables_do_not_depend_on_the_positions_layout():
-    """shard_batch's contiguous (b, s/cp) positions and the model's expanded default give RoPE tables of the
+    """Given positions cut to (b, s/cp) (contiguous) and the model's expanded default give RoPE tables of the
     same values, shape and strides: a layer compiled on one (the --compile warm-up) is not recompiled on the
     other (dynamo guards on strides)."""
     from llamapipe.model.layers import RotaryEmbedding
     rotary = RotaryEmbedding(8, 32, 10000.0)
-    given = shard_batch({"tokens": torch.zeros(3, 16)}, 2, 1)["position_ids"]
-    default = local_positions(16, 2, 1).expand(3, -1)
+    given = SequenceShard(2, 1)(torch.arange(16).repeat(3, 1))
+    default = SequenceShard(2, 1).positions(8, 3, torch.device("cpu"))
     for a, b in zip(rotary(8, given, torch.float32), rotary(8, default, torch.float32)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert a.shape == (8, 3, 1, 8) and a.stride() == b.stride()

@@ -328,8 +328,7 @@ def test_refused_flags_pass_at_the_value_that_means_off(llamapipe_log):
 # --- --use-checkpoint-args -------------------------------------------------------------------------------
 
 def test_use_checkpoint_args_fills_the_shape_and_forces_the_architecture(tmp_path):
-    from llamapipe.model.config import LlamaConfig
-    from llamapipe.model.llama import LlamaModel
+    from llamapipe.model.llama import LlamaConfig, LlamaModel
     from llamapipe.tools.convert_hf import model_specs
     from llamapipe.training.checkpointing.io import write_layout
     saved = LlamaConfig(num_layers=3, hidden_size=48, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
@@ -382,8 +381,7 @@ def _phi3_from_ours(model, config):
 def test_kv_channels_and_rotary_percent_logits_match_hf_phi3(kv_channels, rotary_percent):
     """fp32 logits of our model vs transformers' Phi3ForCausalLM (head_dim, partial_rotary_factor): the same
     function, so they agree to float rounding (atol 1e-5, rtol 1e-4 on logits of size ~1)."""
-    from llamapipe.model.config import LlamaConfig
-    from llamapipe.model.llama import LlamaModel
+    from llamapipe.model.llama import LlamaConfig, LlamaModel
     config = LlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
                          vocab_size=200, max_position_embeddings=64, rope_theta=500000.0, kv_channels=kv_channels,
                          rotary_percent=rotary_percent, init_method_std=0.1)
@@ -418,8 +416,7 @@ def test_partial_rotary_backward_matches_autograd_of_hf_rope():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_use_flash_attn_runs_sdpas_flash_kernel_and_matches_the_default_path():
-    from llamapipe.model.config import LlamaConfig
-    from llamapipe.model.llama import LlamaModel
+    from llamapipe.model.llama import LlamaConfig, LlamaModel
     base = LlamaConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
                        vocab_size=256, max_position_embeddings=128)
     tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()

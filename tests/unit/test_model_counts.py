@@ -1,10 +1,9 @@
-"""llamapipe.model.counts, the one formula for parameters and FLOPs per token, against a hand computation and
+"""llamapipe.model.llama.counts, the one formula for parameters and FLOPs per token, against a hand computation and
 against the built model; the log line, the planner and the memory check use it."""
 import pytest
 
 from llamapipe.core.parallel_state import ParallelState
-from llamapipe.model import counts
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig, counts
 
 # head dim 12 from --kv-channels (not hidden 32 / heads 4 = 8), GQA (2 groups), vocabulary 250 padded to 256
 SMALL = LlamaConfig(num_layers=3, hidden_size=32, ffn_hidden_size=40, num_attention_heads=4, num_query_groups=2,

@@ -5,8 +5,8 @@ import torch.nn.functional as F
 import transformers
 
 from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.hf_checkpoint import from_hf, to_hf
+from llamapipe.model.llama import LlamaConfig
+from llamapipe.model.llama.hf import from_hf, to_hf
 from llamapipe.model.llama import LlamaModel
 
 VOCAB = 1003

@@ -7,7 +7,7 @@ import transformers
 from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.model import families
 from llamapipe.model.qwen2 import Qwen2Config, Qwen2Model
-from llamapipe.model.qwen2_hf import from_hf, to_hf
+from llamapipe.model.qwen2.hf import from_hf, to_hf
 
 VOCAB = 1003
 

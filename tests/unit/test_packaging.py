@@ -37,7 +37,7 @@ def test_wheel_holds_only_the_llamapipe_package(wheel):
     assert tops - dist_info == {"llamapipe"}, f"unexpected top-level entries: {sorted(tops - dist_info)}"
     assert len(dist_info) == 1
     for module in ("cli.py", "train.py", "core/pipeline_parallel/executor.py", "training/arguments/parser.py",
-                   "model/llama.py", "data/gpt_dataset.py", "tools/flag_reference.py"):
+                   "model/llama/model.py", "data/gpt_dataset.py", "tools/flag_reference.py"):
         assert f"llamapipe/{module}" in names
     assert not any(n.startswith(("llamapipe/tests", "llamapipe/benchmarks")) for n in names)
 

@@ -4,7 +4,7 @@ import shlex
 
 import pytest
 
-from llamapipe.model.config import PRESETS, LlamaConfig
+from llamapipe.model.llama import PRESETS, LlamaConfig
 from llamapipe.core.pipeline_parallel.schedule_specs import build
 from llamapipe.tools.parallel_estimate import DEVICES, GIB, Layout, estimate, plan_peaks, rank_memory
 from llamapipe.tools.plan_parallelism import main

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.tools import plan_parallelism, profile_model, profile_overhead
 from llamapipe.training import profile_schema
 from llamapipe.tools.parallel_estimate import Layout, rank_params

@@ -18,7 +18,7 @@ from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.core.pipeline_parallel.profile_costs import (PassCosts, costs_from_medians, pass_medians,
                                                             stage_costs)
 from llamapipe.core.pipeline_parallel.schedule_ir import Action
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.tools import plan_parallelism, profile_plan
 from llamapipe.training import profile_schema
 from llamapipe.tools.parallel_estimate import Layout, layer_act_bytes, rank_params

@@ -10,7 +10,7 @@ import torch
 
 from llamapipe.core.config import ArgumentError
 from llamapipe.core.parallel_state import ParallelState
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.training.arguments import parser as parser_module
 from llamapipe.training.arguments.memory import check_fits_memory, model_parameters
 from llamapipe.training.flag_parser import unrecognized

@@ -17,7 +17,7 @@ from torch import nn
 
 from llamapipe.core.config import ArgumentError
 from llamapipe.core.parallel_state import ParallelState
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.training.config import Config, LoggingConfig
 from llamapipe.training.log import MetricsWriter, check_wandb, flops_per_token, num_zeros_in_grad, params_norm
 from llamapipe.training.progress import TrainingProgress

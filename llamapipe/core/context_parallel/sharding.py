@@ -6,17 +6,17 @@ layout) do, the sequence of length s is cut into 2 * cp chunks of s / (2 * cp) t
 chunk r (its head) and chunk 2 * cp - 1 - r (its tail), concatenated head then tail: every rank then has the
 same number of (query, key) pairs. The local tokens stay in increasing global order, so a causal mask over the
 local sequence is the global causal mask restricted to it. RoPE needs each local token's global position
-(`local_positions`); the data path hands each rank its chunks with `shard_batch`.
+(`local_positions`). A model chunk takes the whole sequence and cuts its own inputs with its `SequenceShard`;
+the loss side cuts the loss mask with the same one, so it meets the chunk's per-token losses.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
 from llamapipe.core.config import ConfigError
-
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")   # the (b, s) tensors of a microbatch
 
 
 def chunk_ids(cp_size: int, cp_rank: int) -> tuple[int, int]:
@@ -58,24 +58,19 @@ def local_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     return shard_sequence(torch.arange(seq_len), 0, cp_size, cp_rank)
 
 
-def shard_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
-    """A microbatch {tokens, labels, loss_mask[, position_ids]} of (b, s) tensors cut to this rank's chunks.
+@dataclass(frozen=True)
+class SequenceShard:
+    """CP rank `cp_rank`'s share of every sequence: what a model chunk cuts its full-sequence inputs to."""
 
-    Returns a new dict (other keys kept as they are) with "position_ids" (b, s_local) long holding the global
-    positions, for RoPE; cp_size 1 returns `batch` itself.
-    """
-    if cp_size == 1:
-        return batch
-    present = [key for key in BATCH_KEYS if batch.get(key) is not None]
-    if not present:
-        raise ValueError(f"a microbatch needs one of {', '.join(BATCH_KEYS)} to shard over context parallelism")
-    b, seq_len = batch[present[0]].shape[:2]
-    check_seq_length(seq_len, cp_size)
-    out = dict(batch)
-    for key in present:
-        assert batch[key].shape[:2] == (b, seq_len), f"{key} is {tuple(batch[key].shape)}, not (b, s) = {(b, seq_len)}"
-        out[key] = shard_sequence(batch[key], 1, cp_size, cp_rank)
-    if "position_ids" not in present:
-        device = batch[present[0]].device
-        out["position_ids"] = local_positions(seq_len, cp_size, cp_rank).to(device).expand(b, -1).contiguous()
-    return out
+    cp_size: int = 1
+    cp_rank: int = 0
+
+    def __call__(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """This rank's tokens of a (b, s, ...) per-token tensor of the whole sequence, (b, s/cp, ...): a new tensor
+        (`t` itself at cp 1; None stays None)."""
+        return None if t is None else shard_sequence(t, 1, self.cp_size, self.cp_rank)
+
+    def positions(self, local_len: int, batch: int, device: torch.device) -> torch.Tensor:
+        """Global positions (b, local_len) long of this rank's `local_len` tokens of each of `batch` sequences
+        (expanded: one row in memory)."""
+        return local_positions(local_len * self.cp_size, self.cp_size, self.cp_rank).to(device).expand(batch, -1)

@@ -41,10 +41,10 @@ from torch.distributed.tensor import DTensor
 
 from llamapipe.core.config import FSDP_STRATEGIES, SHARDING_STRATEGIES as STRATEGIES, ConfigError
 from llamapipe.core.distributed import fsdp_internals
-from llamapipe.core.tensor_parallel.layers import all_reduce_coalesced, tp_size_rank
+from llamapipe.core.tensor_parallel.layers import TP_PARTIAL_GRADS, all_reduce_coalesced, tp_size_rank
 
-_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "vocab_padded", "sequence_parallel", "shared", "vocab_shard",
-             "vocab_shards")
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "vocab_padded", "sequence_parallel", "per_head", "shared",
+             "vocab_shard", "vocab_shards")
 
 
 def is_sharded(chunks: list[nn.Module]) -> bool:
@@ -161,12 +161,12 @@ def full_of(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def reduce_scatter_grads(chunks: list[nn.Module], ps: Any, divisor: Optional[float]) -> None:
     """Sum the step's gathered-parameter gradients over DP into the shards and divide by `divisor`.
 
-    Collective over TP (sequence-parallel norm gradients) and DP; call after the step's last W."""
+    Collective over TP (sequence-parallel and per-head norm gradients) and DP; call after the step's last W."""
     for chunk in chunks:
         sharding: _ChunkSharding = chunk._dp_sharding
         groups = sharding.param_groups()
         if tp_size_rank(ps.tp_group)[0] > 1:
-            all_reduce_coalesced(_sequence_parallel_grads(chunk, sharding, groups), ps.tp_group)
+            all_reduce_coalesced(_tp_partial_grads(chunk, sharding, groups), ps.tp_group)
         chunk.set_requires_gradient_sync(True)
         try:
             fsdp_internals.reduce_scatter(groups)
@@ -178,15 +178,16 @@ def reduce_scatter_grads(chunks: list[nn.Module], ps: Any, divisor: Optional[flo
                 torch._foreach_div_(grads, divisor)
 
 
-def _sequence_parallel_grads(chunk: nn.Module, sharding: _ChunkSharding, groups: list) -> list[torch.Tensor]:
-    """The gradients on the gathered parameters that sequence parallelism leaves partial over TP (norms)."""
+def _tp_partial_grads(chunk: nn.Module, sharding: _ChunkSharding, groups: list) -> list[torch.Tensor]:
+    """The gradients on the gathered parameters that are partial over TP: sequence-parallel norms and per-head
+    norms (`tensor_parallel.layers.TP_PARTIAL_GRADS`)."""
     prefix = {module: name for name, module in chunk.named_modules()}
     grads = []
     for module, name, param in fsdp_internals.gathered_params(groups):
         if module not in prefix or param is None or param.grad is None:
             continue
         full_name = f"{prefix[module]}.{name}" if prefix[module] else name
-        if sharding.attrs.get(full_name, {}).get("sequence_parallel", False):
+        if any(sharding.attrs.get(full_name, {}).get(attr, False) for attr in TP_PARTIAL_GRADS):
             grads.append(param.grad)
     return grads
 

@@ -1,8 +1,9 @@
 """Data-parallel gradient reduction at the end of a step (after the last W), Megatron's finalize_model_grads.
 
-Order: (1) sum the grads of sequence-parallel replicated params over TP; (2) count the step's loss tokens
-(known on the last pipeline stage) and sum that count over DP; (3) sum every grad over DP in flat buckets
-(one all-reduce per bucket, optionally all launched before any is awaited) and divide by the token count.
+Order: (1) sum over TP the grads of replicated params that TP ranks hold parts of (sequence-parallel and
+per-head norms); (2) count the step's loss tokens (known on the last pipeline stage) and sum that count over
+DP; (3) sum every grad over DP in flat buckets (one all-reduce per bucket, optionally all launched before any
+is awaited) and divide by the token count.
 The runtime back-propagates per-microbatch loss SUMS, so after this each grad is exactly the gradient of
 the single-rank token-averaged loss. Half-precision grads are reduced in fp32. Bucketing only groups
 elements; each element's sum is the same for any bucket size.
@@ -135,7 +136,8 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module], parallel_state: Pa
                          num_tokens: Optional[torch.Tensor], *, bucket_size: int = DEFAULT_BUCKET_SIZE,
                          overlap_grad_reduce: bool = False,
                          global_tokens: Optional[float] = None, grad_sync: Any = None) -> Optional[float]:
-    """Reduce all grads of this rank's chunks over TP (sequence-parallel params) and DP; returns the token count.
+    """Reduce all grads of this rank's chunks over TP (sequence-parallel and per-head params) and DP; returns the
+    token count.
 
     Collective over the TP, PP and DP groups of `parallel_state`; call once per step after the last W.
     `global_tokens`, when the caller already reduced the step's token count over PP and DP, is used as is;

@@ -18,7 +18,8 @@ backward runs after the plan's last action) is final only at the step's end, so 
 that `finish` launches, after the others.
 
 The sums are the same as `core.distributed.all_reduce_bucketed`'s: fp32 flat buckets, summed over DP,
-then divided; sequence-parallel norm gradients are summed over TP first, within their bucket.
+then divided; the gradients TP ranks hold parts of (sequence-parallel and per-head norms) are summed over TP
+first, within their bucket.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from llamapipe.core.config import ConfigError
 from llamapipe.core.distributed.fsdp import is_sharded
 from llamapipe.core.distributed.grad_reduce import DEFAULT_BUCKET_SIZE, bucket_groups, group_size, unpack_bucket
 from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
-from llamapipe.core.tensor_parallel.layers import all_reduce_coalesced, grad_dtype
+from llamapipe.core.tensor_parallel.layers import all_reduce_coalesced, grad_dtype, grad_partial_over_tp
 
 
 class _Bucket:
@@ -149,7 +150,7 @@ class GradSync:
         for p in bucket.params:
             if p.grad is None:            # every DP replica must pack identical buckets
                 p.grad = torch.zeros_like(p, dtype=grad_dtype(p))
-        sp = [p.grad for p in bucket.params if getattr(p, "sequence_parallel", False)]
+        sp = [p.grad for p in bucket.params if grad_partial_over_tp(p)]
         if group_size(self.tp_group) > 1:
             all_reduce_coalesced(sp, self.tp_group)
         dtype = torch.promote_types(bucket.params[0].grad.dtype, torch.float32)

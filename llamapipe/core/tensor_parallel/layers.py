@@ -11,8 +11,8 @@ computes the input gradient and hands the weight-gradient GEMM to the store its 
 (`weight_grad_store.current`), so the zero-bubble schedules (arXiv 2401.10241) can run it later. Under
 `--compile` every linear call is a graph break (`graph_breaks.eager`): it runs eagerly between compiled regions.
 Parameters carry Megatron's attributes (`tensor_model_parallel`, `partition_dim`, and `vocab_padded` /
-`sequence_parallel` where they apply); a shard is a contiguous slice of the logical tensor along
-`partition_dim` in tp_rank order.
+`sequence_parallel` where they apply; `per_head` on a replicated weight applied to each of a rank's heads); a
+shard is a contiguous slice of the logical tensor along `partition_dim` in tp_rank order.
 """
 from __future__ import annotations
 
@@ -183,13 +183,23 @@ class VocabParallelEmbedding(nn.Module):
         return mappings.reduce_from_tensor_model_parallel_region(partial, self.tp_group)
 
 
+# The attributes of a replicated parameter whose gradient each TP rank holds only part of, summed over TP at the
+# step's end: a norm on this rank's sequence shard, or a weight applied to each of this rank's heads (q/k norms).
+TP_PARTIAL_GRADS = ("sequence_parallel", "per_head")
+
+
+def grad_partial_over_tp(param: torch.Tensor) -> bool:
+    return any(getattr(param, attr, False) for attr in TP_PARTIAL_GRADS)
+
+
 def allreduce_sequence_parallel_grads(modules: Union[nn.Module, Iterable[nn.Module]], tp_group: Optional[Any]) -> None:
-    """Sum over TP the grads of replicated parameters used on sequence shards (one coalesced all-reduce)."""
+    """Sum over TP the grads of replicated parameters each TP rank holds part of (`TP_PARTIAL_GRADS`: norms on
+    sequence shards, per-head norms), in one coalesced all-reduce."""
     if tp_size_rank(tp_group)[0] == 1:
         return
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
     params = {id(p): p for m in modules for p in m.parameters()
-              if getattr(p, "sequence_parallel", False) and p.grad is not None}
+              if grad_partial_over_tp(p) and p.grad is not None}
     all_reduce_coalesced([p.grad for p in params.values()], tp_group)
 
 

@@ -30,7 +30,8 @@ from llamapipe.core.tensor_parallel.layers import (INPUT_COPY, INPUT_GATHER, par
 
 class VocabTargets(NamedTuple):
     """What `forward_step` returns in place of its loss function on the last stage of a vocabulary-parallel
-    model: the microbatch's labels and loss mask, (b, s) each, which every rank's S and T need, and the loss
+    model: the microbatch's labels and loss mask, (b, s) each (the chunk's s/cp tokens under context
+    parallelism), which every rank's S and T need, and the loss
     function, called on the combined per-token losses (b, s) for the (loss_sum, num_tokens, log) it reports.
     T's gradient assumes the executor's convention: loss_sum is the mask-weighted sum of token losses."""
     labels: torch.Tensor
@@ -40,6 +41,8 @@ class VocabTargets(NamedTuple):
 
 class PipelineVocabEmbedding(nn.Module):
     """One (pipeline rank, TP rank)'s shard of the input embedding's vocabulary rows (same layout as the output's).
+    It takes the token ids of the whole sequence and looks up the tokens its chunk keeps: `sequence_shard` (the
+    holding chunk's, under context parallelism) cuts them, None keeps them all.
 
     Its weight gradient is computed after the plan's last action (`grad_after_plan`: an overlapped DP gradient
     sync reduces it at the step's end), and the runtime calls it outside its chunk's forward
@@ -47,13 +50,15 @@ class PipelineVocabEmbedding(nn.Module):
     runs_outside_chunk = True
 
     def __init__(self, padded_vocab_size: int, hidden_size: int, tp_group: Optional[Any], pp_rank: int,
-                 pp_size: int, *, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32) -> None:
+                 pp_size: int, *, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                 sequence_shard: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         super().__init__()
         tp_size, tp_rank = tp_size_rank(tp_group)
         shards = tp_size * pp_size
         assert padded_vocab_size % shards == 0, f"vocabulary {padded_vocab_size} does not split over {shards}"
         rows = padded_vocab_size // shards
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel and tp_size > 1
+        self.sequence_shard = sequence_shard
         self.vocab_start = (tp_rank * pp_size + pp_rank) * rows
         self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=params_dtype))
         set_tensor_model_parallel_attributes(self.weight, 0, vocab_padded=True,
@@ -62,7 +67,10 @@ class PipelineVocabEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """This shard's part of the embedding of `input_ids` (b, s): (s, b, h), or (s/tp, b, h) under sequence
-        parallelism, summed over TP; the sum over the pipeline ranks is the embedding output."""
+        parallelism, summed over TP; the sum over the pipeline ranks is the embedding output. Under context
+        parallelism s is the chunk's s/cp tokens."""
+        if self.sequence_shard is not None:
+            input_ids = self.sequence_shard(input_ids)
         ids = input_ids.t()
         outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.weight.shape[0])
         partial = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.weight)

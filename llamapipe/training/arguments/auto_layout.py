@@ -27,7 +27,7 @@ from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule
 from llamapipe.core.pipeline_parallel.stage_balance import (ELEMENT_FLOPS, analytic_parts, balanced_counts,
                                                             even_counts, layout_string, rank_work, stage_ranks,
                                                             tp_parts)
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.training import profile_schema
 from llamapipe.training.arguments.pipeline import LAYOUT_FLAG, vpp_size
 from llamapipe.training.flag_names import flag_message

@@ -12,7 +12,7 @@ import json
 import os
 
 from llamapipe.core.config import ArgumentError
-from llamapipe.model.families import BIAS_FAMILY
+from llamapipe.model.families import qkv_bias_family
 from llamapipe.training.checkpointing.io import METADATA, latest_checkpoint
 
 _FILLED = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
@@ -57,5 +57,5 @@ def with_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> argpar
     return argparse.Namespace(**{**vars(args), **values, "tie_embeddings_and_output_weights": tie,
                                  "untie_embeddings_and_output_weights": not tie,
                                  "group_query_attention": model["num_query_groups"] != model["num_attention_heads"],
-                                 "add_qkv_bias": (model.get("family") == BIAS_FAMILY
+                                 "add_qkv_bias": (model.get("family") == qkv_bias_family().name
                                                   or getattr(args, "add_qkv_bias", False))})

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from llamapipe.core.config import ArgumentError, ParallelConfig, TrainingConfig
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.families import model_parameters
 
 

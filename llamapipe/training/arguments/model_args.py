@@ -16,7 +16,7 @@ import torch
 
 from llamapipe.core.config import ArgumentError, ParallelConfig
 from llamapipe.model import families
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.families import PRESETS
 from llamapipe.training.arguments.pipeline import check_layer_split
 
@@ -122,11 +122,12 @@ def _family(args: argparse.Namespace) -> families.ModelFamily:
     """The preset's family; --add-qkv-bias (Megatron's Qwen2 flag) asks for the family with q/k/v biases."""
     preset = preset_name(args)
     family = families.family_of_preset(preset) if preset is not None else families.FAMILIES["llama"]
-    if getattr(args, "add_qkv_bias", False) and family.name != families.BIAS_FAMILY:
+    biased = families.qkv_bias_family()
+    if getattr(args, "add_qkv_bias", False) and family is not biased:
         if args.model is not None and family.name != "llama":
-            raise ArgumentError(f"--add-qkv-bias asks for the {families.BIAS_FAMILY} family but --model "
+            raise ArgumentError(f"--add-qkv-bias asks for the {biased.name} family but --model "
                                 f"{args.model} is a {family.name} model")
-        family = families.FAMILIES[families.BIAS_FAMILY]
+        family = biased
     return family
 
 

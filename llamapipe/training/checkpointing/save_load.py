@@ -33,7 +33,7 @@ from llamapipe.core.parallel_state import AXES, ParallelState
 from llamapipe.training.checkpointing.resharding import (TensorSpec, gather_vocab_shards, named_tensors,
                                                           padded_rows_for, shard_of, spec_of, split_shard)
 from llamapipe.core.tensor_parallel.random import get_rng_tracker
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama import LlamaConfig
 
 # Model fields a checkpoint fixes, with the flag that sets each (RoPE base and norm epsilon change the
 # function without changing any shape, so they are checked too).

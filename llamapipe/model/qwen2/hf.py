@@ -1,17 +1,14 @@
 """Conversion between HF transformers `Qwen2ForCausalLM` weights/config and ours (in memory).
 
-LLaMA's conversion (model/hf_checkpoint.py) plus the q/k/v biases. HF Qwen2 has no `attention_bias` key (its
+LLaMA's conversion (model/llama/hf.py) plus the q/k/v biases. HF Qwen2 has no `attention_bias` key (its
 biases are always there) and may use sliding-window attention, which ours does not: such a config is refused.
 """
 from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-import torch
-
-from llamapipe.model import hf_checkpoint as llama_hf
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.qwen2 import Qwen2Config
+from llamapipe.model.llama import LlamaConfig, hf as llama_hf
+from llamapipe.model.qwen2.config import Qwen2Config
 
 HF_ARCHITECTURE, HF_MODEL_TYPE = "Qwen2ForCausalLM", "qwen2"
 _LAYER_NAMES = {**llama_hf.LAYER_NAMES, **{f"attention.{p}_proj.bias": f"self_attn.{p}_proj.bias" for p in "qkv"}}
@@ -31,14 +28,4 @@ def config_to_hf(config: LlamaConfig, token_ids: Optional[dict[str, Optional[int
             "use_sliding_window": False, "sliding_window": None, "max_window_layers": config.num_layers}
 
 
-def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: Union[Any, dict],
-            make_vocab_size_divisible_by: int = 128) -> tuple[Qwen2Config, dict[str, torch.Tensor]]:
-    """(our config, our full logical state dict) from a Qwen2ForCausalLM state dict and its config."""
-    config = config_from_hf(hf_config, make_vocab_size_divisible_by)
-    return config, llama_hf.convert_from_hf(config, hf_state_dict, _LAYER_NAMES)
-
-
-def to_hf(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
-          token_ids: Optional[dict[str, Optional[int]]] = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """(Qwen2ForCausalLM state dict, config.json dict) from our full logical state dict."""
-    return llama_hf.convert_to_hf(config, state_dict, _LAYER_NAMES), config_to_hf(config, token_ids)
+from_hf, to_hf = llama_hf.converters(config_from_hf, config_to_hf, _LAYER_NAMES)

@@ -15,7 +15,7 @@ embedding lookup are not matmuls and add no FLOPs here.
 """
 from __future__ import annotations
 
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama.config import LlamaConfig
 
 
 def layer_matmul_parameters(m: LlamaConfig) -> int:

@@ -1,13 +1,16 @@
-"""LLaMA model chunk with tensor, sequence and pipeline parallelism (Megatron-LM chunk protocol).
+"""The LLaMA model chunk with tensor, sequence and pipeline parallelism (Megatron-LM chunk protocol), built from
+the parts its `spec` names (model/spec.py): every LLaMA-shaped family's chunk is this class with its own spec.
 
 `LlamaModel(config)` is the whole model on one process. Given a `ParallelState` it holds this TP rank's
 shards; `layer_range` / `pre_process` / `post_process` make it one pipeline chunk. Parameter names are
 logical (`embedding.weight`, `layers.<global index>...`, `final_norm.weight`, `output.weight`), and every
 parameter is initialised from (seed, name) on the full logical tensor before slicing, so every layout
 starts from identical weights (docs/design.md section 4). Activations travel sequence-first, (s, b, h).
-With context parallelism (the state's cp_size > 1) a chunk holds s/cp tokens of each sequence in the causal
-load-balanced layout of core/context_parallel/sharding.py (the caller shards the batch with `shard_batch`),
-its attention spans the CP group (`cp_comm_type` "p2p" or "allgather") and it returns those tokens' losses.
+With context parallelism (the state's cp_size > 1) a chunk takes the whole sequence of each microbatch and
+keeps s/cp tokens of it in the causal load-balanced layout of core/context_parallel/sharding.py: its
+`sequence_shard` cuts the input ids, the labels and the positions, so no caller cuts them first; its attention
+spans the CP group (`cp_comm_type` "p2p" or "allgather") and it returns those tokens' losses, which the
+caller's loss mask meets after the same cut (`chunk.sequence_shard(loss_mask)`).
 With `vocab_parallel` (arXiv 2411.05288) the last chunk ends at the final norm, the first starts from the
 embedding output it is given (`set_input_tensor`, like any later chunk: `pre_process` is False), and the
 output layer and the embedding are `PipelineVocabOutput` / `PipelineVocabEmbedding` shards held by local chunk 0
@@ -23,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from llamapipe.core.context_parallel import COMM_TYPES, local_positions
+from llamapipe.core.context_parallel import COMM_TYPES, SequenceShard
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.tensor_parallel import mappings
 from llamapipe.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -31,8 +34,9 @@ from llamapipe.core.tensor_parallel.vocab_pipeline import PipelineVocabEmbedding
 from llamapipe.core.tensor_parallel.layers import (INPUT_COPY, INPUT_GATHER, ColumnParallelLinear, VocabParallelEmbedding,
                                          parallel_linear, set_tensor_model_parallel_attributes,
                                          shard_logical_tensor)
-from llamapipe.model.config import LlamaConfig
-from llamapipe.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from llamapipe.model.layers import DecoderLayer
+from llamapipe.model.llama.config import LlamaConfig
+from llamapipe.model.spec import ModelSpec
 
 _SCALED_INIT = ("attention.o_proj.weight", "mlp.down_proj.weight")
 
@@ -73,9 +77,9 @@ def init_logical_tensor(name: str, shape: Sequence[int], config: LlamaConfig, se
 
 class LlamaModel(nn.Module):
     """A LLaMA chunk: [embedding] -> layers[start:end] -> [final norm, output head, loss]. Another family
-    with LLaMA's chunk structure subclasses it with its own `layer_class` (model/qwen2.py)."""
+    with LLaMA's chunk structure subclasses it with its own `spec` (model/qwen2/model.py)."""
 
-    layer_class = DecoderLayer
+    spec = ModelSpec()
 
     def __init__(self, config: LlamaConfig, parallel_state: Optional[ParallelState] = None, *,
                  layer_range: Optional[tuple[int, int]] = None, pre_process: bool = True,
@@ -87,10 +91,10 @@ class LlamaModel(nn.Module):
         tp_size = ps.tp_size
         self.tp_size, self.tp_rank = tp_size, ps.tp_rank
         self.tp_group = ps.tp_group if tp_size > 1 else None
-        self.cp_size, self.cp_rank = ps.cp_size, ps.cp_rank
-        cp_group = ps.cp_group if self.cp_size > 1 else None
-        if self.cp_size > 1 and cp_group is None:   # attention would silently stay local to this rank's tokens
-            raise ValueError(f"context-parallel size {self.cp_size} needs the parallel state's cp group")
+        self.sequence_shard = SequenceShard(ps.cp_size, ps.cp_rank)   # this CP rank's tokens of every input
+        cp_group = ps.cp_group if ps.cp_size > 1 else None
+        if ps.cp_size > 1 and cp_group is None:   # attention would silently stay local to this rank's tokens
+            raise ValueError(f"context-parallel size {ps.cp_size} needs the parallel state's cp group")
         if cp_comm_type not in COMM_TYPES:
             raise ValueError(f"--cp-comm-type {cp_comm_type} is not supported; use one of {', '.join(COMM_TYPES)}")
         layer_range = tuple(layer_range) if layer_range is not None else (0, config.num_layers)
@@ -105,12 +109,12 @@ class LlamaModel(nn.Module):
         padded_vocab = config.padded_vocab_size(tp_size)
         if pre_process:
             self.embedding = VocabParallelEmbedding(padded_vocab, config.hidden_size, self.tp_group, **kw)
-        self.rotary = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
-        self.layers = nn.ModuleDict({str(i): self.layer_class(config, self.tp_group, cp_group=cp_group,
-                                                              cp_comm_type=cp_comm_type, **kw)
+        self.rotary = self.spec.positions(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, self.spec, self.tp_group, cp_group=cp_group,
+                                                          cp_comm_type=cp_comm_type, **kw)
                                      for i in range(*layer_range)})
         if post_process:
-            self.final_norm = RMSNorm(config.hidden_size, config.norm_epsilon, **kw)
+            self.final_norm = self.spec.norm(config.hidden_size, config.norm_epsilon, **kw)
             if not config.tie_word_embeddings and not vocab_parallel:
                 self.output = ColumnParallelLinear(config.hidden_size, padded_vocab, self.tp_group, **kw)
                 set_tensor_model_parallel_attributes(self.output.weight, 0, vocab_padded=True)
@@ -118,7 +122,7 @@ class LlamaModel(nn.Module):
             pp_rank, pp_size = parallel_state.pp_rank, parallel_state.pp_size
             padded_split = config.padded_vocab_size(tp_size * pp_size)
             self.embedding = PipelineVocabEmbedding(padded_split, config.hidden_size, self.tp_group, pp_rank,
-                                                    pp_size, **kw)
+                                                    pp_size, sequence_shard=self.sequence_shard, **kw)
             self.output = PipelineVocabOutput(padded_split, config.hidden_size, config.vocab_size, self.tp_group,
                                               pp_rank, pp_size, **kw)
         self.input_tensor: Optional[torch.Tensor] = None
@@ -168,10 +172,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: Optional[torch.LongTensor] = None, labels: Optional[torch.LongTensor] = None,
                 position_ids: Optional[torch.LongTensor] = None) -> torch.Tensor:
-        """Hidden states (s, b, h) for the next stage, or logits (b, s, vocab), or per-token losses (b, s).
+        """Hidden states (s, b, h) for the next stage, or logits (b, s, vocab), or per-token losses (b, s), from
+        `input_ids`, `labels` and `position_ids` (None: 0..s-1) of the whole sequence, (b, s).
 
-        Under context parallelism s is this rank's s/cp tokens and `position_ids` (b, s/cp) their global
-        positions (`shard_batch` makes them; None: the balanced layout's)."""
+        Under context parallelism the chunk keeps this rank's s/cp tokens of each (`sequence_shard`) and the
+        outputs hold those tokens only: s is s/cp above."""
+        shard = self.sequence_shard
+        input_ids, labels, position_ids = shard(input_ids), shard(labels), shard(position_ids)
         if self.pre_process:
             if input_ids is None:
                 raise ValueError("the first pipeline chunk needs input_ids")
@@ -180,10 +187,8 @@ class LlamaModel(nn.Module):
             assert self.input_tensor is not None, "set_input_tensor must be called before forward"
             hidden = self.input_tensor
         seq_len = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)   # this CP rank's tokens
-        if position_ids is None and self.cp_size > 1:   # the balanced layout's global positions, (b, s/cp) as
-            # shard_batch gives them, so RoPE's tables (and a compiled layer's input shapes) are the same either way
-            positions = local_positions(seq_len * self.cp_size, self.cp_size, self.cp_rank).to(hidden.device)
-            position_ids = positions.expand(hidden.shape[1], -1)
+        if position_ids is None and shard.cp_size > 1:   # the global positions of this rank's tokens
+            position_ids = shard.positions(seq_len, hidden.shape[1], hidden.device)
         rope = self.rotary(seq_len, position_ids, hidden.dtype)
         for i, layer in enumerate(self.layers.values()):
             if self._recompute_layer(i) and torch.is_grad_enabled():

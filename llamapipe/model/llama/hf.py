@@ -5,16 +5,16 @@ exists only between Meta's interleaved-pair checkpoints and HF). GQA needs nothi
 projections keep their (num_query_groups * head_dim, hidden) shape. The vocabulary is padded with zero
 rows to `padded_vocab_size(1)`; `LlamaModel.load_logical_state_dict` adapts it to any TP layout.
 Reading and writing files belongs to the checkpointing code. A family of the same shape reuses the
-pieces: `hf_config_fields` / `hf_config_dict` for the shared config keys, `convert_from_hf` / `convert_to_hf`
-with its own layer name map (model/qwen2_hf.py).
+pieces: `hf_config_fields` / `hf_config_dict` for the shared config keys, and `converters` for its `from_hf` /
+`to_hf` with its own layer name map (model/qwen2/hf.py).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
-from llamapipe.model.config import LlamaConfig
+from llamapipe.model.llama.config import LlamaConfig
 
 LAYER_NAMES = {  # ours -> HF, inside layers.<i>
     "input_norm.weight": "input_layernorm.weight",
@@ -96,7 +96,7 @@ def config_to_hf(config: LlamaConfig, token_ids: Optional[dict[str, Optional[int
 
 
 def convert_from_hf(config: LlamaConfig, hf_state_dict: dict[str, torch.Tensor],
-                    layer_names: dict[str, str] = LAYER_NAMES) -> dict[str, torch.Tensor]:
+                    layer_names: dict[str, str]) -> dict[str, torch.Tensor]:
     """Our full logical state dict from an HF one, with the family's layer name map (ours -> HF)."""
     rows = config.padded_vocab_size(1)
     state_dict = {}
@@ -111,7 +111,7 @@ def convert_from_hf(config: LlamaConfig, hf_state_dict: dict[str, torch.Tensor],
 
 
 def convert_to_hf(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
-                  layer_names: dict[str, str] = LAYER_NAMES) -> dict[str, torch.Tensor]:
+                  layer_names: dict[str, str]) -> dict[str, torch.Tensor]:
     """An HF state dict from our full logical one: every vocabulary row of config.vocab_size (padding dropped)."""
     hf_state_dict = {}
     for ours, hf in _name_map(config.num_layers, config.tie_word_embeddings, layer_names).items():
@@ -125,15 +125,22 @@ def convert_to_hf(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
     return hf_state_dict
 
 
-def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: Union[Any, dict],
-            make_vocab_size_divisible_by: int = 128) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """(our config, our full logical state dict) from a LlamaForCausalLM state dict and its config."""
-    config = config_from_hf(hf_config, make_vocab_size_divisible_by)
-    return config, convert_from_hf(config, hf_state_dict)
+def converters(config_from_hf: Callable[..., LlamaConfig], config_to_hf: Callable[..., dict],
+               layer_names: dict[str, str]) -> tuple[Callable[..., tuple], Callable[..., tuple]]:
+    """A LLaMA-shaped family's (from_hf, to_hf), from its config conversions and its layer name map:
 
-
-def to_hf(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
-          token_ids: Optional[dict[str, Optional[int]]] = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """(LlamaForCausalLM state dict, config.json dict) from our full logical state dict: every vocabulary row
+    from_hf(hf_state_dict, hf_config, make_vocab_size_divisible_by=128) -> (our config, our full logical state
+    dict); to_hf(config, state_dict, token_ids=None) -> (HF state dict, config.json dict), every vocabulary row
     of config.vocab_size (the padding rows dropped)."""
-    return convert_to_hf(config, state_dict), config_to_hf(config, token_ids)
+    def from_hf(hf_state_dict: dict[str, torch.Tensor], hf_config: Union[Any, dict],
+                make_vocab_size_divisible_by: int = 128) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+        config = config_from_hf(hf_config, make_vocab_size_divisible_by)
+        return config, convert_from_hf(config, hf_state_dict, layer_names)
+
+    def to_hf(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
+              token_ids: Optional[dict[str, Optional[int]]] = None) -> tuple[dict[str, torch.Tensor], dict]:
+        return convert_to_hf(config, state_dict, layer_names), config_to_hf(config, token_ids)
+    return from_hf, to_hf
+
+
+from_hf, to_hf = converters(config_from_hf, config_to_hf, LAYER_NAMES)   # LlamaForCausalLM's
