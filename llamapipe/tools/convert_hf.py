@@ -28,11 +28,12 @@ from llamapipe.core.config import ParallelConfig
 from llamapipe.core.flag_parser import FlagParser
 from llamapipe.training.config import Config
 from llamapipe.core.parallel_state import ParallelState
+from llamapipe.core.safe_files import check_target, replace_atomically, replace_with
 from llamapipe.training.checkpointing.resharding import TensorSpec, spec_of
 from llamapipe.model.config import LlamaConfig
 from llamapipe.model.families import config_from_dict, family_of, family_of_hf
 from llamapipe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
-from llamapipe.data.tokenizers.hf_export import special_token_ids, write_hf_tokenizer
+from llamapipe.data.tokenizers.hf_export import OUTPUT_FILES as TOKENIZER_FILES, special_token_ids, write_hf_tokenizer
 
 
 def read_hf_dir(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -126,9 +127,11 @@ def export_hf(load: str, hf_dir: str, tokenizer_model: str | None = None,
     if config.tie_word_embeddings:  # HF re-ties lm_head on load; safetensors refuses shared storage
         hf_state_dict.pop("lm_head.weight")
     os.makedirs(hf_dir, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in hf_state_dict.items()}, os.path.join(hf_dir, "model.safetensors"),
-              metadata={"format": "pt"})
-    with open(os.path.join(hf_dir, "config.json"), "w") as fh:
+    for name in ("model.safetensors", "config.json") + TOKENIZER_FILES:   # refuse a planted link before writing
+        check_target(os.path.join(hf_dir, name))
+    replace_with(os.path.join(hf_dir, "model.safetensors"), lambda tmp: save_file(
+        {k: v.contiguous() for k, v in hf_state_dict.items()}, tmp, metadata={"format": "pt"}))
+    with replace_atomically(os.path.join(hf_dir, "config.json"), "w") as fh:
         json.dump(hf_config, fh, indent=2)
     written = write_hf_tokenizer(tokenizer, hf_dir, config.max_position_embeddings) if tokenizer else []
     return path, written

@@ -37,6 +37,7 @@ from llamapipe.core.pipeline_parallel.visualize import (
     plot_timeline,
     rank_table,
 )
+from llamapipe.core.safe_files import check_target
 
 PROG = "llamapipe plot-schedule"
 
@@ -108,6 +109,7 @@ def _build(args: argparse.Namespace, costs: Costs):
         plan = build(args.schedule, args.pp, vpp, args.microbatches, costs=costs, mem_limit=args.mem_limit,
                      post_validation=args.post_validation, vocab_parallel=args.vocab_parallel)
     if args.export_csv is not None:
+        check_target(args.export_csv)   # a planted link is refused, not written through
         write_csv(plan, args.export_csv)
     return plan
 
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = _build(args, costs)
         iters = simulate_iterations(plan, costs, args.iterations, post_validation=args.post_validation,
                                     optimizer_step=args.optimizer_step)
+        if draw:
+            check_target(args.out)      # a planted link is refused, not written through
     except (ValueError, OSError) as e:
         return _fail(str(e))
     # one iteration from release time 0 is exactly `simulate`'s run: no need to run it twice

@@ -23,6 +23,7 @@ from llamapipe.core.distributed.grad_reduce import all_reduce_over
 from llamapipe.core.logger import get_logger
 from llamapipe.core.optimizer.clip_grads import counts_for_norm, global_grad_norm
 from llamapipe.core.parallel_state import ParallelState
+from llamapipe.core.safe_files import open_existing
 from llamapipe.model.families import flops_per_token  # noqa: F401  (the family's formula; progress imports it here)
 from llamapipe.training.config import LoggingConfig
 
@@ -180,5 +181,7 @@ class MetricsWriter:
 
 
 def _open_jsonl(path: str) -> Any:
+    """Appended to, never through a link (a link, FIFO or directory there is refused; /dev/null is fine)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    return open(path, "a", buffering=1)    # line-buffered: each record reaches the file when it is written
+    fd = open_existing(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, devices=True)
+    return os.fdopen(fd, "a", buffering=1)    # line-buffered: each record reaches the file when it is written

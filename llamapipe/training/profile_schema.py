@@ -28,6 +28,7 @@ import platform
 from typing import Optional
 
 from llamapipe.core.pipeline_parallel.profile_costs import PassCosts
+from llamapipe.core.safe_files import replace_atomically
 from llamapipe.model.config import LlamaConfig
 
 SCHEMA = "llamapipe-profile/1"
@@ -132,7 +133,7 @@ def load(path: str, flag: str = "--profile") -> dict:
 def write(path: str, profile: dict) -> None:
     validate(profile, path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    with replace_atomically(path, "w") as f:     # never through a link (core/safe_files)
         json.dump(profile, f, indent=2)
 
 

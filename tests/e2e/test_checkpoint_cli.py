@@ -244,3 +244,52 @@ def test_stale_lock_of_a_dead_run_is_taken_over(tmp_path):
     assert f"taking over the lock on --save {save} left by a run that is gone (host {socket.gethostname()}, " \
            f"pid {dead.pid}" in proc.stdout + proc.stderr
     assert catalog.list_iterations(str(save)) == [1] and not (save / save_lock.LOCK_FILE).exists()
+
+
+PLANTED = {"symlink": "a symbolic link", "fifo": "a FIFO (named pipe)", "directory": "a directory"}
+
+
+def _plant(path, kind: str, victim) -> None:
+    {"symlink": lambda: path.symlink_to(victim), "fifo": lambda: os.mkfifo(path), "directory": path.mkdir}[kind]()
+
+
+@pytest.mark.parametrize("kind", list(PLANTED))
+def test_a_link_fifo_or_directory_at_the_lock_file_is_refused_and_its_target_untouched(tmp_path, kind):
+    """Issue 40: `ln -s ~/victim.txt CK/llamapipe.lock` made a run write its lock record into victim.txt (exit 0,
+    no message); a FIFO there would block the open."""
+    save, victim = tmp_path / "ckpt", tmp_path / "victim.txt"
+    save.mkdir()
+    victim.write_text("precious")
+    _plant(save / save_lock.LOCK_FILE, kind, victim)
+    line = fails(single(["--train-iters", "1", "--save", str(save)]))
+    assert line == f"pretrain_llama.py: error: --save {save}: its lock file {save / save_lock.LOCK_FILE} is " \
+                   f"{PLANTED[kind]}; llamapipe writes only regular files, never through a link (remove it or " \
+                   "choose another path)"
+    assert victim.read_text() == "precious" and catalog.list_iterations(str(save)) == []
+
+
+def test_links_at_the_metrics_file_and_the_trackers_side_file_touch_no_target(tmp_path):
+    """A link at --metrics-jsonl is refused with one warning (metrics never cost the run); one at the tracker's
+    temporary name (left by a crashed save, or planted) is removed, not written through; the run saves."""
+    save, victim = tmp_path / "ckpt", tmp_path / "victim.txt"
+    save.mkdir()
+    victim.write_text("precious")
+    jsonl = tmp_path / "m.jsonl"
+    jsonl.symlink_to(victim)
+    (save / (catalog.TRACKER + ".tmp")).symlink_to(victim)
+    proc = single(["--train-iters", "1", "--save", str(save), "--metrics-jsonl", str(jsonl)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--metrics-jsonl {jsonl}: cannot write (UnsafePathError: {jsonl} is a symbolic link; " in proc.stdout
+    assert victim.read_text() == "precious"
+    assert sorted(os.listdir(save)) == ["iter_0000001", catalog.TRACKER] and catalog.read_tracker(str(save)) == 1
+
+
+def test_a_link_at_the_tracker_is_refused_in_one_line_and_its_target_untouched(tmp_path):
+    save, victim = tmp_path / "ckpt", tmp_path / "victim.txt"
+    save.mkdir()
+    victim.write_text("precious")
+    (save / catalog.TRACKER).symlink_to(victim)
+    line = fails(single(["--train-iters", "1", "--save", str(save)]), code=1)
+    assert f"committing failed: {save / catalog.TRACKER} is a symbolic link; llamapipe writes only regular " \
+           "files, never through a link" in line, line
+    assert victim.read_text() == "precious" and catalog.list_iterations(str(save)) == []
