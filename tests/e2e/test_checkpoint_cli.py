@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -293,3 +294,19 @@ def test_a_link_at_the_tracker_is_refused_in_one_line_and_its_target_untouched(t
     assert f"committing failed: {save / catalog.TRACKER} is a symbolic link; llamapipe writes only regular " \
            "files, never through a link" in line, line
     assert victim.read_text() == "precious" and catalog.list_iterations(str(save)) == []
+
+
+def test_rank0_killed_during_an_async_save_ends_rank1_in_one_line(run4, tmp_path):
+    """kill -9 of rank 0 while its background save writes: rank 1 (with its data-loader workers) ends in one line
+    (before: a multiprocessing resource_sharer ConnectionResetError traceback), and iteration 2 still loads."""
+    script = wrapped(tmp_path, 0, "os.kill(os.getpid(), signal.SIGKILL)")
+    save = tmp_path / "ckpt"
+    proc = torchrun(2, TINY + FLAGS + ["--pipeline-model-parallel-size", "2", "--num-workers", "2", "--train-iters",
+                                       "4", "--save", str(save), "--save-interval", "2", "--async-save"], script=script)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f'File "{os.path.join(ROOT, "llamapipe")}' not in out and "resource_sharer" not in out, out[-4000:]
+    rank1 = [line for line in out.splitlines() if re.match(r"(pretrain_llama\.py: (error: )?)?rank 1: ", line)]
+    assert len(rank1) == 1, out[-4000:]
+    assert catalog.list_iterations(str(save)) == [2] and catalog.read_tracker(str(save)) == 2
+    assert [i for i, defect in scan(str(save)) if defect is None] == [2]

@@ -20,7 +20,7 @@ FLAGS = """
 --ddp-bucket-size
 --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers
 --disable-bias-linear --distributed-backend --distributed-timeout-minutes --eval-interval --eval-iters
---exit-duration-in-mins --exit-interval --exit-signal-handler --ffn-hidden-size --finetune --fp16
+--exit-duration-in-mins --exit-interval --exit-signal-handler --exit-signal --ffn-hidden-size --finetune --fp16
 --global-batch-size --group-query-attention --hidden-dropout --hidden-size --hysteresis --init-method-std
 --initial-loss-scale --keep-last-n --load --override-opt_param-scheduler --use-checkpoint-opt_param-scheduler --use-torch-fsdp2 --async-save --log-interval --loss-scale --loss-scale-window --lr --lr-decay-iters
 --lr-decay-style --lr-warmup-iters --make-vocab-size-divisible-by --max-position-embeddings --metrics-jsonl

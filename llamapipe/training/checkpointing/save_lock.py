@@ -6,8 +6,8 @@ as JSON and is `flock`ed while held: the kernel drops the flock when its process
 the same host a lock whose process is gone is recognised and taken over with a notice. A lock from another
 host cannot be checked from here (flock is not reliable across hosts on network filesystems): the run
 refuses and says which file to remove once that run is known to be gone. The lock is released (the file
-removed) at every exit: the normal end, errors (atexit), SIGTERM without --exit-signal-handler (handler
-below; with the flag the loop saves and exits normally) and Ctrl-C. The file is opened without following a
+removed) at every exit: the normal end, errors (atexit), and a signal that stops the run (`training/signals`
+calls `release_all`; a process of its own that holds a lock releases it on SIGTERM, handler below). The file is opened without following a
 link (`core/safe_files.open_existing`): a symbolic link, FIFO or directory planted at its name is refused in
 one line and its target is untouched. Checkpoint listing, verification,
 pruning and --load of the same directory ignore the file (they read only `iter_*` and the tracker).
@@ -163,6 +163,12 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def release_all() -> None:
+    """Release every lock this process holds (a run stopped by a signal, `training/signals`)."""
+    for lock in list(_held.values()):
+        lock.release()
 
 
 def _release_on_sigterm(lock: SaveDirLock) -> None:
