@@ -169,7 +169,7 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
                             finetune=args.finetune, keep_last_n=args.keep_last_n,
                             override_opt_param_scheduler=args.override_opt_param_scheduler,
                             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-                            async_save=args.async_save)
+                            async_save=args.async_save, allow_tokenizer_change=args.allow_tokenizer_change)
 
 
 def logging_config(args: argparse.Namespace) -> LoggingConfig:
