@@ -101,7 +101,11 @@ def _build(args: argparse.Namespace, costs: Costs):
     """The plan as the runtime builds it (`auto` for what an iteration costs with or without post-validation),
     or the one in --schedule-file; --export-csv writes it."""
     if args.schedule_file is not None:
-        plan = read_csv(args.schedule_file)
+        try:
+            plan = read_csv(args.schedule_file)
+        except UnicodeDecodeError as err:   # the decoder's message does not say which file
+            raise ValueError(f"--schedule-file {args.schedule_file}: not a text CSV file (byte {err.start} is not "
+                             f"{err.encoding})") from None
     elif args.pp is None or args.microbatches is None:
         raise ValueError(f"--schedule {args.schedule} needs --pp and --microbatches")
     else:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import random
 import sys
 import time
@@ -25,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from llamapipe.training.config import Config
-from llamapipe.training.initialize import init_distributed
+from llamapipe.training.initialize import first_to_report, init_distributed
 from llamapipe.core.host_memory import keep_freed_host_memory
 from llamapipe.core.config import ArgumentError
 from llamapipe.core.logger import get_logger
@@ -56,7 +55,7 @@ def pretrain(config: Config) -> int:
     try:
         check_wandb(config.logging)     # every rank alike, before any process group
     except ArgumentError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if first_to_report():
             sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
         return 2
     with stop_on_signals(config.training.exit_signal, config.training.exit_signal_handler) as stop:

@@ -327,3 +327,26 @@ def test_ctrl_c_without_the_handler_stops_in_one_line_per_rank_without_a_hang(tm
         assert proc.returncode == -signal.SIGINT, out[-3000:]
     assert not (save / "llamapipe.lock").exists()
     assert not [pid for pid in ranks + loaders if _alive(pid)]
+
+
+_SLOW_RANK0 = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+if os.environ["RANK"] == "0":
+    time.sleep(120)      # rank 0 is busy (a slow file system, a loaded node) when the others reach the bad flag
+from llamapipe.train import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("bad", [["--rope-theta", "5e5"], ["--exit-signal", "SIGKILL"]], ids=["check", "argparse"])
+def test_a_flag_error_is_written_by_the_first_rank_to_find_it(tmp_path, bad):
+    """Issue 40: only rank 0 wrote a flag error; when another rank exited first, torchrun killed rank 0 before it
+    wrote, and the user saw only torchrun's ChildFailedError. The first rank to reach the error writes it."""
+    script = tmp_path / "slow_rank0.py"
+    script.write_text(_SLOW_RANK0.format(root=ROOT))
+    proc = torchrun(2, TINY + FLAGS + ["--train-iters", "2"] + bad, script=str(script), timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    errors = [line for line in out.splitlines() if line.startswith("pretrain_llama.py: error:")]
+    assert len(errors) == 1 and bad[0] in errors[0], out[-3000:]

@@ -86,6 +86,8 @@ NOTICES: tuple[CompatFlag, ...] = (
 )
 
 REFUSED: tuple[CompatFlag, ...] = (
+    CompatFlag("--rope-theta", "it is HF's config.json name for RoPE's base; the flag is --rotary-base "
+               "(Megatron's)", float),
     CompatFlag("--hierarchical-context-parallel-sizes", "hierarchical context parallelism (the levels of "
                "--cp-comm-type a2a+p2p) is not implemented; use --cp-comm-type p2p or allgather", int, "+"),
     CompatFlag("--dynamic-context-parallel", _DYNAMIC_CP),
@@ -147,7 +149,7 @@ def said(entry: CompatFlag, value) -> str:
 def check_compat(args: argparse.Namespace) -> list[str]:
     """Raise ArgumentError for the first refused flag given; return one notice line per no-effect flag given,
     then the zero-bubble fork's (zb_fork_flags.check_fork_flags) and the line on a schedule file."""
-    from llamapipe.training.arguments.schedule_file_args import schedule_file_lines
+    from llamapipe.training.arguments.schedule_file_args import check_schedule_file, schedule_file_lines
     from llamapipe.training.arguments.zb_fork_flags import check_fork_flags
     for e in REFUSED:
         value = getattr(args, dest_of(e.flag))
@@ -155,4 +157,5 @@ def check_compat(args: argparse.Namespace) -> list[str]:
             raise ArgumentError(f"{said(e, value)} is not supported: {e.why}")
     notices = [f"notice: {said(e, getattr(args, dest_of(e.flag)))} has no effect here: {e.why}"
                for e in NOTICES if getattr(args, dest_of(e.flag)) not in (None, False)]
+    check_schedule_file(args)
     return notices + check_fork_flags(args) + schedule_file_lines(args)
