@@ -14,6 +14,8 @@ import importlib.util
 import json
 import os
 import resource
+import socket
+import time
 from typing import Any, Optional
 
 import torch
@@ -126,6 +128,9 @@ class MetricsWriter:
     def __init__(self, cfg: LoggingConfig, enabled: bool, *, run_config: Optional[Any] = None,
                  save_dir: Optional[str] = None) -> None:
         self.enabled, self.cfg = enabled, cfg
+        # Every JSONL record names its run: a resumed run appends to the same file, and iterations after its
+        # checkpoint then appear twice (the earlier run's, then this one's).
+        self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
         self._tb = self._jsonl = self._wandb = None
         if not enabled:
             return
@@ -165,13 +170,20 @@ class MetricsWriter:
         if not self.enabled:
             return
         if self._jsonl is not None:
-            self._guard("_jsonl", lambda f: f.write(json.dumps(record) + "\n"))
+            self._guard("_jsonl", lambda f: f.write(json.dumps({**record, "run_id": self.run_id}) + "\n"))
         scalars = {k: v for k, v in record.items()
                    if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
             self._guard("_tb", lambda tb: [tb.add_scalar(k, v, record["iteration"]) for k, v in scalars.items()])
         if self._wandb is not None:
             self._guard("_wandb", lambda run: run.log(scalars, step=record["iteration"]))
+
+    def mark_resume(self, iteration: int) -> None:
+        """One JSONL record saying this run took over from a checkpoint at `iteration` (JSONL only: it is no
+        metric)."""
+        if self.enabled and self._jsonl is not None:
+            record = {"run_id": self.run_id, "resumed_from_iteration": iteration}
+            self._guard("_jsonl", lambda f: f.write(json.dumps(record) + "\n"))
 
     def close(self) -> None:
         for sink, method in (("_tb", "close"), ("_jsonl", "close"), ("_wandb", "finish")):

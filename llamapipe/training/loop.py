@@ -124,7 +124,7 @@ class Trainer:
         self.batches = build_num_microbatches_calculator(cfg.global_batch_size, cfg.micro_batch_size, ps.dp_size,
                                                          cfg.rampup_batch_size)
         self.state = TrainState()
-        self._load()
+        resumed = self._load()
         train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles, self.state.consumed_samples)
         self.timers = build_timers(config.logging.timing_log_level)     # --timing-log-level (None at 0)
         self.runtime = build_runtime_options(config, ps, self.chunks, observers=(self.timers,) if self.timers else ())
@@ -132,6 +132,8 @@ class Trainer:
         self.timers_log = None if self.timers is None else TimersLog(self.timers, ps, config.logging.timing_log_option)
         self.metrics = MetricsWriter(config.logging, enabled=dist.get_rank() == 0, run_config=config,
                                      save_dir=config.checkpoint.save)
+        if resumed is not None:
+            self.metrics.mark_resume(resumed)     # where this run's records take over from the earlier run's
         self.progress = TrainingProgress(self.metrics, model_cfg, seq_length=cfg.seq_length,
                                          world_size=ps.world_size, train_iters=cfg.train_iters,
                                          log_interval=config.logging.log_interval, tp=ps.tp_size,
@@ -145,20 +147,22 @@ class Trainer:
             step_form = PostValidatedStep
         self.step = step_form(self.parts, train_iters)
 
-    def _load(self) -> None:
+    def _load(self) -> Optional[int]:
+        """Resume from --load; returns the iteration resumed from (None: nothing loaded)."""
         ckpt = self.config.checkpoint
         if not ckpt.load:
-            return
+            return None
         from llamapipe.training.checkpointing.save_load import load_checkpoint
         result = load_checkpoint(ckpt.load, model_chunks=self.chunks, optimizer=self.optimizer,
                                  scheduler=self.scheduler, parallel_state=self.ps, config=self.config,
                                  no_load_optim=ckpt.no_load_optim, no_load_rng=ckpt.no_load_rng,
                                  finetune=ckpt.finetune)
         if result is None:
-            return
+            return None
         self.state.iteration, self.state.consumed_samples = result.iteration, result.consumed_samples
         log.info(f"resumed from {ckpt.load} at iteration {result.iteration} "
                  f"({result.consumed_samples} consumed samples)")
+        return result.iteration
 
     def save(self) -> None:
         ckpt = self.config.checkpoint

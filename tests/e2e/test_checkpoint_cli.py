@@ -310,3 +310,21 @@ def test_rank0_killed_during_an_async_save_ends_rank1_in_one_line(run4, tmp_path
     assert len(rank1) == 1, out[-4000:]
     assert catalog.list_iterations(str(save)) == [2] and catalog.read_tracker(str(save)) == 2
     assert [i for i, defect in scan(str(save)) if defect is None] == [2]
+
+
+def test_a_resumed_run_marks_in_the_metrics_where_it_took_over(run4, tmp_path):
+    """Issue 40: after a resume, the JSONL held iterations 1-4 then 3, 4 again with nothing telling the two runs
+    apart. Every record now names its run, and the resumed run first writes where it took over."""
+    ckpt = copy_of(run4[0], tmp_path)
+    shutil.rmtree(ckpt / "iter_0000004")
+    jsonl = tmp_path / "m.jsonl"
+    shutil.copy(run4[0].parent / "full.jsonl", jsonl)
+    proc = single(["--train-iters", "4", "--load", str(ckpt), "--metrics-jsonl", str(jsonl)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in open(jsonl)]
+    first, marker, second = records[:4], records[4], records[5:]
+    assert [r["iteration"] for r in first] == [1, 2, 3, 4] and [r["iteration"] for r in second] == [3, 4]
+    assert len({r["run_id"] for r in first}) == 1 and len({r["run_id"] for r in second}) == 1
+    assert first[0]["run_id"] != second[0]["run_id"]
+    assert marker == {"run_id": second[0]["run_id"], "resumed_from_iteration": 2}
+    assert [r["lm_loss"] for r in second] == [r["lm_loss"] for r in first[2:]]
