@@ -131,6 +131,7 @@ class MetricsWriter:
         # Every JSONL record names its run: a resumed run appends to the same file, and iterations after its
         # checkpoint then appear twice (the earlier run's, then this one's).
         self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
+        self._resumed_from: Optional[int] = None        # said once, in this run's first JSONL record
         self._tb = self._jsonl = self._wandb = None
         if not enabled:
             return
@@ -170,7 +171,10 @@ class MetricsWriter:
         if not self.enabled:
             return
         if self._jsonl is not None:
-            self._guard("_jsonl", lambda f: f.write(json.dumps({**record, "run_id": self.run_id}) + "\n"))
+            mark = {"run_id": self.run_id}
+            if self._resumed_from is not None:
+                mark["resumed_from_iteration"], self._resumed_from = self._resumed_from, None
+            self._guard("_jsonl", lambda f: f.write(json.dumps({**record, **mark}) + "\n"))
         scalars = {k: v for k, v in record.items()
                    if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
@@ -179,11 +183,9 @@ class MetricsWriter:
             self._guard("_wandb", lambda run: run.log(scalars, step=record["iteration"]))
 
     def mark_resume(self, iteration: int) -> None:
-        """One JSONL record saying this run took over from a checkpoint at `iteration` (JSONL only: it is no
-        metric)."""
-        if self.enabled and self._jsonl is not None:
-            record = {"run_id": self.run_id, "resumed_from_iteration": iteration}
-            self._guard("_jsonl", lambda f: f.write(json.dumps(record) + "\n"))
+        """This run took over from a checkpoint at `iteration`: its first JSONL record says so (JSONL only, it
+        is no metric; still one record per iteration)."""
+        self._resumed_from = iteration
 
     def close(self) -> None:
         for sink, method in (("_tb", "close"), ("_jsonl", "close"), ("_wandb", "finish")):
