@@ -118,9 +118,10 @@ def _stop(signum: int, report: StopReport) -> None:
     end_loader_workers()
     from llamapipe.training.checkpointing.save_lock import release_all
     release_all()
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):     # a terminal gone (SIGHUP) must not keep the process alive
         sys.stdout.flush()
-    os.write(2, report.line(signal.Signals(signum).name).encode())
+    with contextlib.suppress(OSError):
+        os.write(2, report.line(signal.Signals(signum).name).encode())
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)        # end as the signal ends a process, so a calling shell sees it
     os._exit(128 + signum)
