@@ -72,6 +72,7 @@ class TrainingConfig:
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = False
+    exit_signal: str = "SIGTERM"        # --exit-signal: the signal that saves under exit_signal_handler (and SIGINT)
     skip_nonfinite_steps: bool = False
     num_microbatches: int = 1           # derived: global / (micro x dp)
     profile_iters: int = 3              # `auto` and `zb-h2`: 1F1B iterations measured before switching

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from llamapipe.core.logger import get_logger
+from llamapipe.safe_files import replace_atomically
 from llamapipe.data.indexed_dataset import IndexedDataset, cached_max_token_id, data_file_path
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -141,9 +142,8 @@ def _load_or_build(base: str, build) -> tuple[np.ndarray, ...]:
     arrays = build()
     os.makedirs(os.path.dirname(base), exist_ok=True)
     for path, array in zip(paths, arrays):
-        tmp = f"{path}.{os.getpid()}.tmp.npy"
-        np.save(tmp, array)
-        os.replace(tmp, path)
+        with replace_atomically(path) as fh:    # whole or not at all, never through a link
+            np.save(fh, array)
     get_logger().info("built %s indices (%d samples) in %.2fs -> %s", os.path.basename(base),
                       len(arrays[2]), time.perf_counter() - start, os.path.dirname(base))
     return arrays

@@ -18,6 +18,9 @@ from typing import Optional
 
 import numpy as np
 
+from llamapipe.safe_files import (check_target, clear_leftover, create_new, remove_dead_temporaries,
+                                       replace_atomically, temporary_name)
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
@@ -56,9 +59,15 @@ class IndexedDatasetWriter:
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
         dtype_code(self.dtype)
+        finals = (data_file_path(prefix), index_file_path(prefix))
+        for path in finals:     # a link, FIFO or directory there is refused now, not after the whole corpus
+            check_target(path)
+            remove_dead_temporaries(path)
         # the pid keeps two runs writing the same prefix from sharing a temporary file
-        self._tmp = {path: f"{path}.tmp{os.getpid()}" for path in (data_file_path(prefix), index_file_path(prefix))}
-        self._bin = open(self._tmp[data_file_path(prefix)], "wb")
+        self._tmp = {path: temporary_name(path) for path in finals}
+        for tmp in self._tmp.values():
+            clear_leftover(tmp)
+        self._bin = create_new(self._tmp[data_file_path(prefix)])
         self._lengths = array("i")
         self._doc_idx = array("q", [0])
 
@@ -87,7 +96,7 @@ class IndexedDatasetWriter:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.frombuffer(self._doc_idx, dtype=np.int64)
-        with open(self._tmp[index_file_path(self.prefix)], "wb") as f:
+        with create_new(self._tmp[index_file_path(self.prefix)]) as f:
             f.write(_HEADER.pack(MAGIC, VERSION, dtype_code(self.dtype), len(lengths), len(doc_idx)))
             f.write(lengths.tobytes())
             f.write(pointers.tobytes())
@@ -99,6 +108,7 @@ class IndexedDatasetWriter:
         """Rename the finished pair into place, the index last: a reader that sees the new index sees the
         new tokens too (one that opens between the renames finds sizes that disagree and says so)."""
         for path, tmp in self._tmp.items():
+            check_target(path)
             os.replace(tmp, path)
 
     def abort(self) -> None:
@@ -188,10 +198,8 @@ def cached_max_token_id(indexed: IndexedDataset, cache_dir: str) -> int:
     value = max_token_id(indexed)
     try:
         os.makedirs(cache_dir, exist_ok=True)
-        tmp = f"{sidecar}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
+        with replace_atomically(sidecar, "w") as f:
             json.dump({**key, "max_token_id": value}, f)
-        os.replace(tmp, sidecar)
     except OSError:
         pass    # a read-only cache only costs the scan next time
     return value

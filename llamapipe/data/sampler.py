@@ -57,12 +57,18 @@ class EvalSampler(PretrainingSampler):
             yield from super().__iter__()
 
 
+# What people and schedulers send to end or warn a job (Ctrl-C, SLURM's --signal=USR1@120, --exit-signal's choices)
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT,
+                 signal.SIGXCPU)
+
+
 def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader worker_init_fn: SIGTERM/SIGINT are the training process's to act on. torchrun (and SLURM)
-    signal a rank's whole process group, workers included; a worker that died of it would take the rank down
-    before --exit-signal-handler could save. The worker still exits when its rank does (it watches it)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """DataLoader worker_init_fn: stop signals are the training process's to act on. torchrun (and SLURM, and a
+    terminal's Ctrl-C) signal a rank's whole process group, workers included; a worker that died of it would
+    take the rank down before --exit-signal-handler could save. The worker still exits when its rank does (it
+    watches it), and a rank that stops without saving kills it (training/signals)."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _loader(dataset, sampler, num_workers: int) -> Iterator[dict]:

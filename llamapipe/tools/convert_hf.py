@@ -29,11 +29,13 @@ from llamapipe.training.flag_names import flag_message
 from llamapipe.training.flag_parser import FlagParser
 from llamapipe.training.config import Config
 from llamapipe.core.parallel_state import ParallelState
+from llamapipe.safe_files import check_target, replace_atomically, replace_with
 from llamapipe.training.checkpointing.resharding import TensorSpec, spec_of
 from llamapipe.model.llama import LlamaConfig
+from llamapipe.tools.hf_import_checks import check_sizes, check_weights, expected_shapes, read_config
 from llamapipe.model.families import config_from_dict, family_of, family_of_hf
 from llamapipe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
-from llamapipe.data.tokenizers.hf_export import special_token_ids, write_hf_tokenizer
+from llamapipe.data.tokenizers.hf_export import OUTPUT_FILES as TOKENIZER_FILES, special_token_ids, write_hf_tokenizer
 
 
 def read_hf_dir(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -41,8 +43,7 @@ def read_hf_dir(hf_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--hf-dir {hf_dir} has no config.json")
-    with open(config_path) as fh:
-        hf_config = json.load(fh)
+    hf_config = read_config(config_path)
     files = _weight_files(hf_dir)
     state_dict: dict[str, torch.Tensor] = {}
     for path in files:
@@ -58,8 +59,9 @@ def _weight_files(hf_dir: str) -> list[str]:
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         path = os.path.join(hf_dir, index)
         if os.path.isfile(path):
-            with open(path) as fh:
-                weight_map = json.load(fh)["weight_map"]
+            weight_map = read_config(path).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{path} has no weight_map object")
             return [os.path.join(hf_dir, f) for f in sorted(set(weight_map.values()))]
     for name in ("model.safetensors", "pytorch_model.bin"):
         if os.path.isfile(os.path.join(hf_dir, name)):
@@ -78,7 +80,11 @@ def import_hf(hf_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_s
               make_vocab_size_divisible_by: int = 128, virtual_stages: int | None = None) -> str:
     from tqdm import tqdm
     hf_state_dict, hf_config = read_hf_dir(hf_dir)
-    config, full = family_of_hf(hf_config).from_hf(hf_state_dict, hf_config, make_vocab_size_divisible_by)
+    family, config_path = family_of_hf(hf_config), os.path.join(hf_dir, "config.json")
+    check_sizes(hf_config, config_path)     # before anything divides by them or is written
+    config = family.config_from_hf(hf_config, make_vocab_size_divisible_by)
+    check_weights(hf_state_dict, hf_config, expected_shapes(family, config), config_path, config.tie_word_embeddings)
+    config, full = family.from_hf(hf_state_dict, hf_config, make_vocab_size_divisible_by)
     vpp = 1
     if layers_per_virtual_stage is not None:
         if config.num_layers % (pp * layers_per_virtual_stage):
@@ -127,9 +133,11 @@ def export_hf(load: str, hf_dir: str, tokenizer_model: str | None = None,
     if config.tie_word_embeddings:  # HF re-ties lm_head on load; safetensors refuses shared storage
         hf_state_dict.pop("lm_head.weight")
     os.makedirs(hf_dir, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in hf_state_dict.items()}, os.path.join(hf_dir, "model.safetensors"),
-              metadata={"format": "pt"})
-    with open(os.path.join(hf_dir, "config.json"), "w") as fh:
+    for name in ("model.safetensors", "config.json") + TOKENIZER_FILES:   # refuse a planted link before writing
+        check_target(os.path.join(hf_dir, name))
+    replace_with(os.path.join(hf_dir, "model.safetensors"), lambda tmp: save_file(
+        {k: v.contiguous() for k, v in hf_state_dict.items()}, tmp, metadata={"format": "pt"}))
+    with replace_atomically(os.path.join(hf_dir, "config.json"), "w") as fh:
         json.dump(hf_config, fh, indent=2)
     written = write_hf_tokenizer(tokenizer, hf_dir, config.max_position_embeddings) if tokenizer else []
     return path, written

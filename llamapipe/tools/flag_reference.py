@@ -14,6 +14,7 @@ import os
 import sys
 
 from llamapipe.training.flag_parser import FlagParser
+from llamapipe.safe_files import replace_atomically
 from llamapipe.training.arguments import build_parser
 
 HEADER = """# Flag reference
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.out} is up to date")
         return 0
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
+    with replace_atomically(args.out, "w") as f:     # never through a link (llamapipe/safe_files)
         f.write(text)
     print(f"wrote {args.out}")
     return 0

@@ -21,6 +21,7 @@ import tokenize
 from typing import Iterator
 
 from llamapipe.training.flag_parser import FlagParser
+from llamapipe.safe_files import replace_atomically
 
 
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
@@ -97,10 +98,11 @@ def write_corpus(out: str, max_bytes: int, num_shards: int) -> tuple[int, int]:
     for i, shard in enumerate(shards):
         path = os.path.join(out, f"shard_{i:02d}.jsonl")
         if i == num_shards - 1:
-            with open(path + ".gz", "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
+            with replace_atomically(path + ".gz") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f,
+                                                                       mtime=0) as gz:
                 gz.write(shard.getvalue())
         else:
-            with open(path, "wb") as f:
+            with replace_atomically(path) as f:     # never through a link (llamapipe/safe_files)
                 f.write(shard.getvalue())
     return docs, total
 

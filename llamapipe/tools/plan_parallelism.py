@@ -29,6 +29,7 @@ from llamapipe.training import profile_schema
 from llamapipe.tools.parallel_estimate import DEVICES, GIB, Estimate, Layout, estimate
 
 SCHEDULES = [name for name, spec in SPECS.items() if spec.planned and not spec.profiled]
+SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size")
 RECOMPUTE_FLAGS = {"none": [], "selective": ["--recompute-activations"],
                    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform"]}
 
@@ -62,8 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def model_from_args(args: argparse.Namespace) -> LlamaConfig:
     fields = dict(PRESETS[args.model]) if args.model else {}
-    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                 "vocab_size"):
+    for name in SHAPE_FIELDS:
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     missing = [n for n in ("num_layers", "hidden_size", "num_attention_heads") if n not in fields]
@@ -173,8 +173,9 @@ def explain(lay: Layout, e: Estimate) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.profile:
+        shaped = args.model is not None or any(getattr(args, name) is not None for name in SHAPE_FIELDS)
         try:
-            return profile_plan.run(args, layouts)
+            return profile_plan.run(args, layouts, model_from_args(args) if shaped else None)
         except profile_schema.ProfileError as e:
             sys.stderr.write(f"llamapipe plan: {e}\n")
             return 2

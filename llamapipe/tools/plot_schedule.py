@@ -38,6 +38,7 @@ from llamapipe.core.pipeline_parallel.visualize import (
 )
 from llamapipe.training.flag_names import flag_message
 from llamapipe.training.schedule_file import read_schedule_file, write_schedule_file
+from llamapipe.safe_files import check_target
 
 PROG = "llamapipe plot-schedule"
 
@@ -109,6 +110,7 @@ def _build(args: argparse.Namespace, costs: Costs):
         plan = build(args.schedule, args.pp, vpp, args.microbatches, costs=costs, mem_limit=args.mem_limit,
                      post_validation=args.post_validation, vocab_parallel=args.vocab_parallel)
     if args.export_csv is not None:
+        check_target(args.export_csv)   # a planted link is refused, not written through
         write_schedule_file(plan, args.export_csv)
     return plan
 
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = _build(args, costs)
         iters = simulate_iterations(plan, costs, args.iterations, post_validation=args.post_validation,
                                     optimizer_step=args.optimizer_step)
+        if draw:
+            check_target(args.out)      # a planted link is refused, not written through
     except (ValueError, OSError) as e:
         return _fail(flag_message(e))
     # one iteration from release time 0 is exactly `simulate`'s run: no need to run it twice

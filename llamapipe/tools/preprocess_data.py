@@ -121,13 +121,17 @@ def preprocess(inputs: Sequence[str], prefix: str, model_path: Optional[str], wo
         raise ValueError(f"--append-eod needs an end-of-text token, and --tokenizer-model {model_path} has none")
     files = resolve_inputs(inputs)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    writers = {k: IndexedDatasetWriter(output_prefix(prefix, k), best_dtype(tokenizer.vocab_size))
-               for k in json_keys}
+    writers: dict[str, IndexedDatasetWriter] = {}
     stats, start = ReadStats(), time.perf_counter()
     try:    # every output appears only once all are complete; a failure leaves the earlier ones as they were
+        for k in json_keys:
+            writers[k] = IndexedDatasetWriter(output_prefix(prefix, k), best_dtype(tokenizer.vocab_size))
         docs = iter_documents(files, json_keys, strict=strict, stats=stats)
         tokens = _tokenize(docs, InputProgress(files), writers, progress, batch_docs,
                            ((model_path, tokenizer_type, vocab_size), tuple(json_keys), append_eod, workers))
+        if stats.documents == 0:    # an empty corpus is never what a run meant: keep any earlier one
+            raise ValueError(f"no document could be read from --input ({stats.summary()}); nothing was written "
+                             f"and any earlier {output_prefix(prefix, json_keys[0])}.bin/.idx is unchanged")
         for w in writers.values():
             w.finish()
         for w in writers.values():
@@ -195,7 +199,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         s = preprocess(args.input, args.output_prefix, args.tokenizer_model, args.workers, args.json_keys,
                        args.append_eod, args.strict, args.batch_docs, not args.no_progress,
                        args.tokenizer_type, args.vocab_size)
-    except ValueError as e:
+    except (ValueError, OSError) as e:     # bad input, or a link or FIFO where an output goes
         raise SystemExit(str(e)) from None
     log = get_logger()
     log.info(s["read_summary"])

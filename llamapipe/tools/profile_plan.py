@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 from typing import Optional
 
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.training import profile_schema
 from llamapipe.tools.parallel_estimate import Layout
 from llamapipe.tools.profile_predict import Prediction, balanced_counts, layer_counts, layout_string, predict
@@ -130,9 +131,14 @@ def command(profile: dict, lay: Layout, global_batch: int, post_validation: bool
     return " ".join(f"'{f}'" if "|" in f else f for f in flags)
 
 
-def run(args: argparse.Namespace, layouts_fn) -> int:
-    """`plan --profile`: load, rank, print; `layouts_fn(model, gpus, global_batch, max_mbs)` enumerates."""
+def run(args: argparse.Namespace, layouts_fn, asked: Optional[LlamaConfig] = None) -> int:
+    """`plan --profile`: load, rank, print; `layouts_fn(model, gpus, global_batch, max_mbs)` enumerates. `asked`:
+    the model --model and the shape flags give, if any: the profile must have been measured on it (the trainer's
+    check), and its number of layers is planned (the profile's times are per layer)."""
     profile = profile_schema.load(args.profile)
+    if asked is not None:
+        profile_schema.check_same_model(profile, asked, f"--profile {args.profile}", "--model and the shape flags give")
+        profile = {**profile, "model": {**profile["model"], "num_layers": asked.num_layers}}
     model = profile_schema.model_of(profile)
     rows = rank_layouts(profile, layouts_fn(model, args.gpus, args.global_batch_size, args.max_micro_batch_size),
                         args.global_batch_size, vocab=trainer_has_vocab_parallel(),

@@ -21,6 +21,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 
 from llamapipe.training.flag_parser import FlagParser
 from llamapipe.core.logger import get_logger
+from llamapipe.safe_files import check_target, replace_atomically
 from llamapipe.data.redpajama import iter_documents
 from llamapipe.data.tokenizer import SENTENCEPIECE_TYPES, build_tokenizer
 
@@ -58,6 +59,8 @@ def train(inputs: Sequence[str], vocab_size: int, model_prefix: str, json_key: s
           max_sentences: int = 2_000_000) -> str:
     """Train sentencepiece and return the path of `<model_prefix>.model`."""
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    for suffix in (".model", ".vocab"):     # sentencepiece writes them by name: refuse a planted link first
+        check_target(model_prefix + suffix)
     spm.SentencePieceTrainer.train(
         sentence_iterator=sentences(inputs, json_key), model_prefix=model_prefix, vocab_size=vocab_size,
         model_type="bpe", byte_fallback=True, split_digits=True, character_coverage=0.99995,
@@ -85,10 +88,11 @@ def train_bpe(inputs: Sequence[str], vocab_size: int, out_dir: str, json_key: st
         processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
                                       special_tokens=[(BOS, tok.token_to_id(BOS))])])
     os.makedirs(out_dir, exist_ok=True)
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    with replace_atomically(os.path.join(out_dir, "tokenizer.json"), "w") as f:    # never through a link
+        f.write(tok.to_str())
     config = {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast",
               "clean_up_tokenization_spaces": False}
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+    with replace_atomically(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return out_dir
 

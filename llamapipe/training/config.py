@@ -23,6 +23,7 @@ class CheckpointConfig:
     override_opt_param_scheduler: bool = False       # the LR schedule comes from the command line
     use_checkpoint_opt_param_scheduler: bool = False  # the LR schedule comes from the checkpoint
     async_save: bool = False                         # write checkpoints on a background thread
+    allow_tokenizer_change: bool = False             # resume a checkpoint trained with another tokenizer
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,21 @@ def init_distributed(par: ParallelConfig) -> torch.device:
     return device
 
 
+def first_to_report() -> bool:
+    """Whether this rank writes the error every rank of the job meets alike (a bad flag), before any process
+    group exists: the first rank to get there, so that the line is written even when torchrun ends the other
+    ranks at the first exit (rank 0 alone used to write it, and a slower rank 0 was killed first). Under torchrun
+    the agent's store counts the ranks that got there; elsewhere (one process, or a launcher without that store)
+    rank 0 writes it."""
+    try:
+        store = _elastic_store(timedelta(seconds=10))
+        if store is not None:
+            return store.add("llamapipe/errors_reported", 1) == 1
+    except Exception:   # noqa: BLE001 - a store that cannot be reached: fall back to rank 0
+        pass
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _elastic_store(timeout: timedelta) -> Optional[dist.Store]:
     """Under torchrun, the agent's store with a prefix per restart attempt.
 

@@ -14,6 +14,8 @@ import importlib.util
 import json
 import os
 import resource
+import socket
+import time
 from typing import Any, Optional
 
 import torch
@@ -23,6 +25,7 @@ from llamapipe.core.distributed.grad_reduce import all_reduce_over
 from llamapipe.core.logger import get_logger
 from llamapipe.core.optimizer.clip_grads import counts_for_norm, global_grad_norm
 from llamapipe.core.parallel_state import ParallelState
+from llamapipe.safe_files import open_existing
 from llamapipe.model.families import flops_per_token  # noqa: F401  (the family's formula; progress imports it here)
 from llamapipe.training.config import LoggingConfig
 
@@ -125,6 +128,10 @@ class MetricsWriter:
     def __init__(self, cfg: LoggingConfig, enabled: bool, *, run_config: Optional[Any] = None,
                  save_dir: Optional[str] = None) -> None:
         self.enabled, self.cfg = enabled, cfg
+        # Every JSONL record names its run: a resumed run appends to the same file, and iterations after its
+        # checkpoint then appear twice (the earlier run's, then this one's).
+        self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
+        self._resumed_from: Optional[int] = None        # said once, in this run's first JSONL record
         self._tb = self._jsonl = self._wandb = None
         if not enabled:
             return
@@ -164,13 +171,21 @@ class MetricsWriter:
         if not self.enabled:
             return
         if self._jsonl is not None:
-            self._guard("_jsonl", lambda f: f.write(json.dumps(record) + "\n"))
+            mark = {"run_id": self.run_id}
+            if self._resumed_from is not None:
+                mark["resumed_from_iteration"], self._resumed_from = self._resumed_from, None
+            self._guard("_jsonl", lambda f: f.write(json.dumps({**record, **mark}) + "\n"))
         scalars = {k: v for k, v in record.items()
                    if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
             self._guard("_tb", lambda tb: [tb.add_scalar(k, v, record["iteration"]) for k, v in scalars.items()])
         if self._wandb is not None:
             self._guard("_wandb", lambda run: run.log(scalars, step=record["iteration"]))
+
+    def mark_resume(self, iteration: int) -> None:
+        """This run took over from a checkpoint at `iteration`: its first JSONL record says so (JSONL only, it
+        is no metric; still one record per iteration)."""
+        self._resumed_from = iteration
 
     def close(self) -> None:
         for sink, method in (("_tb", "close"), ("_jsonl", "close"), ("_wandb", "finish")):
@@ -180,5 +195,7 @@ class MetricsWriter:
 
 
 def _open_jsonl(path: str) -> Any:
+    """Appended to, never through a link (a link, FIFO or directory there is refused; /dev/null is fine)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    return open(path, "a", buffering=1)    # line-buffered: each record reaches the file when it is written
+    fd = open_existing(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, devices=True)
+    return os.fdopen(fd, "a", buffering=1)    # line-buffered: each record reaches the file when it is written

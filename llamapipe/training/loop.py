@@ -3,8 +3,9 @@
 Loss accounting follows the per-token convention (docs/design.md section 4): every microbatch returns the sum
 of its token losses and its token count; gradients are divided by the global token count after the
 step's last backward, so every layout computes exactly the single-rank token-averaged loss.
-Exit handling (Megatron): --exit-interval, --exit-duration-in-mins and --exit-signal-handler (SIGTERM)
-are agreed on by all ranks through one all-reduce, then a checkpoint is saved and the run exits 0.
+Exit handling (Megatron): --exit-interval, --exit-duration-in-mins and --exit-signal-handler (--exit-signal,
+SIGTERM by default, and Ctrl-C) are agreed on by all ranks through one all-reduce, then a checkpoint is saved
+and the run exits 0; any other stop signal ends the run at once in one line (training/signals).
 Under --rampup-batch-size the microbatch count of each step comes from the consumed samples
 (core.num_microbatches_calculator); the schedules cache one plan per count. A run that ends normally
 validates once more unless it just did (Megatron evaluates after training) and logs a summary.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import random
 import sys
 import time
@@ -25,14 +25,15 @@ import torch.distributed as dist
 
 from llamapipe.training.config import Config
 from llamapipe.training.flag_names import flag_message
-from llamapipe.training.initialize import init_distributed
+from llamapipe.training.initialize import first_to_report, init_distributed
 from llamapipe.core.host_memory import keep_freed_host_memory
 from llamapipe.core.config import ArgumentError
 from llamapipe.core.logger import get_logger
 from llamapipe.core.num_microbatches_calculator import build_num_microbatches_calculator
 from llamapipe.core.parallel_state import ParallelState, initialize_model_parallel
 from llamapipe.training.log import MetricsWriter, check_wandb
-from llamapipe.training.process_control import ExitSignal, collect_for_eval, manual_gc, run_as_one_job
+from llamapipe.training.process_control import collect_for_eval, manual_gc, run_as_one_job
+from llamapipe.training.signals import ExitSignal, StopReport, stop_on_signals
 from llamapipe.training.progress import TrainingProgress
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.training.setup import build_model_chunks, build_iterators
@@ -56,24 +57,26 @@ def pretrain(config: Config) -> int:
     try:
         check_wandb(config.logging)     # every rank alike, before any process group
     except ArgumentError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if first_to_report():
             sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
         return 2
-    device = init_distributed(config.parallel)
-    if device.type == "cpu" and config.training.keep_host_memory and keep_freed_host_memory():
-        log.info("CPU memory: what a training step frees stays in this process for the next step, which makes "
-                 "steps faster but keeps the process's memory use at its peak (malloc keeps freed memory; "
-                 "--release-host-memory returns it to the system instead)")
-    return run_as_one_job(lambda: _build_and_train(config, device))
+    with stop_on_signals(config.training.exit_signal, config.training.exit_signal_handler) as stop:
+        device = init_distributed(config.parallel)
+        if device.type == "cpu" and config.training.keep_host_memory and keep_freed_host_memory():
+            log.info("CPU memory: what a training step frees stays in this process for the next step, which "
+                     "makes steps faster but keeps the process's memory use at its peak (malloc keeps freed "
+                     "memory; --release-host-memory returns it to the system instead)")
+        return run_as_one_job(lambda: _build_and_train(config, device, stop))
 
 
-def _build_and_train(config: Config, device: torch.device) -> int:
+def _build_and_train(config: Config, device: torch.device, stop: StopReport) -> int:
     """Setup and training on this rank; an error raised here ends the whole job (`run_as_one_job`)."""
     par = config.parallel
     others = {axis: n for axis, n in par.sizes.items() if axis not in ("tp", "pp", "dp")}   # dp: what is left
     ps = initialize_model_parallel(par.tp_size, par.pp_size, par.vpp_size, par.order, **others)
     set_seeds(config.training.seed, ps.tp_rank)
     trainer = Trainer(config, config.model, ps, device)
+    stop.state = trainer.state      # a stop signal's line names the iteration reached
     from llamapipe.core.pipeline_parallel.auto_schedule import MemoryLimitError
     from llamapipe.training.checkpointing.save_load import CheckpointSaveError, finalize_async_save
     try:
@@ -123,7 +126,7 @@ class Trainer:
         self.batches = build_num_microbatches_calculator(cfg.global_batch_size, cfg.micro_batch_size, ps.dp_size,
                                                          cfg.rampup_batch_size)
         self.state = TrainState()
-        self._load()
+        resumed = self._load()
         train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles, self.state.consumed_samples)
         self.timers = build_timers(config.logging.timing_log_level)     # --timing-log-level (None at 0)
         self.trace = build_trace(config, ps)                            # --pipeline-trace (None without)
@@ -133,11 +136,13 @@ class Trainer:
         self.timers_log = None if self.timers is None else TimersLog(self.timers, ps, config.logging.timing_log_option)
         self.metrics = MetricsWriter(config.logging, enabled=dist.get_rank() == 0, run_config=config,
                                      save_dir=config.checkpoint.save)
+        if resumed is not None:
+            self.metrics.mark_resume(resumed)     # where this run's records take over from the earlier run's
         self.progress = TrainingProgress(self.metrics, model_cfg, seq_length=cfg.seq_length,
                                          world_size=ps.world_size, train_iters=cfg.train_iters,
                                          log_interval=config.logging.log_interval, tp=ps.tp_size,
                                          interval_fields=self.timers_log and self.timers_log.interval_fields)
-        self.exit_signal = ExitSignal(cfg.exit_signal_handler)
+        self.exit_signal = ExitSignal(cfg.exit_signal_handler, cfg.exit_signal)
         self.parts = StepParts(config, ps, self.chunks, self.optimizer, self.scheduler, self.batches,
                                fb_func, self.runtime.grad_sync, self.progress, self.state, self.timers)
         step_form = SynchronousStep
@@ -146,20 +151,22 @@ class Trainer:
             step_form = PostValidatedStep
         self.step = step_form(self.parts, train_iters)
 
-    def _load(self) -> None:
+    def _load(self) -> Optional[int]:
+        """Resume from --load; returns the iteration resumed from (None: nothing loaded)."""
         ckpt = self.config.checkpoint
         if not ckpt.load:
-            return
+            return None
         from llamapipe.training.checkpointing.save_load import load_checkpoint
         result = load_checkpoint(ckpt.load, model_chunks=self.chunks, optimizer=self.optimizer,
                                  scheduler=self.scheduler, parallel_state=self.ps, config=self.config,
                                  no_load_optim=ckpt.no_load_optim, no_load_rng=ckpt.no_load_rng,
                                  finetune=ckpt.finetune)
         if result is None:
-            return
+            return None
         self.state.iteration, self.state.consumed_samples = result.iteration, result.consumed_samples
         log.info(f"resumed from {ckpt.load} at iteration {result.iteration} "
                  f"({result.consumed_samples} consumed samples)")
+        return result.iteration
 
     def save(self) -> None:
         ckpt = self.config.checkpoint
@@ -232,7 +239,8 @@ class Trainer:
         collective = cfg.exit_signal_handler or cfg.exit_duration_in_mins is not None
         flags = self.exit_signal.agreed_flags(time.time() - st.start_time, collective, overlapped=self.step.overlapped)
         if flags[0] > 0:
-            log.info(f"SIGTERM received; saving at iteration {st.iteration} and exiting")
+            log.info(f"{self.exit_signal.received or cfg.exit_signal + ' (on another rank)'} received; saving at "
+                     f"iteration {st.iteration} and exiting")
             return True
         if cfg.exit_duration_in_mins is not None and flags[1] / 60 > cfg.exit_duration_in_mins:
             log.info(f"--exit-duration-in-mins {cfg.exit_duration_in_mins} reached")

@@ -1,11 +1,9 @@
-"""Process-level controls of the training loop: SIGTERM (--exit-signal-handler) and Python's garbage
-collector (--manual-gc), both as Megatron-LM handles them, and what the other ranks do when one rank fails
-(`run_as_one_job`)."""
+"""Process-level controls of the training loop: Python's garbage collector (--manual-gc), as Megatron-LM
+handles it, and what the other ranks do when one rank fails (`run_as_one_job`). Signals: training/signals."""
 from __future__ import annotations
 
 import contextlib
 import gc
-import signal
 import sys
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -14,43 +12,6 @@ import torch
 import torch.distributed as dist
 
 from llamapipe.training.flag_names import flag_message
-
-
-class ExitSignal:
-    """Remembers a SIGTERM (SLURM preemption) so all ranks can agree to save and exit."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.received = False
-        self._in_flight: Optional[tuple] = None
-        if enabled:
-            signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = True
-
-    def agreed_flags(self, elapsed_s: float, collective: bool, overlapped: bool = False) -> torch.Tensor:
-        """[SIGTERM seen, seconds elapsed], as MAX over all ranks when `collective`. `overlapped` (iterations
-        that overlap under post-validation) reads the agreement started one iteration earlier and starts the
-        next without blocking: a signal is then acted on one iteration later, on every rank alike."""
-        flags = torch.tensor([float(self.received), elapsed_s])
-        if not collective:
-            return flags
-        if not overlapped:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            return flags
-        previous, self._in_flight = self._in_flight, (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX,
-                                                                             async_op=True))
-        if previous is None:
-            return torch.zeros_like(flags)
-        previous[1].wait()
-        return previous[0]
-
-    def settle(self) -> None:
-        """Wait for the agreement still in flight (every rank started the same ones): a gloo work left
-        pending at process exit can abort the process."""
-        if self._in_flight is not None:
-            self._in_flight[1].wait()
-            self._in_flight = None
 
 
 @contextlib.contextmanager

@@ -23,11 +23,13 @@ stages exchange p2p messages, measured across the job's ranks.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from typing import Optional
 
 from llamapipe.core.pipeline_parallel.profile_costs import PassCosts
+from llamapipe.safe_files import replace_atomically
 from llamapipe.model.llama import LlamaConfig
 
 SCHEMA = "llamapipe-profile/1"
@@ -51,8 +53,25 @@ def make_profile(*, model: dict, seq_length: int, dtype: str, device: str, threa
 
 
 def _number(where: str, value, positive: bool = False) -> None:
+    """A measured figure: finite (JSON's NaN and Infinity parse, but no plan can be made from them) and >= 0."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ProfileError(f"{where} is {value!r}; expected a finite {'positive' if positive else 'non-negative'} "
+                           "number")
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (positive and value == 0):
         raise ProfileError(f"{where} is {value!r}; expected a {'positive' if positive else 'non-negative'} number")
+
+
+# The model fields a profile's per-layer times depend on: a profile of another model does not predict this one
+SAME_MODEL = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size", "family")
+
+
+def check_same_model(profile: dict, model: LlamaConfig, said: str, whose: str = "this run's is") -> None:
+    """ProfileError when `profile` was measured on a model that differs from `model` where times depend on it
+    (the number of layers may differ: times are per layer)."""
+    for field in SAME_MODEL:
+        if profile["model"].get(field) != getattr(model, field):
+            raise ProfileError(f"{said} was made for a model with {field} {profile['model'].get(field)}, but "
+                               f"{whose} {getattr(model, field)}; profile this model with `llamapipe profile`")
 
 
 def validate(profile: dict, name: str = "profile") -> dict:
@@ -132,7 +151,7 @@ def load(path: str, flag: str = "--profile") -> dict:
 def write(path: str, profile: dict) -> None:
     validate(profile, path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    with replace_atomically(path, "w") as f:     # never through a link (llamapipe/safe_files)
         json.dump(profile, f, indent=2)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -244,3 +245,86 @@ def test_stale_lock_of_a_dead_run_is_taken_over(tmp_path):
     assert f"taking over the lock on --save {save} left by a run that is gone (host {socket.gethostname()}, " \
            f"pid {dead.pid}" in proc.stdout + proc.stderr
     assert catalog.list_iterations(str(save)) == [1] and not (save / save_lock.LOCK_FILE).exists()
+
+
+PLANTED = {"symlink": "a symbolic link", "fifo": "a FIFO (named pipe)", "directory": "a directory"}
+
+
+def _plant(path, kind: str, victim) -> None:
+    {"symlink": lambda: path.symlink_to(victim), "fifo": lambda: os.mkfifo(path), "directory": path.mkdir}[kind]()
+
+
+@pytest.mark.parametrize("kind", list(PLANTED))
+def test_a_link_fifo_or_directory_at_the_lock_file_is_refused_and_its_target_untouched(tmp_path, kind):
+    """Issue 40: `ln -s ~/victim.txt CK/llamapipe.lock` made a run write its lock record into victim.txt (exit 0,
+    no message); a FIFO there would block the open."""
+    save, victim = tmp_path / "ckpt", tmp_path / "victim.txt"
+    save.mkdir()
+    victim.write_text("precious")
+    _plant(save / save_lock.LOCK_FILE, kind, victim)
+    line = fails(single(["--train-iters", "1", "--save", str(save)]))
+    assert line == f"pretrain_llama.py: error: --save {save}: its lock file {save / save_lock.LOCK_FILE} is " \
+                   f"{PLANTED[kind]}; llamapipe writes only regular files, never through a link (remove it or " \
+                   "choose another path)"
+    assert victim.read_text() == "precious" and catalog.list_iterations(str(save)) == []
+
+
+def test_links_at_the_metrics_file_and_the_trackers_side_file_touch_no_target(tmp_path):
+    """A link at --metrics-jsonl is refused with one warning (metrics never cost the run); one at the tracker's
+    temporary name (left by a crashed save, or planted) is removed, not written through; the run saves."""
+    save, victim = tmp_path / "ckpt", tmp_path / "victim.txt"
+    save.mkdir()
+    victim.write_text("precious")
+    jsonl = tmp_path / "m.jsonl"
+    jsonl.symlink_to(victim)
+    (save / (catalog.TRACKER + ".tmp")).symlink_to(victim)
+    proc = single(["--train-iters", "1", "--save", str(save), "--metrics-jsonl", str(jsonl)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--metrics-jsonl {jsonl}: cannot write (UnsafePathError: {jsonl} is a symbolic link; " in proc.stdout
+    assert victim.read_text() == "precious"
+    assert sorted(os.listdir(save)) == ["iter_0000001", catalog.TRACKER] and catalog.read_tracker(str(save)) == 1
+
+
+def test_a_link_at_the_tracker_is_refused_in_one_line_and_its_target_untouched(tmp_path):
+    save, victim = tmp_path / "ckpt", tmp_path / "victim.txt"
+    save.mkdir()
+    victim.write_text("precious")
+    (save / catalog.TRACKER).symlink_to(victim)
+    line = fails(single(["--train-iters", "1", "--save", str(save)]), code=1)
+    assert f"committing failed: {save / catalog.TRACKER} is a symbolic link; llamapipe writes only regular " \
+           "files, never through a link" in line, line
+    assert victim.read_text() == "precious" and catalog.list_iterations(str(save)) == []
+
+
+def test_rank0_killed_during_an_async_save_ends_rank1_in_one_line(run4, tmp_path):
+    """kill -9 of rank 0 while its background save writes: rank 1 (with its data-loader workers) ends in one line
+    (before: a multiprocessing resource_sharer ConnectionResetError traceback), and iteration 2 still loads."""
+    script = wrapped(tmp_path, 0, "os.kill(os.getpid(), signal.SIGKILL)")
+    save = tmp_path / "ckpt"
+    proc = torchrun(2, TINY + FLAGS + ["--pipeline-model-parallel-size", "2", "--num-workers", "2", "--train-iters",
+                                       "4", "--save", str(save), "--save-interval", "2", "--async-save"], script=script)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f'File "{os.path.join(ROOT, "llamapipe")}' not in out and "resource_sharer" not in out, out[-4000:]
+    rank1 = [line for line in out.splitlines() if re.match(r"(pretrain_llama\.py: (error: )?)?rank 1: ", line)]
+    assert len(rank1) == 1, out[-4000:]
+    assert catalog.list_iterations(str(save)) == [2] and catalog.read_tracker(str(save)) == 2
+    assert [i for i, defect in scan(str(save)) if defect is None] == [2]
+
+
+def test_a_resumed_run_marks_in_the_metrics_where_it_took_over(run4, tmp_path):
+    """Issue 40: after a resume, the JSONL held iterations 1-4 then 3, 4 again with nothing telling the two runs
+    apart. Every record now names its run, and the resumed run's first record says where it took over."""
+    ckpt = copy_of(run4[0], tmp_path)
+    shutil.rmtree(ckpt / "iter_0000004")
+    jsonl = tmp_path / "m.jsonl"
+    shutil.copy(run4[0].parent / "full.jsonl", jsonl)
+    proc = single(["--train-iters", "4", "--load", str(ckpt), "--metrics-jsonl", str(jsonl)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in open(jsonl)]
+    first, second = records[:4], records[4:]
+    assert [r["iteration"] for r in first] == [1, 2, 3, 4] and [r["iteration"] for r in second] == [3, 4]
+    assert len({r["run_id"] for r in first}) == 1 and len({r["run_id"] for r in second}) == 1
+    assert first[0]["run_id"] != second[0]["run_id"]
+    assert [r.get("resumed_from_iteration") for r in first + second] == [None] * 4 + [2, None]
+    assert [r["lm_loss"] for r in second] == [r["lm_loss"] for r in first[2:]]

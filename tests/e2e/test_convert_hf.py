@@ -123,6 +123,70 @@ def test_bad_input_is_one_line_and_exit_2(hf_model, tmp_path, capsys, argv, word
     assert words in err and len(err.splitlines()) == 1, err
 
 
+def _edited(hf_dir, tmp_path, change=None, config_text=None, extra=None) -> str:
+    """A copy of `hf_dir` whose config.json is changed (`change(config)`, or replaced by `config_text`) and whose
+    weights hold `extra` tensors too."""
+    from safetensors.torch import save_file
+    out = tmp_path / "edited"
+    out.mkdir()
+    config = json.loads(open(os.path.join(hf_dir, "config.json")).read())
+    if change is not None:
+        change(config)
+    (out / "config.json").write_text(config_text if config_text is not None else json.dumps(config))
+    weights = load_file(os.path.join(hf_dir, "model.safetensors"))
+    save_file({**weights, **(extra or {})}, str(out / "model.safetensors"))
+    return str(out)
+
+
+@pytest.mark.parametrize("case, edit, says", [
+    ("fewer layers", dict(change=lambda c: c.update(num_hidden_layers=2)),
+     "{cfg} gives num_hidden_layers 2 but the weights hold layers 0-3"),
+    ("more vocabulary", dict(change=lambda c: c.update(vocab_size=2000)),
+     "{cfg} does not match the weights: model.embed_tokens.weight is [1001, 32], but vocab_size 2000 makes it "
+     "[2000, 32]"),
+    ("wider", dict(change=lambda c: c.update(hidden_size=64)),
+     "{cfg} does not match the weights: model.embed_tokens.weight is [1001, 32], but hidden_size 64 makes it "
+     "[1001, 64]"),
+    ("no heads", dict(change=lambda c: c.update(num_attention_heads=0)),
+     "{cfg} gives num_attention_heads 0; it must be a positive whole number"),
+    ("negative width", dict(change=lambda c: c.update(hidden_size=-128)),
+     "{cfg} gives hidden_size -128; it must be a positive whole number"),
+    ("layer 99", dict(extra={"model.layers.99.mlp.up_proj.weight": torch.zeros(48, 32)}),
+     "{cfg} gives num_hidden_layers 4 but the weights hold layers 0-3 and 99"),
+    ("unknown tensor", dict(extra={"model.vision_tower.weight": torch.zeros(2, 2)}),
+     "the weights hold model.vision_tower.weight, which {cfg} does not describe"),
+    ("cut short", dict(config_text='{"model_type": "llama", "hidden_si'), "{cfg} is not valid JSON (Unterminated string"),
+])
+def test_import_refuses_a_config_that_disagrees_with_the_weights_and_writes_nothing(
+        hf_model, tmp_path, capsys, case, edit, says):
+    """Issue 40: each of these wrote a checkpoint (layers dropped, rows zero-padded, shapes inconsistent, zero heads,
+    a tensor ignored) or ended in a traceback."""
+    hf_dir = _edited(hf_model[1], tmp_path, **edit)
+    with pytest.raises(SystemExit) as info:
+        convert_hf.main(["import", "--hf-dir", hf_dir, "--save", str(tmp_path / "ckpt")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("convert_hf.py: error: "), err
+    assert says.format(cfg=os.path.join(hf_dir, "config.json")) in err, err
+    assert not (tmp_path / "ckpt").exists(), "nothing may be written"
+
+
+def test_export_refuses_a_link_in_the_output_directory_and_leaves_its_target(hf_model, tmp_path, capsys):
+    convert_hf.import_hf(hf_model[1], str(tmp_path / "ckpt"), 1, 1, None)
+    capsys.readouterr()     # the import's progress bar
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("precious")
+    (out / "config.json").symlink_to(victim)
+    with pytest.raises(SystemExit) as info:
+        convert_hf.main(["export", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(out)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"convert_hf.py: error: {out / 'config.json'} is a symbolic link; llamapipe writes only regular " \
+                  "files, never through a link (remove it or choose another path)"
+    assert victim.read_text() == "precious" and sorted(os.listdir(out)) == ["config.json"]
+
+
 # --- a trained run exported whole: every vocabulary row, the tokenizer, generation (issue 33) -----------------
 
 RUN_SHAPE = ["--model", "tiny", "--num-layers", "2", "--seq-length", "64", "--micro-batch-size", "2",

@@ -237,3 +237,116 @@ def test_all_skipped_fp16_run_writes_one_record_per_iteration(tmp_path):
     assert [(r["iteration"], r["skipped"], r["skipped_iterations"]) for r in records] == \
         [(1, True, 1), (2, True, 2), (3, True, 3)]
     assert all(r["skip_reason"].startswith("inf/nan in gradients") and "lm_loss" not in r for r in records)
+
+
+# Ctrl-C and the signal a job chooses (issue 40). One process (no torchrun) gets Ctrl-C as a terminal sends it: to
+# its whole process group, data-loader workers included; torchrun passes SIGINT on to each rank's process group.
+SINGLE = ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr-decay-style", "constant"]
+
+
+def _start_single(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "pretrain_llama.py", *TINY, *args], cwd=ROOT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _start(target: str, args: list[str]) -> subprocess.Popen:
+    return _start_single(SINGLE + args) if target == "single" else _launch(FLAGS + args)
+
+
+def _send(proc: subprocess.Popen, target: str, sig: int) -> None:
+    if target == "launcher":
+        proc.send_signal(sig)
+    else:   # Ctrl-C in a terminal, or SLURM: every process of the job
+        for group in [proc.pid] + (_workers(proc) if target == "every-process" else []):
+            os.killpg(group, sig)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("target,sig", [("single", "SIGINT"), ("single", "SIGUSR1"), ("launcher", "SIGINT"),
+                                        ("every-process", "SIGINT")])
+def test_ctrl_c_or_the_exit_signal_with_the_handler_saves_and_resumes_to_the_uninterrupted_losses(
+        tmp_path, reference_16, target, sig):
+    """Before: Ctrl-C gave a KeyboardInterrupt traceback from every rank, nothing saved (torchrun SIGKILLed the
+    ranks after 30 s); a single process then hung. SIGUSR1 is chosen with --exit-signal, as SLURM's
+    --signal=USR1@120 jobs do."""
+    save, jsonl = str(tmp_path / "ckpt"), str(tmp_path / "run.jsonl")
+    chosen = ["--exit-signal", sig] if sig != "SIGINT" else []
+    proc = _start(target, LOADER + chosen + ["--train-iters", "1000", "--exit-signal-handler", "--save", save,
+                                            "--metrics-jsonl", jsonl])
+    _wait_for_iteration(jsonl, 2, proc)
+    _send(proc, target, getattr(signal, sig))
+    out = proc.communicate(timeout=180)[0]
+    _no_traceback_from_ranks(out)
+    if target == "single":
+        assert proc.returncode == 0, out[-3000:]
+    stopped_at = read_metrics(jsonl)[-1]["iteration"]
+    assert 2 <= stopped_at <= 14, out[-3000:]
+    assert f"{sig} received; saving at iteration {stopped_at} and exiting" in out, out[-3000:]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == str(stopped_at)
+    assert not os.path.exists(os.path.join(save, "llamapipe.lock"))
+    nproc, flags = (1, SINGLE) if target == "single" else (2, FLAGS)
+    resumed = train(nproc, flags + LOADER + ["--train-iters", str(stopped_at + 2), "--load", save],
+                    str(tmp_path / "resumed.jsonl"))
+    reference = reference_16 if nproc == 2 else train(1, SINGLE + ["--train-iters", str(stopped_at + 2)],
+                                                       str(tmp_path / "reference.jsonl"))
+    assert [r["iteration"] for r in resumed] == [stopped_at + 1, stopped_at + 2]
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in reference[stopped_at:stopped_at + 2]]
+
+
+@pytest.mark.parametrize("target", ["single", "launcher", "every-process"])
+def test_ctrl_c_without_the_handler_stops_in_one_line_per_rank_without_a_hang(tmp_path, target):
+    """Without --exit-signal-handler Ctrl-C stops the run at once: one line per rank naming the signal and the
+    iteration, no traceback, the data-loader workers gone, the --save lock released, and the process ends
+    (before: a KeyboardInterrupt traceback, then a hang with both workers alive after 60 s)."""
+    save, jsonl = tmp_path / "ckpt", str(tmp_path / "run.jsonl")
+    proc = _start(target, LOADER + ["--train-iters", "1000", "--save", str(save), "--metrics-jsonl", jsonl])
+    _wait_for_iteration(jsonl, 2, proc)
+    ranks = [proc.pid] if target == "single" else _workers(proc)
+    loaders = [pid for rank in ranks for pid in _children(rank)]
+    assert len(loaders) == 2 * len(ranks), loaders
+    _send(proc, target, signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]      # it ends in seconds; the timeout only catches a hang
+    _no_traceback_from_ranks(out)
+    assert "KeyboardInterrupt" not in out, out[-3000:]
+    lines = [line for line in out.splitlines() if "stopped by SIGINT" in line]
+    assert len(lines) == len(ranks), out[-3000:]
+    prefixes = ["pretrain_llama.py: "] + [f"pretrain_llama.py: rank {r}: " for r in range(1, len(ranks))]
+    for line in lines:
+        assert any(re.fullmatch(re.escape(p) + r"stopped by SIGINT at iteration \d+; the work since the last "
+                                r"checkpoint is not saved \(--exit-signal-handler saves before stopping\)", line)
+                   for p in prefixes), line
+    if target == "single":
+        assert proc.returncode == -signal.SIGINT, out[-3000:]
+    assert not (save / "llamapipe.lock").exists()
+    assert not [pid for pid in ranks + loaders if _alive(pid)]
+
+
+_SLOW_RANK0 = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+if os.environ["RANK"] == "0":
+    time.sleep(120)      # rank 0 is busy (a slow file system, a loaded node) when the others reach the bad flag
+from llamapipe.train import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("bad", [["--rope-theta", "5e5"], ["--exit-signal", "SIGKILL"]], ids=["check", "argparse"])
+def test_a_flag_error_is_written_by_the_first_rank_to_find_it(tmp_path, bad):
+    """Issue 40: only rank 0 wrote a flag error; when another rank exited first, torchrun killed rank 0 before it
+    wrote, and the user saw only torchrun's ChildFailedError. The first rank to reach the error writes it."""
+    script = tmp_path / "slow_rank0.py"
+    script.write_text(_SLOW_RANK0.format(root=ROOT))
+    proc = torchrun(2, TINY + FLAGS + ["--train-iters", "2"] + bad, script=str(script), timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    errors = [line for line in out.splitlines() if line.startswith("pretrain_llama.py: error:")]
+    assert len(errors) == 1 and bad[0] in errors[0], out[-3000:]

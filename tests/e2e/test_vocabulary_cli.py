@@ -84,3 +84,47 @@ def test_null_tokenizer_eod_data_trains_finite_and_resumes_with_checkpoint_args(
                         "--num-workers", "0", "--log-interval", "1", "--metrics-jsonl", resumed] + null)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [row["iteration"] for row in read_metrics(resumed)] == [3]
+
+
+def _single(args):
+    return subprocess.run([sys.executable, "pretrain_llama.py", *SHAPE, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_resuming_with_another_tokenizer_of_the_same_size_is_refused_unless_allowed(corpus_data, tmp_path):
+    """Issue 40: the checkpoint records its tokenizer's sha256 and size; another 1024-piece tokenizer (trained on
+    part of the corpus) resumes it only with --allow-tokenizer-change (before: it trained on without a word); a
+    checkpoint saved before the hash was recorded loads with a notice."""
+    from llamapipe.training.checkpointing import catalog, integrity
+    _, data = corpus_data
+    tmp = os.path.dirname(os.path.dirname(data))
+    big = os.path.join(tmp, "big.model")
+    part = tmp_path / "part"
+    part.mkdir()
+    shard = sorted(f for f in os.listdir(os.path.join(tmp, "corpus")) if f.endswith(".jsonl"))[0]
+    os.symlink(os.path.join(tmp, "corpus", shard), part / shard)
+    assert train_tokenizer.main(["--input", str(part), "--vocab-size", "1024", "--model-prefix",
+                                 str(tmp_path / "other")]) == 0
+    other = str(tmp_path / "other.model")
+    save = str(tmp_path / "ckpt")
+    common = ["--data-path", data, "--data-cache-path", str(tmp_path / "cache"), "--lr-decay-iters", "10"]
+    proc = _single(common + ["--tokenizer-model", big, "--train-iters", "1", "--save", save])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resume = common + ["--train-iters", "2", "--load", save]
+    refused = _single(resume + ["--tokenizer-model", other])
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    (line,) = [x for x in refused.stderr.splitlines() if x.startswith("pretrain_llama.py: error:")]
+    assert f"was trained with tokenizer SentencePieceTokenizer ({big}, sha256 " in line and "1024 ids) but this " \
+           f"run's --tokenizer-model is SentencePieceTokenizer ({other}, sha256 " in line, line
+    assert line.endswith("so its token ids mean other text; give the tokenizer it was trained with, or "
+                         "--allow-tokenizer-change if the change is meant"), line
+    allowed = _single(resume + ["--tokenizer-model", other, "--allow-tokenizer-change"])
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert "going on (--allow-tokenizer-change)" in allowed.stdout
+    ckpt = os.path.join(save, "iter_0000001")       # as saved before issue 40: the tokenizer by path only
+    meta = catalog.read_metadata(ckpt)
+    meta["tokenizer"] = {"type": "SentencePieceTokenizer", "model": big}
+    integrity.write_json(os.path.join(ckpt, "metadata.json"), catalog.seal(meta))
+    old = _single(resume + ["--tokenizer-model", other])
+    assert old.returncode == 0, old.stderr[-3000:]
+    assert f"notice: checkpoint {ckpt} records its tokenizer by path only ({big})" in old.stdout

@@ -146,3 +146,13 @@ def test_every_schedule_validates_the_layout_auto_chose(schedule):
     ranks = stage_ranks(2, par.vpp_size, SPECS[schedule].placement(par.vpp_size))
     head_rank = ranks[-1]
     assert sum(n for n, r in zip(counts, ranks) if r == head_rank) < 8 / 2
+
+
+def test_a_profile_with_a_time_that_is_not_finite_is_one_line(tmp_path):
+    """Issue 40: --pipeline-profile with a NaN or inf time gave a lopsided split (`Et|t*7L`) without a word."""
+    profile = synthetic_profile(num_layers=8)
+    profile["entries"][0]["head"]["f"] = float("inf")
+    path = tmp_path / "inf.json"
+    path.write_text(json.dumps(profile))
+    assert one_line(["--pipeline-model-parallel-layout", "auto", "--pipeline-profile", str(path)]) == \
+        f"--pipeline-profile {path}: entries[0].head.f is inf; expected a finite non-negative number"

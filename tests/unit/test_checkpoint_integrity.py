@@ -129,13 +129,13 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypat
 
 def test_full_disk_at_the_commit_leaves_no_half_written_tracker(tmp_path, monkeypatch):
     save(tmp_path, 1)
-    real_open = open
+    real_create = catalog.create_new
 
-    def full_open(path, mode="r", *args, **kw):
+    def full_create(path, mode="wb"):
         if str(path).endswith(catalog.TRACKER + ".tmp"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_open(path, mode, *args, **kw)
-    monkeypatch.setattr("builtins.open", full_open)
+        return real_create(path, mode)
+    monkeypatch.setattr(catalog, "create_new", full_create)
     with pytest.raises(CheckpointSaveError, match="committing failed: No space left on device"):
         save(tmp_path, 2, fill=2.0)
     monkeypatch.undo()

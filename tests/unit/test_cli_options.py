@@ -20,7 +20,7 @@ FLAGS = """
 --ddp-bucket-size
 --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers
 --disable-bias-linear --distributed-backend --distributed-timeout-minutes --eval-interval --eval-iters
---exit-duration-in-mins --exit-interval --exit-signal-handler --ffn-hidden-size --finetune --fp16
+--exit-duration-in-mins --exit-interval --exit-signal-handler --exit-signal --ffn-hidden-size --finetune --fp16
 --global-batch-size --group-query-attention --hidden-dropout --hidden-size --hysteresis --init-method-std
 --initial-loss-scale --keep-last-n --load --override-opt_param-scheduler --use-checkpoint-opt_param-scheduler --use-torch-fsdp2 --async-save --log-interval --loss-scale --loss-scale-window --lr --lr-decay-iters
 --lr-decay-style --lr-warmup-iters --make-vocab-size-divisible-by --max-position-embeddings --metrics-jsonl
@@ -37,7 +37,7 @@ FLAGS = """
 --rampup-batch-size --manual-gc --manual-gc-interval --no-manual-gc-eval --train-data-path --valid-data-path
 --test-data-path --log-throughput --log-params-norm --log-num-zeros-in-grad --wandb-project --wandb-exp-name
 --wandb-save-dir --use-checkpoint-args --recompute-activations --use-flash-attn
---pipeline-schedule-file --pipeline-profile
+--pipeline-schedule-file --pipeline-profile --allow-tokenizer-change
 """.split()
 COMPAT = [entry.flag for entry in NOTICES + REFUSED] + list(FORK_FLAGS)   # the zero-bubble fork's, pinned there
 

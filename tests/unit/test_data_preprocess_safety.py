@@ -127,3 +127,59 @@ def test_strict_stops_at_a_damaged_compressed_input_in_one_line(tmp_path, first_
     message = str(info.value)
     assert message.startswith(f"unreadable input file {path}: {says}") and "\n" not in message, message
     assert _snapshot(out) == before
+
+
+def test_a_rerun_whose_only_input_is_unreadable_keeps_the_earlier_corpus(tmp_path, first_run):
+    """Issue 40: before, "0 documents read ... 1 unreadable files skipped", exit 0 and an empty corpus in place."""
+    _, out = first_run
+    before = _snapshot(out)
+    path, says = _damaged(tmp_path)["truncated.jsonl.gz"]
+    with pytest.raises(SystemExit) as info:
+        _run([path], out / "corpus")
+    message = str(info.value)
+    assert message.startswith("no document could be read from --input (0 documents read") and "\n" not in message
+    assert f"{path}: {says}" in message and "is unchanged" in message, message
+    assert _snapshot(out) == before
+
+
+def _dead_pid() -> int:
+    import subprocess
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_killed_runs_temporary_files_are_removed_by_the_next_run(tmp_path, first_run):
+    """A preprocess killed (SIGKILL) before its rename leaves `<output>.bin.tmp<pid>`, corpus-sized; the next run
+    removes it. A temporary file of a writer that still runs (here: this test's process) is left alone."""
+    good, out = first_run
+    bin_path = out / "corpus_text_document.bin"
+    dead = out / f"corpus_text_document.bin.tmp{_dead_pid()}"
+    dead.write_bytes(b"\0" * 4096)
+    running = out / f"corpus_text_document.idx.tmp{os.getppid()}"
+    running.write_bytes(b"partial")
+    assert _run([good], out / "corpus") == 0
+    assert not dead.exists() and running.exists()
+    assert sorted(os.listdir(out)) == sorted([bin_path.name, "corpus_text_document.idx", running.name])
+    assert _docs_of(out / "corpus") == DOCS
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
+def test_a_link_fifo_or_directory_at_an_output_is_refused_and_its_target_untouched(tmp_path, kind):
+    """Issue 40: a link planted at an output name made the writer overwrite the link's target."""
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(_lines(DOCS))
+    out = tmp_path / "out"
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    planted = out / "corpus_text_document.idx"
+    {"symlink": lambda: planted.symlink_to(victim), "fifo": lambda: os.mkfifo(planted),
+     "directory": planted.mkdir}[kind]()
+    with pytest.raises(SystemExit) as info:
+        _run([good], out / "corpus")
+    what = {"symlink": "a symbolic link", "fifo": "a FIFO (named pipe)", "directory": "a directory"}[kind]
+    assert str(info.value) == f"{planted} is {what}; llamapipe writes only regular files, never through a link " \
+                              "(remove it or choose another path)"
+    assert victim.read_text() == "precious"
+    assert sorted(os.listdir(out)) == [planted.name], "nothing written, no temporary file left"

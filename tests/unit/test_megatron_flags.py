@@ -3,6 +3,7 @@ length, data split and evaluation, the tables of flags with no effect or refused
 --kv-channels / --rotary-percent checked numerically against HF transformers' Phi3 (LLaMA with fused
 projections, a free head_dim and partial_rotary_factor)."""
 import dataclasses
+import signal
 
 import numpy as np
 import pytest
@@ -50,7 +51,7 @@ MEGATRON_DEFAULTS = {
     "--seq-length": None, "--seed": 1234, "--eval-iters": 100,
     "--eval-interval": None,     # None since core_v0.17 (ValidationConfig); 1000 up to core_v0.16
     "--calculate-per-token-loss": False, "--exit-interval": None, "--exit-duration-in-mins": None,
-    "--exit-signal-handler": False, "--manual-gc": False, "--manual-gc-interval": 0, "--no-manual-gc-eval": True,
+    "--exit-signal-handler": False, "--exit-signal": signal.SIGTERM, "--manual-gc": False, "--manual-gc-interval": 0, "--no-manual-gc-eval": True,
     "--optimizer": "adam", "--min-lr": 0.0, "--lr-decay-style": "linear", "--lr-warmup-iters": 0,
     "--lr-warmup-samples": 0, "--lr-warmup-fraction": None, "--lr-decay-iters": None, "--lr-decay-samples": None,
     "--weight-decay": 0.01, "--adam-beta1": 0.9, "--adam-beta2": 0.999, "--adam-eps": 1e-8, "--clip-grad": 1.0,
@@ -93,7 +94,7 @@ LLAMAPIPE_ONLY = ("--model", "--parallel-order", "--pipeline-trace", "--pipeline
                   "--pipeline-profile-iters", "--release-host-memory", "--skip-nonfinite-steps", "--keep-last-n",
                   "--metrics-jsonl", "--tie-embeddings-and-output-weights", "--compile",
                   "--enable-optimizer-post-validation", "--enable-vocab-parallel",
-                  "--pipeline-schedule-file", "--pipeline-profile")
+                  "--pipeline-schedule-file", "--pipeline-profile", "--allow-tokenizer-change")
 
 
 def cfg(argv, world=1) -> Config:

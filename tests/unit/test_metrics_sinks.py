@@ -75,7 +75,7 @@ def test_unwritable_tensorboard_dir_at_start_warns_and_training_goes_on(tmp_path
     writer.write(RECORD)
     writer.close()
     assert len(_warnings(log_lines, f"--tensorboard-dir {blocker / 'tb'}")) == 1, log_lines
-    assert [json.loads(line) for line in open(path)] == [RECORD]
+    assert [json.loads(line) for line in open(path)] == [{**RECORD, "run_id": writer.run_id}]
 
 
 def test_skipped_iterations_get_a_record_each_and_end_console_intervals(tmp_path, log_lines):  # noqa: F811
@@ -95,6 +95,6 @@ def test_skipped_iterations_get_a_record_each_and_end_console_intervals(tmp_path
     assert [(r["iteration"], r["skipped"]) for r in rows] == [(1, False), (2, True), (3, False), (4, True)]
     assert rows[3] == {"iteration": 4, "consumed_samples": 16, "global_batch_size": 4, "elapsed_ms": 500.0,
                        "lr": 1e-3, "loss_scale": 512.0, "skipped_iterations": 2, "skipped": True,
-                       "skip_reason": "inf/nan in gradients"}
+                       "skip_reason": "inf/nan in gradients", "run_id": writer.run_id}
     lines = [line for line in log_lines if line.startswith("iteration")]
     assert len(lines) == 2 and "lm loss: 2.900000E+00" in lines[0] and "lm loss: 2.700000E+00" in lines[1]

@@ -205,3 +205,35 @@ def test_profile_cli_refuses_an_incomplete_shape_in_one_line():
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("llamapipe profile: --hidden-size")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_plan_refuses_a_profile_with_a_time_that_is_not_finite(tmp_path, capsys, value):
+    """Issue 40: NaN gave a table whose step was `nan`, inf a lopsided split. JSON's NaN/Infinity parse, so the
+    schema says no."""
+    profile = synthetic_profile(num_layers=8)
+    profile["entries"][0]["layer"]["b"] = value
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))     # json writes NaN and Infinity, as a damaged profile would hold them
+    assert plan_parallelism.main(["--profile", str(path), "--gpus", "2", "--global-batch-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"llamapipe plan: --profile {path}: entries[0].layer.b is {value!r}; expected a finite " \
+                  "non-negative number\n"
+
+
+def test_plan_refuses_a_profile_of_another_model_and_plans_the_layers_asked_for(tmp_path, capsys):
+    """Issue 40: `plan --profile` planned the profile's model whatever --model said (50x the real step, no note);
+    the trainer's check now refuses it, and shape flags that agree plan their own number of layers."""
+    path = tmp_path / "profile.json"
+    profile_schema.write(str(path), synthetic_profile(num_layers=8))
+    assert plan_parallelism.main(["--profile", str(path), "--model", "llama2-7b", "--gpus", "2",
+                                  "--global-batch-size", "8"]) == 2
+    assert capsys.readouterr().err == (f"llamapipe plan: --profile {path} was made for a model with hidden_size 64, "
+                                       "but --model and the shape flags give 4096; profile this model with "
+                                       "`llamapipe profile`\n")
+    shape = ["--num-layers", "12", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+             "--vocab-size", "256"]
+    assert plan_parallelism.main(["--profile", str(path), *shape, "--gpus", "2", "--global-batch-size", "8",
+                                  "--top", "50"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if re.match(r"\s*\d+(\s+\d+){4} ", line)]
+    assert rows and all(sum(map(int, r[10].split("/"))) == 12 for r in rows)

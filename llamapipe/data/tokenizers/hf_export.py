@@ -19,12 +19,14 @@ import os
 import shutil
 from typing import Optional
 
+from llamapipe.safe_files import replace_atomically
 from llamapipe.data.tokenizers.base import Tokenizer
 from llamapipe.data.tokenizers.huggingface_tokenizer import HuggingFaceTokenizer, tokenizer_file
 from llamapipe.data.tokenizers.null_tokenizer import NullTokenizer
 from llamapipe.data.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
 
 _HF_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+OUTPUT_FILES = ("tokenizer.model", "tokenizer.json") + _HF_CONFIG_FILES    # every name this may write
 
 
 def special_token_ids(tokenizer: Tokenizer) -> dict[str, Optional[int]]:
@@ -42,7 +44,7 @@ def write_hf_tokenizer(tokenizer: Tokenizer, out_dir: str, model_max_length: int
                 if token_id is not None}
     config = {"add_bos_token": False, "add_eos_token": False, "model_max_length": model_max_length, **specials}
     if isinstance(tokenizer, SentencePieceTokenizer):
-        shutil.copyfile(tokenizer.model_path, os.path.join(out_dir, "tokenizer.model"))
+        _copy(tokenizer.model_path, os.path.join(out_dir, "tokenizer.model"))
         unk = tokenizer.unk_id
         config.update(tokenizer_class="LlamaTokenizer", legacy=False,
                       **({"unk_token": tokenizer.id_to_piece(unk)} if unk is not None else {}))
@@ -50,10 +52,10 @@ def write_hf_tokenizer(tokenizer: Tokenizer, out_dir: str, model_max_length: int
         return ["tokenizer.model", "tokenizer_config.json"]
     assert isinstance(tokenizer, HuggingFaceTokenizer), type(tokenizer)
     source = tokenizer_file(tokenizer.model_path)
-    shutil.copyfile(source, os.path.join(out_dir, "tokenizer.json"))
+    _copy(source, os.path.join(out_dir, "tokenizer.json"))
     beside = [name for name in _HF_CONFIG_FILES if os.path.isfile(os.path.join(os.path.dirname(source), name))]
     for name in beside:
-        shutil.copyfile(os.path.join(os.path.dirname(source), name), os.path.join(out_dir, name))
+        _copy(os.path.join(os.path.dirname(source), name), os.path.join(out_dir, name))
     if "tokenizer_config.json" not in beside:
         _write_json(os.path.join(out_dir, "tokenizer_config.json"),
                     {"tokenizer_class": "PreTrainedTokenizerFast", **config})
@@ -62,5 +64,10 @@ def write_hf_tokenizer(tokenizer: Tokenizer, out_dir: str, model_max_length: int
 
 
 def _write_json(path: str, obj: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    with replace_atomically(path, "w") as f:     # never through a link planted in the output directory
         json.dump(obj, f, indent=2)
+
+
+def _copy(source: str, path: str) -> None:
+    with open(source, "rb") as src, replace_atomically(path) as dst:
+        shutil.copyfileobj(src, dst)

@@ -36,7 +36,6 @@ from llamapipe.training.schedule_file import load_schedule
 AUTO = "auto"
 PROFILE_FLAG = "--pipeline-profile"
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-SAME_MODEL = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size", "family")
 
 
 def resolve_auto_layout(args: argparse.Namespace, model: LlamaConfig, seq_length: int, device: str,
@@ -119,13 +118,9 @@ def _profiled_parts(args: argparse.Namespace, model: LlamaConfig, seq_length: in
     said = f"{PROFILE_FLAG} {path}"
     try:
         profile = profile_schema.load(path, PROFILE_FLAG)
+        profile_schema.check_same_model(profile, model, said)
     except profile_schema.ProfileError as err:
         raise ArgumentError(str(err)) from None
-    profiled = profile["model"]
-    for field in SAME_MODEL:
-        if profiled.get(field) != getattr(model, field):
-            raise ArgumentError(f"{said} was made for a model with {field} {profiled.get(field)}, but this run's is "
-                                f"{getattr(model, field)}; profile this model with `llamapipe profile`")
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     cp = max(getattr(args, "context_parallel_size", 1) or 1, 1)
     tokens = "--seq-length" if cp == 1 else f"--seq-length / --context-parallel-size {cp} (tokens per rank)"

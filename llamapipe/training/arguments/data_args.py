@@ -8,6 +8,7 @@ missing trailing weights are 0 ("99,1" is "99,1,0").
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from typing import Sequence
@@ -41,7 +42,7 @@ def _data_prefixes(flag: str, data_path: Sequence[str]) -> list[str]:
         raise ArgumentError(f"{flag} with weights needs weight/prefix pairs, got {len(data_path)} values")
     for weight in data_path[0::2]:
         try:
-            if float(weight) <= 0:
+            if not 0 < float(weight) < math.inf:     # NaN and inf parse as floats but weigh nothing
                 raise ValueError
         except ValueError:
             raise ArgumentError(f"{flag} weight {weight} must be a positive number") from None

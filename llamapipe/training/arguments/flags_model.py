@@ -13,6 +13,14 @@ from llamapipe.training.arguments.memory_limit import memory_limit
 from llamapipe.model.families import PRESETS
 
 
+class _Given(argparse.Action):
+    """Stores the value and that it was given (`<dest>_given`): the default and the same value typed differ
+    (--use-torch-fsdp2 with --data-parallel-sharding-strategy no_shard typed is a contradiction)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest + "_given", True)
+
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks per model")
@@ -55,7 +63,7 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="timeout of collective operations")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state over data-parallel ranks (ZeRO-1)")
-    g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
+    g.add_argument("--data-parallel-sharding-strategy", default="no_shard", action=_Given,
                    choices=SHARDING_STRATEGIES,
                    help="what data-parallel ranks shard: nothing (DDP), the optimizer state (ZeRO-1, like "
                         "--use-distributed-optimizer), also gradients (ZeRO-2) or also parameters (ZeRO-3); the last "

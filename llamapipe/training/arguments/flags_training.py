@@ -6,6 +6,18 @@ learning-rate schedule is given in the same unit (--lr-warmup/decay-iters or -sa
 from __future__ import annotations
 
 import argparse
+import signal
+
+from llamapipe.training.signals import EXIT_SIGNALS
+
+
+def _exit_signal(text: str) -> signal.Signals:
+    """--exit-signal's value: a signal name as Megatron takes it (SIGTERM), also without SIG or in lower case."""
+    name = text.upper() if text.upper().startswith("SIG") else "SIG" + text.upper()
+    if name not in {sig.name for sig in EXIT_SIGNALS}:
+        raise argparse.ArgumentTypeError(f"{text} is not a signal a run can save on; use one of "
+                                         f"{', '.join(sig.name for sig in EXIT_SIGNALS)}")
+    return signal.Signals[name]
 
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
@@ -34,7 +46,11 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None, help="stop after an iteration divisible by this")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="stop after this many minutes")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM, save a checkpoint and exit at the end of the iteration")
+                   help="on --exit-signal or Ctrl-C (SIGINT), save a checkpoint and exit at the end of the iteration "
+                        "(without it those signals stop the run at once, saving nothing)")
+    g.add_argument("--exit-signal", type=_exit_signal, default=signal.SIGTERM, metavar="SIGNAL",
+                   help="the signal --exit-signal-handler saves on (Megatron's): SIGTERM, SIGUSR1 (SLURM's "
+                        "--signal=USR1@120), SIGUSR2, SIGINT, SIGHUP, SIGQUIT or SIGXCPU")
     g.add_argument("--skip-nonfinite-steps", action="store_true",
                    help="skip an optimizer step whose gradients are not finite instead of stopping")
     g.add_argument("--manual-gc", action="store_true",

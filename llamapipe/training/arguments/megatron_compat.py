@@ -12,7 +12,8 @@ import argparse
 
 from llamapipe.core.config import ArgumentError
 from llamapipe.training.arguments.compat_table import CompatFlag, add_table, dest_of, said
-from llamapipe.training.arguments.schedule_file_args import add_schedule_file_flag, schedule_file_lines
+from llamapipe.training.arguments.schedule_file_args import (add_schedule_file_flag, check_schedule_file,
+                                                         schedule_file_lines)
 from llamapipe.training.arguments.zb_fork_flags import add_fork_flags, check_fork_flags
 
 _FUSION = "a switch of Megatron's fused CUDA kernels; llamapipe has none (torch picks its kernels)"
@@ -74,6 +75,8 @@ NOTICES: tuple[CompatFlag, ...] = (
 )
 
 REFUSED: tuple[CompatFlag, ...] = (
+    CompatFlag("--rope-theta", "it is HF's config.json name for RoPE's base; the flag is --rotary-base "
+               "(Megatron's)", float),
     CompatFlag("--hierarchical-context-parallel-sizes", "hierarchical context parallelism (the levels of "
                "--cp-comm-type a2a+p2p) is not implemented; use --cp-comm-type p2p or allgather", int, "+"),
     CompatFlag("--dynamic-context-parallel", _DYNAMIC_CP),
@@ -119,4 +122,5 @@ def check_compat(args: argparse.Namespace) -> list[str]:
             raise ArgumentError(f"{said(e, value)} is not supported: {e.why}")
     notices = [f"notice: {said(e, getattr(args, dest_of(e.flag)))} has no effect here: {e.why}"
                for e in NOTICES if getattr(args, dest_of(e.flag)) not in (None, False)]
+    check_schedule_file(args)
     return notices + check_fork_flags(args) + schedule_file_lines(args)

@@ -7,6 +7,7 @@ effect anywhere, values from a checkpoint) that `parser.config_from_args` logs o
 from __future__ import annotations
 
 import argparse
+import signal
 
 from llamapipe.core.config import FSDP_STRATEGIES, ParallelConfig
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
@@ -71,6 +72,13 @@ def _checkpoint(args: argparse.Namespace) -> list[str]:
     return [f"{flag} has no effect without --save: no checkpoint is written" for flag in given if flag]
 
 
+def _exit_signal(args: argparse.Namespace) -> list[str]:
+    if args.exit_signal_handler or args.exit_signal == signal.SIGTERM:
+        return []
+    return [f"--exit-signal {args.exit_signal.name} has no effect without --exit-signal-handler: that signal "
+            "stops the run without saving"]
+
+
 def noop_notices(args: argparse.Namespace, par: ParallelConfig) -> list[str]:
     """One 'notice: ...' line per flag given that does nothing with this layout."""
     lines = []
@@ -84,5 +92,5 @@ def noop_notices(args: argparse.Namespace, par: ParallelConfig) -> list[str]:
         lines.append(f"--use-flash-attn has no effect with --context-parallel-size {par.cp_size}: context-parallel "
                      "attention runs its own per-block kernel with the log-sum-exp (the CPU flash kernel on CPU, "
                      "plain matmuls elsewhere; docs/context_parallel.md)")
-    lines += _data_parallel(args, par) + _pipeline(args, par) + _checkpoint(args)
+    lines += _data_parallel(args, par) + _pipeline(args, par) + _checkpoint(args) + _exit_signal(args)
     return ["notice: " + line for line in lines]

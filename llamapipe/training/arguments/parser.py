@@ -33,12 +33,23 @@ from llamapipe.training.arguments.training_args import optimizer_config, trainin
 from llamapipe.training.arguments.validation import (check_positive, check_trace, checkpoint_config, logging_config,
                                                    parallel_config)
 from llamapipe.training.config import Config
+from llamapipe.training.initialize import first_to_report
 
 __all__ = ["ArgumentError", "build_parser", "config_from_args", "parse_args"]
 
 
+class _JobFlagParser(FlagParser):
+    """FlagParser whose error line is written by the first rank of the job to reach it (`first_to_report`)."""
+
+    def error(self, message: str):
+        if first_to_report():
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = FlagParser(prog="pretrain_llama.py", description="Pretrain LLaMA with TP/PP/VPP/DP.",
+    p = _JobFlagParser(prog="pretrain_llama.py", description="Pretrain LLaMA with TP/PP/VPP/DP.",
                    usage="%(prog)s [flags]   (--help lists every flag)",
                    allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (add_parallel_flags, add_model_flags, add_training_flags, add_optimizer_flags, add_data_flags,
@@ -55,7 +66,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     try:
         return config_from_args(args, world_size, check_memory=True)
     except ArgumentError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if first_to_report():
             sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
         raise SystemExit(2)
 

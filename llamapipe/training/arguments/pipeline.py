@@ -8,6 +8,7 @@ accepts comes from its spec (`core.pipeline_parallel.schedule_specs`).
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Optional
 
 from llamapipe.core.config import ArgumentError, ParallelConfig
@@ -49,9 +50,35 @@ def vpp_size(args: argparse.Namespace, num_layers: int) -> int:
     return max(per_rank // per_vstage, 1)
 
 
+_MAX_LAYOUT_LETTERS = 10 ** 6     # far beyond any model's layers; expanding more would only exhaust memory
+_LAYOUT_TOKEN = re.compile(r"\*\d+|[()]|[^\s,()*]")
+
+
+def _expanded_letters(text: str) -> int:
+    """How many letters a layout string expands to (its `x*N` and `(...)*N` repeats), counted without expanding
+    it: `Et*999999999999|tL` would otherwise be built in memory before any check could see it."""
+    groups, last = [0], 0       # letters of each open group; the size of the item a `*N` repeats
+    for token in _LAYOUT_TOKEN.findall(text):
+        if token == "(":
+            groups.append(0)
+        elif token == ")":
+            last = groups.pop() if len(groups) > 1 else 0
+            groups[-1] += last
+        elif token.startswith("*"):
+            groups[-1] += last * (int(token[1:]) - 1)
+            last = min(last, 1)     # a later `*M` repeats the last letter (never fewer letters than counted)
+        else:
+            groups[-1], last = groups[-1] + 1, 1
+    return sum(groups)
+
+
 def _layout_vpp(args: argparse.Namespace, pp: int) -> int:
     """Model chunks per rank of a --pipeline-model-parallel-layout, checked against the chunk flags."""
     text = args.pipeline_model_parallel_layout
+    letters = _expanded_letters(text)
+    if letters > _MAX_LAYOUT_LETTERS:
+        raise ArgumentError(f"{LAYOUT_FLAG} {text!r} expands to {letters} letters; a layout names each decoder layer "
+                            f"once (t), so it cannot be that long (at most {_MAX_LAYOUT_LETTERS})")
     try:
         stages = parse_layout(text)
     except ValueError as err:

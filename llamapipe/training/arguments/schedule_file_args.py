@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from llamapipe.core.config import ArgumentError
 from llamapipe.core.pipeline_parallel.schedule_csv import describe
 from llamapipe.core.pipeline_parallel.schedule_specs import FILE_PREFIX, file_plan
 from llamapipe.training.schedule_file import load_schedule
@@ -27,6 +28,8 @@ class _ScheduleFile(argparse.Action):
             parser.error(f"{option_string} {path}: no such file")
         try:
             spec = load_schedule(FILE_PREFIX + path)
+        except UnicodeDecodeError as err:    # the decoder's message does not say which file
+            parser.error(f"{option_string} {path}: not a text CSV file (byte {err.start} is not {err.encoding})")
         except ValueError as err:
             parser.error(f"{option_string}: {err}")
         setattr(namespace, self.dest, path)
@@ -38,6 +41,7 @@ class _ScheduleFile(argparse.Action):
                 parser.error(f"{option_string} sets {_flag(dest)} {value}, which contradicts {_flag(dest)} "
                              f"{current}; drop one")
             setattr(namespace, dest, value)
+        namespace.pipeline_schedule_file_sets = wanted     # checked again once every flag is read
 
 
 def add_schedule_file_flag(p: argparse.ArgumentParser) -> None:
@@ -47,6 +51,16 @@ def add_schedule_file_flag(p: argparse.ArgumentParser) -> None:
                         "torchtitan's pipeline_parallel_schedule_csv takes; llamapipe plot-schedule --export-csv "
                         "writes one): --pipeline-schedule file:PATH with the file's model chunks per rank, verified "
                         "by the simulator before training")
+
+
+def check_schedule_file(args: argparse.Namespace) -> None:
+    """The flags the file set still hold its values: one given after --pipeline-schedule-file (the action above
+    sees only those before it) contradicts it."""
+    for dest, value in (getattr(args, "pipeline_schedule_file_sets", None) or {}).items():
+        current = getattr(args, dest)
+        if current != value:
+            raise ArgumentError(f"--pipeline-schedule-file {args.pipeline_schedule_file} sets {_flag(dest)} {value}, "
+                                f"which contradicts {_flag(dest)} {current}; drop one")
 
 
 def schedule_file_lines(args: argparse.Namespace) -> list[str]:

@@ -92,7 +92,7 @@ def training_config(args: argparse.Namespace, par: ParallelConfig, seq_length: i
                           train_iters=train_iters, seed=args.seed, eval_interval=args.eval_interval,
                           eval_iters=_eval_iters(args), exit_interval=args.exit_interval,
                           exit_duration_in_mins=args.exit_duration_in_mins,
-                          exit_signal_handler=args.exit_signal_handler,
+                          exit_signal_handler=args.exit_signal_handler, exit_signal=args.exit_signal.name,
                           skip_nonfinite_steps=args.skip_nonfinite_steps, num_microbatches=num_microbatches,
                           profile_iters=args.pipeline_profile_iters,
                           keep_host_memory=not args.release_host_memory, train_samples=args.train_samples,

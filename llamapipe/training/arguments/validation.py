@@ -145,7 +145,8 @@ def data_parallel_sharding_strategy(args: argparse.Namespace) -> str:
     --use-torch-fsdp2 (optim_grads_params, ZeRO-3)."""
     strategy, zero3 = args.data_parallel_sharding_strategy, FSDP_STRATEGIES[-1]
     if args.use_torch_fsdp2:
-        if strategy not in ("no_shard", zero3):
+        typed = getattr(args, "data_parallel_sharding_strategy_given", False)
+        if strategy != zero3 and (strategy != "no_shard" or typed):     # the default no_shard is not a choice
             raise ArgumentError(f"--use-torch-fsdp2 selects ZeRO-3 ({zero3}) and cannot be combined with "
                                 f"--data-parallel-sharding-strategy {strategy}")
         strategy = zero3
@@ -166,12 +167,14 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
     # --load equal to --save may not exist yet: the first launch of a restartable (torchrun) job.
     if args.load is not None and not os.path.isdir(args.load) and args.load != args.save:
         raise ArgumentError(f"--load {args.load} is not a directory")
+    if args.save is not None and os.path.lexists(args.save) and not os.path.isdir(args.save):
+        raise ArgumentError(f"--save {args.save} is a file, not a directory; checkpoints go into a directory")
     return CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
                             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
                             finetune=args.finetune, keep_last_n=args.keep_last_n,
                             override_opt_param_scheduler=args.override_opt_param_scheduler,
                             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-                            async_save=args.async_save)
+                            async_save=args.async_save, allow_tokenizer_change=args.allow_tokenizer_change)
 
 
 def logging_config(args: argparse.Namespace) -> LoggingConfig:

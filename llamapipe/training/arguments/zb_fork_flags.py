@@ -212,9 +212,13 @@ def _check_translated(args: argparse.Namespace) -> None:
     if pending != ADAPTIVE and not _positive(pending):
         raise ArgumentError(f"--zero-bubble-max-pending-backward {pending} must be a positive number of microbatches "
                             "or auto")
-    if (zb or v) and args.zero_bubble_pipeline_timers_end_iter < 1:
-        raise ArgumentError(f"--zero-bubble-pipeline-timers-end-iter {args.zero_bubble_pipeline_timers_end_iter} "
-                            "must be at least 1")
+    start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
+    if (zb or v) and end < 1:
+        raise ArgumentError(f"--zero-bubble-pipeline-timers-end-iter {end} must be at least 1")
+    if start != TIMERS_START_DEFAULT and start > end:     # both given: a window that ends before it starts
+        raise ArgumentError(f"--zero-bubble-pipeline-timers-start-iter {start} is after "
+                            f"--zero-bubble-pipeline-timers-end-iter {end}; the timers run from the start iteration "
+                            "to the end one")
     for dest, value in wanted(args).items():
         if getattr(args, dest) != value:
             raise ArgumentError(f"{_flag(dest)} {getattr(args, dest)} contradicts {_flag(dest)} {value} that the "

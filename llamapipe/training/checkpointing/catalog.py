@@ -18,6 +18,7 @@ import shutil
 from typing import Any, Optional
 
 from llamapipe.core.logger import get_logger
+from llamapipe.safe_files import check_target, clear_leftover, create_new
 
 FORMAT_VERSION = 2          # 2: files carry sha256 checksums; 1 (sizes only) still loads
 READABLE_VERSIONS = (1, 2)
@@ -139,22 +140,25 @@ def read_tracker(save_dir: str) -> Optional[int]:
 
 def commit(tmp_dir: str, save_dir: str, iteration: int) -> str:
     """Rename the finished tmp dir into place, then point the tracker at it (both atomic)."""
-    final = iter_dir(save_dir, iteration)
-    side = os.path.join(save_dir, TRACKER + ".tmp")
+    final, tracker = iter_dir(save_dir, iteration), os.path.join(save_dir, TRACKER)
+    side = tracker + ".tmp"
+    check_target(final, directory=True)     # a link planted at either name is refused, its target untouched
+    check_target(tracker)
+    clear_leftover(side)
     try:
-        with open(side, "w") as fh:     # the only write of the commit: a full disk fails here, before the rename
+        with create_new(side, "w") as fh:   # the only write of the commit: a full disk fails here, before the rename
             fh.write(f"{iteration}\n")
             fh.flush()
             os.fsync(fh.fileno())
     except OSError:
-        if os.path.exists(side):
-            os.remove(side)
+        clear_leftover(side)
         raise
     if os.path.exists(final):  # re-saving an iteration: the old copy goes only once the new one is whole
         shutil.rmtree(final)
     os.replace(tmp_dir, final)
     fsync_path(save_dir)
-    os.replace(side, os.path.join(save_dir, TRACKER))
+    check_target(tracker)
+    os.replace(side, tracker)
     fsync_path(save_dir)
     return final
 
@@ -195,4 +199,12 @@ def remove_stale_tmp(save_dir: str) -> None:
     """Leftovers of saves that crashed (no save runs while this is called)."""
     for name in os.listdir(save_dir) if os.path.isdir(save_dir) else ():
         if _TMP_DIR.match(name):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+            remove_tmp_dir(os.path.join(save_dir, name))
+
+
+def remove_tmp_dir(tmp: str) -> None:
+    """Remove a save's temporary directory; a link planted at its name is removed, its target untouched."""
+    if os.path.islink(tmp):
+        os.remove(tmp)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)

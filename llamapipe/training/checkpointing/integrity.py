@@ -1,9 +1,10 @@
 """Checksums of checkpoint files: every file is hashed (sha256) while it is written, read back and compared
 before the checkpoint is committed, and verified again when it is loaded or by `llamapipe verify-checkpoint`.
 
-Files are written with plain `open`, so every file of a checkpoint gets the same mode (0666 less the umask,
-as torch.save does). Safetensors shards are streamed here rather than through safetensors' own writer,
-which lets the hash see the bytes once, on their way to the file. A record is
+Every file is created new (`llamapipe/safe_files.create_new`: nothing already at its name, a planted link included,
+is followed or reused) with mode 0666 less the umask, as torch.save would give it. Safetensors shards are
+streamed here rather than through safetensors' own writer, which lets the hash see the bytes once, on their
+way to the file. A record is
 `{"size": bytes, "sha256": hex digest, "rank": writing rank}`; metadata.json holds one per file.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ import os
 from typing import Any, Optional
 
 import torch
+
+from llamapipe.safe_files import create_new, replace_atomically
 
 HASH = "sha256"
 _READ_CHUNK = 16 << 20
@@ -28,7 +31,7 @@ class HashingFile:
 
     def __init__(self, path: str, rank: int = 0):
         self.path, self.rank = path, rank
-        self._fh = open(path, "wb")
+        self._fh = create_new(path)
         self._hash = hashlib.new(HASH)
         self._size = 0
 
@@ -93,10 +96,8 @@ def write_torch(path: str, obj: Any, rank: int = 0) -> dict:
 
 
 def write_json(path: str, obj: Any) -> None:
-    with open(path, "w") as fh:
+    with replace_atomically(path, "w") as fh:    # fsynced; whole or not at all, never through a link
         json.dump(obj, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def file_digest(path: str) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from typing import Any, Iterable, Optional
 
 import torch
@@ -22,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from llamapipe.training.checkpointing.catalog import (  # noqa: F401  (this module's API since format 1)
     FORMAT_VERSION, METADATA, TRACKER, commit, incomplete_reason, iter_dir, latest_checkpoint, list_iterations,
-    prune, read_metadata, read_tracker, seal)
+    prune, read_metadata, read_tracker, remove_tmp_dir, seal)
 from llamapipe.training.checkpointing.integrity import verify_files, write_json, write_safetensors, write_torch
 from llamapipe.training.checkpointing.resharding import TensorSpec, merge_shards, pp_rank_of, split_shard
 
@@ -182,7 +181,7 @@ def write_layout(save_dir: str, iteration: int, state_dict: dict[str, torch.Tens
     vocab, multiple = model_config["vocab_size"], model_config["make_vocab_size_divisible_by"] * tp
     padded_rows = -(-vocab // multiple) * multiple
     tmp = iter_dir(save_dir, iteration) + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tmp_dir(tmp)
     os.makedirs(tmp)
     owner = {name: pp_rank_of(name, model_config["num_layers"], pp, vpp) for name in state_dict}
     grid = [(p, t) for p in range(pp) for t in range(tp)]

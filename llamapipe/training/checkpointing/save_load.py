@@ -24,6 +24,7 @@ from llamapipe.training.checkpointing import io as cio
 from llamapipe.training.checkpointing.catalog import remove_stale_tmp
 from llamapipe.training.checkpointing.io import latest_checkpoint  # noqa: F401  (part of this module's API)
 from llamapipe.training.checkpointing.selection import choose_checkpoint, same_layout
+from llamapipe.training.checkpointing.tokenizer_record import check_tokenizer, tokenizer_record
 from llamapipe.training.checkpointing.writer import (  # noqa: F401  (finalize and the error: this module's API)
     CheckpointSaveError, FileJob, SaveJob, finalize_async_save, start)
 from llamapipe.training.config import Config
@@ -89,21 +90,10 @@ def save_checkpoint(save_dir: str, iteration: int, *, model_chunks: list[nn.Modu
     has_optimizer = optimizer is not None
     fields = dict(iteration=iteration, consumed_samples=consumed_samples,
                   model_config=dataclasses.asdict(config.model), config=dataclasses.asdict(config),
-                  layout=_layout(ps), has_optimizer=has_optimizer, tokenizer=_tokenizer_record(config),
+                  layout=_layout(ps), has_optimizer=has_optimizer, tokenizer=tokenizer_record(config.data),
                   scheduler=scheduler.state_dict() if scheduler is not None else None)
     start(SaveJob(save_dir, iteration, ps.rank, ps.world_size, files, keep_last_n=keep_last_n, background=async_save,
                   meta=lambda records: cio.write_metadata(tmp, records, **fields)))
-
-
-def _tokenizer_record(config: Config) -> Optional[dict]:
-    """The run's tokenizer for `convert-hf export` (the path made absolute, so an export from another
-    directory finds it); None without one."""
-    data = config.data
-    if data.tokenizer_model is None:
-        return {"type": "NullTokenizer", "model": None} if data.tokenizer_type == "NullTokenizer" else None
-    from llamapipe.data.tokenizer import infer_tokenizer_type
-    return {"type": data.tokenizer_type or infer_tokenizer_type(data.tokenizer_model),
-            "model": os.path.abspath(data.tokenizer_model)}
 
 
 def _rank_files(model_chunks: list[nn.Module], optimizer: Any, ps: ParallelState, copy: bool) -> list[FileJob]:
@@ -181,6 +171,7 @@ def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: 
     iteration, path = found
     reader = cio.CheckpointReader(path)
     _check_model_config(reader.meta["model_config"], config.model, path)
+    check_tokenizer(reader.meta.get("tokenizer"), config.data, path, config.checkpoint.allow_tokenizer_change)
     tensors = named_tensors(model_chunks)
     for name, target in tensors.items():
         if not reader.has(name):

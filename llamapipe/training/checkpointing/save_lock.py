@@ -6,8 +6,10 @@ as JSON and is `flock`ed while held: the kernel drops the flock when its process
 the same host a lock whose process is gone is recognised and taken over with a notice. A lock from another
 host cannot be checked from here (flock is not reliable across hosts on network filesystems): the run
 refuses and says which file to remove once that run is known to be gone. The lock is released (the file
-removed) at every exit: the normal end, errors (atexit), SIGTERM without --exit-signal-handler (handler
-below; with the flag the loop saves and exits normally) and Ctrl-C. Checkpoint listing, verification,
+removed) at every exit: the normal end, errors (atexit), and a signal that stops the run (`training/signals`
+calls `release_all`; a process of its own that holds a lock releases it on SIGTERM, handler below). The file is opened without following a
+link (`llamapipe/safe_files.open_existing`): a symbolic link, FIFO or directory planted at its name is refused in
+one line and its target is untouched. Checkpoint listing, verification,
 pruning and --load of the same directory ignore the file (they read only `iter_*` and the tracker).
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from typing import Any, Optional
 
 from llamapipe.core.logger import get_logger
+from llamapipe.safe_files import UnsafePathError, open_existing
 
 LOCK_FILE = "llamapipe.lock"
 _held: dict[str, "SaveDirLock"] = {}     # realpath of the directory -> this process's lock on it
@@ -59,6 +62,8 @@ def hold_save_dir(save_dir: Optional[str]) -> SaveDirLock:
             lock = acquire(save_dir)
         except ValueError as err:
             refusal = str(err)
+        except UnsafePathError as err:
+            refusal = f"--save {save_dir}: its lock file {err}"
         except OSError as err:
             refusal = f"--save {save_dir}: cannot create its lock file {LOCK_FILE} ({err.strerror or err})"
     if distributed:
@@ -78,7 +83,7 @@ def acquire(save_dir: str) -> SaveDirLock:
     os.makedirs(save_dir, exist_ok=True)
     path = os.path.join(save_dir, LOCK_FILE)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_existing(path, os.O_RDWR | os.O_CREAT)    # never through a link (issue 40)
         try:
             lock = _try_lock(save_dir, path, fd)
         except BaseException:
@@ -158,6 +163,12 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def release_all() -> None:
+    """Release every lock this process holds (a run stopped by a signal, `training/signals`)."""
+    for lock in list(_held.values()):
+        lock.release()
 
 
 def _release_on_sigterm(lock: SaveDirLock) -> None:

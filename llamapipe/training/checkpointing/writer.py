@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from llamapipe.core.logger import get_logger
+from llamapipe.safe_files import create_new
 from llamapipe.training.checkpointing import catalog
 from llamapipe.training.checkpointing.integrity import HASH, file_digest, write_json
 
@@ -94,7 +95,7 @@ class SaveJob:
         message = (f"saving checkpoint {catalog.iter_dir(self.save_dir, self.iteration)} on rank {self.rank}: "
                    f"{what}; {kept}")
         try:  # tell rank 0's commit wait at once; on a full disk this may fail too, finalize then tells it
-            with open(os.path.join(self.tmp, f".failed_rank{self.rank:05d}"), "w") as fh:
+            with create_new(os.path.join(self.tmp, f".failed_rank{self.rank:05d}"), "w") as fh:
                 fh.write(message)
         except OSError:
             pass
@@ -140,10 +141,8 @@ def _marker_path(tmp: str, rank: int) -> str:
 
 
 def _write_marker(tmp: str, rank: int, records: dict) -> None:
-    """Atomically, so rank 0 never reads half a marker."""
-    path = _marker_path(tmp, rank)
-    write_json(path + ".part", records)
-    os.replace(path + ".part", path)
+    """Atomically (`write_json`), so rank 0 never reads half a marker."""
+    write_json(_marker_path(tmp, rank), records)
 
 
 def _os_error(exc: Exception) -> str:
