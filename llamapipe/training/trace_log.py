@@ -11,8 +11,7 @@ when the window closes (or training ends inside it), all ranks send theirs to ra
 - `otherData.llamapipe`: the plans the ranks ran and the recorded steps, which `llamapipe plot-trace` draws
   beside the simulator's plan with the measured costs.
 
-The file is written to a temporary name created exclusively beside PATH and renamed over it, so a link planted at
-PATH is replaced, never followed.
+The file is written whole or not at all and never through a link planted at PATH (`llamapipe/safe_files.py`).
 """
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ from typing import Optional
 from llamapipe.core.logger import get_logger
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel.trace import TRACKS, TraceRecorder, common_zero, gather_events
+from llamapipe.safe_files import replace_atomically
 
 log = get_logger()
 FORMAT = 1      # otherData.llamapipe.format: what plot-trace reads
@@ -72,7 +72,11 @@ class PipelineTrace:
         if payloads is None:
             return
         trace = chrome_trace(payloads, self.schedule, self.start, self.end)
-        write_trace(self.path, trace)
+        try:
+            write_trace(self.path, trace)
+        except OSError as err:       # a trace is never worth the run: say so and train on
+            log.warning(f"--pipeline-trace {self.path}: cannot write the trace ({err}); training goes on")
+            return
         actions = sum(1 for e in trace["traceEvents"] if e.get("ph") == "X" and "kind" in e.get("args", {}))
         log.info(f"pipeline trace: iterations {self.start + 1}-{self.end} of {len(payloads)} ranks ({actions} "
                  f"actions) written to {self.path}; open it in https://ui.perfetto.dev or chrome://tracing, or "
@@ -99,16 +103,7 @@ def chrome_trace(payloads: list[dict], schedule: str, start: int, end: int) -> d
 
 
 def write_trace(path: str, trace: dict) -> None:
-    """Write `trace` as JSON to `path` through an exclusively created temporary file and a rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(trace, f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write `trace` as JSON to `path`, whole or not at all, never through a link (`safe_files`)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with replace_atomically(path, "w") as f:
+        json.dump(trace, f)

@@ -87,3 +87,14 @@ def test_a_window_that_traces_nothing_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--pipeline-trace needs 0 <= --profile-step-start < --profile-step-end" in proc.stderr
     assert not (tmp_path / "t.json").exists()
+
+
+def test_a_link_at_the_trace_path_is_refused_and_its_target_untouched(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    (tmp_path / "t.json").symlink_to(victim)
+    proc = subprocess.run([sys.executable, "pretrain_llama.py", *TINY, *ITERS, "--pipeline-trace",
+                           str(tmp_path / "t.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--pipeline-trace: " in proc.stderr and "is a symbolic link" in proc.stderr
+    assert victim.read_text() == "keep"

@@ -22,6 +22,7 @@ from llamapipe.training.arguments.pipeline import vpp_size
 from llamapipe.training.flag_names import flag_message
 from llamapipe.training.schedule_file import load_schedule
 from llamapipe.training.config import CheckpointConfig, LoggingConfig
+from llamapipe.safe_files import UnsafePathError, check_target
 
 
 _POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "num_layers_per_virtual_pipeline_stage",
@@ -202,6 +203,10 @@ def check_trace(args: argparse.Namespace, world_size: int, notices: list[str]) -
     if not 0 <= args.profile_step_start < args.profile_step_end:
         raise ArgumentError(f"--pipeline-trace needs 0 <= --profile-step-start < --profile-step-end; {window} "
                             "trace no iteration")
+    try:
+        check_target(args.pipeline_trace)
+    except UnsafePathError as err:
+        raise ArgumentError(f"--pipeline-trace: {err}") from None
     outside = [r for r in args.profile_ranks or () if not 0 <= r < world_size]
     if outside:
         raise ArgumentError(f"--profile-ranks {' '.join(map(str, outside))}: there are ranks 0 to {world_size - 1} "
