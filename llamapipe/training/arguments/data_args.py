@@ -8,11 +8,13 @@ missing trailing weights are 0 ("99,1" is "99,1,0").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
-from typing import Sequence
+from typing import Optional, Sequence
 
 from llamapipe.core.config import ArgumentError, DataConfig
+from llamapipe.data.tokenizers.base import Tokenizer
 
 DEFAULT_SPLIT = "969,30,1"      # Megatron's legacy default when --data-path comes without --split
 _PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path")
@@ -97,5 +99,22 @@ def data_config(args: argparse.Namespace) -> DataConfig:
     return DataConfig(data_path=tuple(args.data_path or ()), split=split, tokenizer_model=args.tokenizer_model,
                       tokenizer_type=args.tokenizer_type, mock_data=args.mock_data,
                       data_cache_path=args.data_cache_path, num_workers=args.num_workers,
-                      vocab_size=args.vocab_size,
+                      vocab_size=args.vocab_size, reset_position_ids=args.reset_position_ids,
+                      reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
                       **{name: tuple(getattr(args, name) or ()) for name in _PER_SPLIT})
+
+
+def with_end_of_document(data: DataConfig, tokenizer: Optional[Tokenizer]) -> DataConfig:
+    """`data` with the tokenizer's end-of-document id when --reset-position-ids, --reset-attention-mask or
+    --eod-mask-loss reads it (Megatron takes it from the tokenizer too)."""
+    if not data.packed_documents:
+        return data
+    flags = [f"--{n.replace('_', '-')}" for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+             if getattr(data, n)]
+    if tokenizer is None:
+        raise ArgumentError(f"{' and '.join(flags)} need{'s' if len(flags) == 1 else ''} the end-of-document token id of a tokenizer: give "
+                            "--tokenizer-model, or --tokenizer-type NullTokenizer with --vocab-size")
+    try:
+        return dataclasses.replace(data, eod_id=tokenizer.eod)
+    except ValueError as err:
+        raise ArgumentError(f"{' and '.join(flags)}: {err}") from None
