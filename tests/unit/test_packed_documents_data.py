@@ -11,6 +11,7 @@ from llamapipe.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 from llamapipe.data.packed_documents import PackedDocuments
 from llamapipe.core.config import ArgumentError
 from llamapipe.training.arguments.parser import build_parser, config_from_args
+from llamapipe.training.startup import startup_lines
 
 EOD = 9
 
@@ -71,14 +72,18 @@ BASE = ("--mock-data --seq-length 32 --num-layers 2 --hidden-size 64 --num-atten
         "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 2 --train-iters 2").split()
 
 
-def test_flags_read_the_tokenizers_end_of_document_id():
+def test_flags_read_the_tokenizers_end_of_document_id_and_the_run_block_says_so():
     args = build_parser().parse_args(BASE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
                                              "--reset-attention-mask", "--eod-mask-loss"])
-    data = config_from_args(args, 1).data
+    config = config_from_args(args, 1)
+    data = config.data
     assert (data.reset_position_ids, data.reset_attention_mask, data.eod_mask_loss, data.eod_id) == (
         False, True, True, 100)
-    plain = config_from_args(build_parser().parse_args(BASE + ["--vocab-size", "100"]), 1).data
-    assert not plain.packed_documents and plain.eod_id is None
+    assert startup_lines(config)[-1] == ("run: packed documents: attention within each document, no loss on "
+                                         "end-of-document tokens (end-of-document id 100)")
+    plain = config_from_args(build_parser().parse_args(BASE + ["--vocab-size", "100"]), 1)
+    assert not plain.data.packed_documents and plain.data.eod_id is None
+    assert not any("packed documents" in line for line in startup_lines(plain))
 
 
 def test_flags_without_a_tokenizer_are_one_sentence():
