@@ -129,40 +129,22 @@ def build_iterators(config: Config, model_cfg: LlamaConfig, ps: ParallelState, r
     The datasets and samplers are built once per rank, even when two local chunks read data (the first and
     the last stage under the V placement); those chunks get copies of one iterator that yield the same
     microbatches in the same order. With packed documents (--reset-attention-mask, --reset-position-ids) every
-    chunk reads the microbatches, since every layer needs the documents' boundaries: a chunk that neither
-    embeds nor computes the loss gets its copy as `DocumentsOnly`.
+    chunk reads the microbatches, since every layer needs the documents' boundaries (a chunk that neither
+    embeds nor computes the loss takes only their position and document ids).
     """
     from llamapipe.data.sampler import build_data_iterators
     needs = [pre or post for pre, post in roles]
     if config.parallel.vocab_parallel and ps.pp_size > 1:
         needs.append(True)          # every rank's embedding shard reads the microbatches (executor's prepass)
-    middle = [not need for need in needs] if config.data.packed_documents else [False] * len(needs)
-    needs = [need or mid for need, mid in zip(needs, middle)]
+    if config.data.packed_documents:
+        needs = [True] * len(needs)   # every chunk's attention needs the documents' boundaries
     train, valid, _ = build_data_iterators(config.data, config.training, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
                                            vocab_size=model_cfg.vocab_size, consumed_samples=consumed_samples,
                                            needs_data=any(needs))
-    train, valid = (_documents_only(_per_chunk(it, needs), middle) for it in (train, valid))
+    train, valid = _per_chunk(train, needs), _per_chunk(valid, needs)
     # Every rank joins the evaluation schedule, also a rank whose chunks read no data (middle stages), so
     # whether there is one depends on the config alone; arguments.py rejects --eval-iters with no validation split.
     return train, (valid if config.training.eval_iters > 0 else None)
-
-
-class DocumentsOnly:
-    """The data iterator of a chunk that neither embeds nor computes the loss, when samples carry document
-    boundaries: `forward_step` reads its microbatches for their position and document ids only."""
-
-    def __init__(self, iterator) -> None:
-        self.iterator = iterator
-
-    def __iter__(self) -> "DocumentsOnly":
-        return self
-
-    def __next__(self) -> dict:
-        return next(self.iterator)
-
-
-def _documents_only(iterators: list, middle: list[bool]) -> list:
-    return [DocumentsOnly(it) if mid and it is not None else it for it, mid in zip(iterators, middle)]
 
 
 def _per_chunk(iterator, needs: list[bool]) -> list:
@@ -192,13 +174,13 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[tor
 
 
 def forward_step(data_iterator, model: torch.nn.Module):
-    """Megatron's forward_step_func: read a microbatch when this chunk embeds or computes the loss (or its
-    iterator is `DocumentsOnly`), and give the chunk its whole sequences, with the position and document ids of
-    packed documents when the microbatch has them. Under context parallelism the chunk keeps its CP rank's
-    tokens of them and returns their losses, so the loss mask is cut the same way (`model.sequence_shard`)."""
+    """Megatron's forward_step_func: read a microbatch when this chunk has a data iterator (`build_iterators`
+    gives one to the chunks that embed or compute the loss, and to every chunk with packed documents), and give
+    the chunk its whole sequences, with the position and document ids of packed documents when the microbatch
+    has them. Under context parallelism the chunk keeps its CP rank's tokens of them and returns their losses,
+    so the loss mask is cut the same way (`model.sequence_shard`)."""
     pre, post = model.pre_process, model.post_process
-    reads = pre or post or isinstance(data_iterator, DocumentsOnly)
-    batch = next(data_iterator) if data_iterator is not None and reads else None
+    batch = next(data_iterator) if data_iterator is not None else None
     device = next(model.parameters()).device
     tokens = batch["tokens"].to(device) if pre else None
     labels = batch["labels"].to(device) if post else None

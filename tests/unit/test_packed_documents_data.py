@@ -86,8 +86,13 @@ def test_flags_read_the_tokenizers_end_of_document_id_and_the_run_block_says_so(
     assert not any("packed documents" in line for line in startup_lines(plain))
 
 
-def test_flags_without_a_tokenizer_are_one_sentence():
+def test_flags_without_a_tokenizer_or_with_post_validation_are_one_sentence():
     args = build_parser().parse_args(BASE + ["--vocab-size", "100", "--reset-position-ids"])
     with pytest.raises(ArgumentError, match=r"^--reset-position-ids needs the end-of-document token id of a "
                                             r"tokenizer: give --tokenizer-model, or --tokenizer-type NullTokenizer"):
         config_from_args(args, 1)
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--enable-optimizer-post-validation"]
+    args = build_parser().parse_args(BASE + null + ["--eod-mask-loss"])
+    with pytest.raises(ArgumentError, match=r"^--eod-mask-loss cannot be used with --enable-optimizer-post-validation"):
+        config_from_args(args, 1)
+    assert config_from_args(build_parser().parse_args(BASE + null + ["--reset-attention-mask"]), 1).data.eod_id == 100

@@ -95,7 +95,8 @@ class EmbeddingPrepass(nn.Module):
         return self._shard[0].parameters(recurse)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The partial embedding of `input_ids`; a packed sample's position and document ids concern the layers."""
         return self._shard[0](input_ids)
 

@@ -104,15 +104,20 @@ def data_config(args: argparse.Namespace) -> DataConfig:
                       **{name: tuple(getattr(args, name) or ()) for name in _PER_SPLIT})
 
 
-def with_end_of_document(data: DataConfig, tokenizer: Optional[Tokenizer]) -> DataConfig:
+def with_end_of_document(data: DataConfig, tokenizer: Optional[Tokenizer], *, post_validation: bool) -> DataConfig:
     """`data` with the tokenizer's end-of-document id when --reset-position-ids, --reset-attention-mask or
     --eod-mask-loss reads it (Megatron takes it from the tokenizer too)."""
     if not data.packed_documents:
         return data
+    if data.eod_mask_loss and post_validation:
+        raise ArgumentError("--eod-mask-loss cannot be used with --enable-optimizer-post-validation: post-validation "
+                            "divides the gradients by the global batch's token count before the step ends, which "
+                            "needs every loss-mask entry to be 1")
     flags = [f"--{n.replace('_', '-')}" for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
              if getattr(data, n)]
     if tokenizer is None:
-        raise ArgumentError(f"{' and '.join(flags)} need{'s' if len(flags) == 1 else ''} the end-of-document token id of a tokenizer: give "
+        verb = "needs" if len(flags) == 1 else "need"
+        raise ArgumentError(f"{' and '.join(flags)} {verb} the end-of-document token id of a tokenizer: give "
                             "--tokenizer-model, or --tokenizer-type NullTokenizer with --vocab-size")
     try:
         return dataclasses.replace(data, eod_id=tokenizer.eod)
