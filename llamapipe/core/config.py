@@ -128,6 +128,15 @@ class DataConfig:
     train_data_path: tuple = ()         # per-split datasets (--train/valid/test-data-path) instead of --split
     valid_data_path: tuple = ()
     test_data_path: tuple = ()
+    reset_position_ids: bool = False    # --reset-position-ids: positions restart after each end-of-document token
+    reset_attention_mask: bool = False  # --reset-attention-mask: attention stays within each packed document
+    eod_mask_loss: bool = False         # --eod-mask-loss: no loss where the input token is end-of-document
+    eod_id: Optional[int] = None        # the tokenizer's end-of-document id, set when any of the three is on
+
+    @property
+    def packed_documents(self) -> bool:
+        """Whether the samples carry their documents' boundaries (any of the three flags above)."""
+        return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
 
     @property
     def per_split_paths(self) -> tuple:

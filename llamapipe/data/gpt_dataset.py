@@ -11,6 +11,8 @@ The three indices depend only on (data file, split range, seq_length, seed, numb
 cached as .npy files keyed by a hash of all of these and written atomically (rename). Several prefixes
 are blended with normalised weights: sample j of dataset d sits at ideal position (j + 0.5) / w_d and the
 blend takes positions in order, so after any n samples each dataset has round(w_d * n) +- 1 of them.
+With Megatron's --reset-position-ids / --reset-attention-mask / --eod-mask-loss a sample also carries its
+documents' boundaries (packed_documents.py).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 from llamapipe.core.logger import get_logger
 from llamapipe.safe_files import replace_atomically
 from llamapipe.data.indexed_dataset import IndexedDataset, cached_max_token_id, data_file_path
+from llamapipe.data.packed_documents import PackedDocuments
 
 SPLIT_NAMES = ("train", "valid", "test")
 _INDEX_VERSION = 1   # bump when the index construction changes so stale caches are not reused
@@ -89,8 +92,9 @@ class GPTDataset(torch.utils.data.Dataset):
     """Shuffled seq_length + 1 windows over documents [doc_range) of one indexed dataset."""
 
     def __init__(self, indexed: IndexedDataset, doc_range: tuple[int, int], num_samples: int,
-                 seq_length: int, seed: int, name: str, cache_dir: Optional[str] = None) -> None:
-        self.indexed, self.seq_length, self.name = indexed, seq_length, name
+                 seq_length: int, seed: int, name: str, cache_dir: Optional[str] = None,
+                 documents: Optional[PackedDocuments] = None) -> None:
+        self.indexed, self.seq_length, self.name, self.documents = indexed, seq_length, name, documents
         first, last = doc_range
         if last <= first or indexed.sequence_lengths[first:last].sum() == 0:
             raise ValueError(f"the {name} split of {indexed.prefix} is empty (documents {first}:{last}); "
@@ -125,12 +129,16 @@ class GPTDataset(torch.utils.data.Dataset):
         return out
 
     def __getitem__(self, i: int) -> dict:
-        return make_sample(self.tokens(i))
+        return make_sample(self.tokens(i), self.documents)
 
 
-def make_sample(window: np.ndarray) -> dict:
+def make_sample(window: np.ndarray, documents: Optional[PackedDocuments] = None) -> dict:
+    """{tokens, labels, loss_mask} of a window of seq_length + 1 tokens, and its documents' boundaries when
+    `documents` says so."""
     tokens = torch.from_numpy(np.ascontiguousarray(window, dtype=np.int64))
-    return {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": torch.ones(len(tokens) - 1)}
+    if documents is None:
+        return {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": torch.ones(len(tokens) - 1)}
+    return {"tokens": tokens[:-1], "labels": tokens[1:], **documents.fields(tokens[:-1])}
 
 
 def _load_or_build(base: str, build) -> tuple[np.ndarray, ...]:
@@ -183,8 +191,10 @@ class MockGPTDataset(torch.utils.data.Dataset):
     The next token follows from the previous two, so a tiny model's loss falls quickly from ln(vocab).
     """
 
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int) -> None:
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int,
+                 documents: Optional[PackedDocuments] = None) -> None:
         self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
+        self.documents = documents
 
     def __len__(self) -> int:
         return self.num_samples
@@ -195,7 +205,7 @@ class MockGPTDataset(torch.utils.data.Dataset):
         return (start + stride * np.arange(self.seq_length + 1, dtype=np.int64)) % self.vocab_size
 
     def __getitem__(self, i: int) -> dict:
-        return make_sample(self.tokens(i))
+        return make_sample(self.tokens(i), self.documents)
 
 
 def parse_blend(data_path: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
@@ -209,13 +219,14 @@ def parse_blend(data_path: Sequence[str]) -> tuple[list[str], Optional[list[floa
 
 def build_gpt_datasets(data_path: Sequence[str], split: str, num_samples: Sequence[int], seq_length: int,
                        seed: int, cache_dir: Optional[str] = None, *,
-                       per_split_paths: Sequence[Sequence[str]] = ((), (), ()), vocab_size: Optional[int] = None
-                       ) -> list[Optional[torch.utils.data.Dataset]]:
+                       per_split_paths: Sequence[Sequence[str]] = ((), (), ()), vocab_size: Optional[int] = None,
+                       documents: Optional[PackedDocuments] = None) -> list[Optional[torch.utils.data.Dataset]]:
     """[train, valid, test] datasets with num_samples[i] samples each (None where 0), blended over prefixes.
 
     `data_path`'s documents are split by `split`; when any of `per_split_paths` (train, valid, test) is
     given, split i is instead the whole of the files of per_split_paths[i]. Unweighted prefixes are
-    weighted by their token counts. With `vocab_size`, every file's largest token id must be below it.
+    weighted by their token counts. With `vocab_size`, every file's largest token id must be below it. With
+    `documents`, samples carry their documents' boundaries.
     """
     opened: dict[str, IndexedDataset] = {}
     out: list[Optional[torch.utils.data.Dataset]] = []
@@ -232,7 +243,7 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, num_samples: Sequen
                     check_token_ids(opened[prefix], vocab_size, cache_dir or default_cache_dir(prefix))
         indexed = [opened[prefix] for prefix in prefixes]
         ranges = [(0, len(ds)) if whole else split_ranges(split, len(ds))[s] for ds in indexed]
-        out.append(_blend(name, prefixes, weights, indexed, ranges, n, seq_length, seed, cache_dir))
+        out.append(_blend(name, prefixes, weights, indexed, ranges, n, seq_length, seed, cache_dir, documents))
     return out
 
 
@@ -247,16 +258,16 @@ def check_token_ids(indexed: IndexedDataset, vocab_size: int, cache_dir: str) ->
 
 
 def _blend(name: str, prefixes: list[str], weights: Optional[list[float]], indexed: list[IndexedDataset],
-           ranges: list[tuple[int, int]], n: int, seq_length: int, seed: int,
-           cache_dir: Optional[str]) -> torch.utils.data.Dataset:
+           ranges: list[tuple[int, int]], n: int, seq_length: int, seed: int, cache_dir: Optional[str],
+           documents: Optional[PackedDocuments]) -> torch.utils.data.Dataset:
     """One split's dataset of n samples: the single dataset, or the weighted blend of several."""
     if len(indexed) == 1:
-        return GPTDataset(indexed[0], ranges[0], n, seq_length, seed, name, cache_dir)
+        return GPTDataset(indexed[0], ranges[0], n, seq_length, seed, name, cache_dir, documents)
     if weights is None:
         weights = [float(ds.num_tokens) for ds in indexed]
     dataset_index, sample_index = blending_index(weights, n)
     counts = np.bincount(dataset_index, minlength=len(indexed))
-    parts = [GPTDataset(ds, r, max(int(c), 1), seq_length, seed + d, name, cache_dir)
+    parts = [GPTDataset(ds, r, max(int(c), 1), seq_length, seed + d, name, cache_dir, documents)
              for d, (ds, r, c) in enumerate(zip(indexed, ranges, counts))]
     realised = ", ".join(f"{p}: {c} ({c / n:.3f} vs weight {w / sum(weights):.3f})"
                          for p, c, w in zip(prefixes, counts, weights))

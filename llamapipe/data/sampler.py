@@ -9,7 +9,8 @@ of DP rank r is
 so the union over DP ranks of a global batch is the same set for every dp, and resuming at
 consumed_samples = k continues exactly where an uninterrupted run would be (no replay, no skip). The
 sampler only streams chunks, so a global batch that grows (--rampup-batch-size) is simply more chunks.
-Only the first and last pipeline stages read data; all TP ranks of a DP rank read the same samples.
+Only the first and last pipeline stages read data (every stage with packed documents, whose attention needs
+the documents' boundaries); all TP ranks of a DP rank read the same samples.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from llamapipe.core.config import DataConfig, TrainingConfig
 from llamapipe.core.num_microbatches_calculator import microbatches_per_step, samples_for_iters
 from llamapipe.data.gpt_dataset import MockGPTDataset, build_gpt_datasets
+from llamapipe.data.packed_documents import PackedDocuments
 
 
 class PretrainingSampler:
@@ -80,7 +82,8 @@ def _loader(dataset, sampler, num_workers: int) -> Iterator[dict]:
 def build_data_iterators(data_cfg: DataConfig, training_cfg: TrainingConfig, *, dp_rank: int, dp_size: int,
                          vocab_size: int, consumed_samples: int = 0,
                          needs_data: bool = True) -> tuple[Optional[Iterator], Optional[Iterator], Optional[Iterator]]:
-    """(train, valid, test) iterators of this DP rank's microbatches {tokens, labels, loss_mask}, each (mbs, s).
+    """(train, valid, test) iterators of this DP rank's microbatches {tokens, labels, loss_mask}, each (mbs, s),
+    with position_ids and document_ids (mbs, s) under --reset-position-ids / --reset-attention-mask.
 
     train yields the microbatches of train_iters global batches (growing under --rampup-batch-size) that
     follow consumed_samples. valid and
@@ -99,8 +102,9 @@ def build_data_iterators(data_cfg: DataConfig, training_cfg: TrainingConfig, *, 
     if data_cfg.mock_data:
         if not needs_data:
             return None, None, None
-        datasets = [MockGPTDataset(n, training_cfg.seq_length, vocab_size, training_cfg.seed + 1000 * i) if n else None
-                    for i, n in enumerate(num_samples)]
+        documents = PackedDocuments.of(data_cfg)
+        datasets = [MockGPTDataset(n, training_cfg.seq_length, vocab_size, training_cfg.seed + 1000 * i, documents)
+                    if n else None for i, n in enumerate(num_samples)]
     else:
         datasets = _build_on_rank0_first(data_cfg, training_cfg, num_samples, needs_data, vocab_size)
         if datasets is None:
@@ -123,7 +127,8 @@ def _build_on_rank0_first(data_cfg: DataConfig, training_cfg: TrainingConfig, nu
         if needs_data or rank0:
             datasets = build_gpt_datasets(data_cfg.data_path, data_cfg.split, num_samples, training_cfg.seq_length,
                                           training_cfg.seed, data_cfg.data_cache_path,
-                                          per_split_paths=data_cfg.per_split_paths, vocab_size=vocab_size)
+                                          per_split_paths=data_cfg.per_split_paths, vocab_size=vocab_size,
+                                          documents=PackedDocuments.of(data_cfg))
     finally:
         if distributed and rank0:
             dist.barrier()   # also when rank 0's data is refused: the others then meet the same error

@@ -63,18 +63,20 @@ def compile_chunk(chunk: nn.Module) -> None:
         chunk.final_norm.compile(**COMPILE_OPTIONS)
 
 
-def compile_chunks(chunks: list[nn.Module], *, micro_batch_size: int, seq_length: int,
-                   eval_too: bool = False) -> float:
+def compile_chunks(chunks: list[nn.Module], *, micro_batch_size: int, seq_length: int, eval_too: bool = False,
+                   positions: bool = False, documents: bool = False) -> float:
     """Compile `chunks` and run one dummy microbatch through each (forward and backward; also a no-grad
-    forward when `eval_too`) so compilation is paid now; returns and logs its seconds. Parameters are
-    untouched and gradients are left as None."""
+    forward when `eval_too`) so compilation is paid now; returns and logs its seconds. `positions` and
+    `documents`: the microbatches carry position ids and document ids (packed documents), so the dummy one does
+    too. Parameters are untouched and gradients are left as None."""
     start = time.perf_counter()
+    inputs = dict(positions=positions, documents=documents)
     for chunk in chunks:
         compile_chunk(chunk)
-        _warm_up(chunk, micro_batch_size, seq_length, grad=True)
+        _warm_up(chunk, micro_batch_size, seq_length, grad=True, **inputs)
         if eval_too:
             with torch.no_grad():
-                _warm_up(chunk, micro_batch_size, seq_length, grad=False)
+                _warm_up(chunk, micro_batch_size, seq_length, grad=False, **inputs)
         chunk.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - start
     layers = sum(len(chunk.layers) for chunk in chunks)
@@ -83,9 +85,10 @@ def compile_chunks(chunks: list[nn.Module], *, micro_batch_size: int, seq_length
     return seconds
 
 
-def _warm_up(chunk: nn.Module, micro_batch_size: int, seq_length: int, *, grad: bool) -> None:
+def _warm_up(chunk: nn.Module, micro_batch_size: int, seq_length: int, *, grad: bool, positions: bool,
+             documents: bool) -> None:
     """One forward (and backward when `grad`) of a dummy microbatch of `seq_length` tokens (the whole sequence),
-    shaped as the executor feeds the chunk."""
+    shaped as the executor feeds the chunk: two documents of half the sequence each when `documents`."""
     param = next(chunk.parameters())
     generator = torch.Generator().manual_seed(0)   # leaves the global RNG streams alone
     ids = torch.randint(0, chunk.config.vocab_size, (micro_batch_size, seq_length), generator=generator)
@@ -94,7 +97,10 @@ def _warm_up(chunk: nn.Module, micro_batch_size: int, seq_length: int, *, grad: 
         local_seq = seq_length // chunk.sequence_shard.cp_size // (chunk.tp_size if chunk.sequence_parallel else 1)
         hidden = torch.randn(local_seq, micro_batch_size, chunk.config.hidden_size, generator=generator)
         chunk.set_input_tensor(hidden.to(param.device, param.dtype).requires_grad_(grad))
-    out = chunk(input_ids=ids if chunk.pre_process else None, labels=ids if chunk.post_process else None)
+    index = torch.arange(seq_length, device=param.device).expand(micro_batch_size, -1)
+    extra = dict(position_ids=index % (seq_length // 2) if positions else None,
+                 document_ids=index // (seq_length // 2) if documents else None)
+    out = chunk(input_ids=ids if chunk.pre_process else None, labels=ids if chunk.post_process else None, **extra)
     if grad:
         out.float().sum().backward()
     chunk.set_input_tensor(None)

@@ -11,7 +11,8 @@ kv_channels, which may differ from hidden/heads. Attention is torch's scaled_dot
 (causal), restricted to its FlashAttention kernel on CUDA under --use-flash-attn. Under context parallelism
 (a CP group of more than one rank) each rank holds s/cp tokens in the load-balanced layout and the attention
 core is `context_parallel_attention` (ring or all-gather, core/context_parallel); RoPE then takes the local
-tokens' global positions.
+tokens' global positions. With packed documents (Megatron's --reset-attention-mask) every layer also gets the
+document ids of the whole sequence, (b, s), and the core attends within documents (core/document_attention.py).
 
 RMSNorm and RoPE have hand-written backwards (measured faster in eager mode on CPU: RMSNorm forward +
 backward 1.3 ms against F.rms_norm's 1.9 ms at (256, 4, 256) fp32, 1 thread). Under torch.compile
@@ -30,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from llamapipe.core.context_parallel import context_parallel_attention
+from llamapipe.core.document_attention import document_attention
 from llamapipe.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, add_bias, parallel_linear,
                                          set_tensor_model_parallel_attributes, tp_size_rank)
 
@@ -190,8 +192,8 @@ class Attention(nn.Module):
         self.core = spec.core_attention(config, cp_group=cp_group, cp_comm_type=cp_comm_type,
                                         grouped=self.groups != self.heads)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        # x: (s, b, h) or (s/tp, b, h) -> same
+    def forward(self, x: torch.Tensor, rope: Rope, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # x: (s, b, h) or (s/tp, b, h) -> same; document_ids: (b, s) of the whole sequence, or None
         projections = (self.q_proj, self.k_proj, self.v_proj)
         outputs = parallel_linear(x, [p.weight for p in projections], self.tp_group, self.q_proj.input_mode)
         q, k, v = (add_bias(y, p.bias) for y, p in zip(outputs, projections))  # (s, b, heads*d) ...
@@ -200,37 +202,41 @@ class Attention(nn.Module):
         k = k.view(s, b, self.groups, self.head_dim)
         v = v.view(s, b, self.groups, self.head_dim)
         if self.recompute_core:  # selective recompute (arXiv 2205.05198): keep only q, k, v (before their norms)
-            context = checkpoint(self._core, q, k, v, rope[0], rope[1], use_reentrant=False)
+            context = checkpoint(self._core, q, k, v, rope[0], rope[1], document_ids, use_reentrant=False)
         else:
-            context = self._core(q, k, v, *rope)
+            context = self._core(q, k, v, *rope, document_ids)
         return self.o_proj(context)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor) -> torch.Tensor:
+              sin: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         # q: (s, b, heads, d), k/v: (s, b, groups, d) -> (s, b, heads*d)
         s, b = q.shape[:2]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, (cos, sin)).permute(1, 2, 0, 3)  # (b, heads, s, d)
         k = apply_rotary(k, (cos, sin)).permute(1, 2, 0, 3)  # (b, groups, s, d)
-        out = self.core(q, k, v.permute(1, 2, 0, 3))         # (b, heads, s, d)
+        out = self.core(q, k, v.permute(1, 2, 0, 3), document_ids)   # (b, heads, s, d)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
 
 class CausalAttention(nn.Module):
     """The attention core under the causal mask: SDPA on one rank (its FlashAttention kernel on CUDA under
     --use-flash-attn), or over the whole sequence of the CP group (`context_parallel_attention`, ring or
-    all-gather) when this rank holds s/cp tokens of it."""
+    all-gather) when this rank holds s/cp tokens of it. Given document ids, the mask is causal within each
+    document (block-causal): `document_attention` on one rank, the same blocks restricted under CP."""
 
     def __init__(self, config: LlamaConfig, *, cp_group: Optional[Any], cp_comm_type: str, grouped: bool) -> None:
         super().__init__()
         self.cp_group, self.cp_comm_type, self.grouped = cp_group, cp_comm_type, grouped
         self.use_flash_attn = config.use_flash_attn
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: (b, heads, s, d), k/v: (b, groups, s, d) -> (b, heads, s, d)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # q: (b, heads, s, d), k/v: (b, groups, s, d) -> (b, heads, s, d); document_ids: (b, s * cp) or None
         if self.cp_group is not None:   # s is this rank's s/cp tokens: attend over the whole sequence
-            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type)
+            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, document_ids=document_ids)
+        if document_ids is not None:
+            return document_attention(q, k, v, document_ids)
         # --use-flash-attn: fail loudly rather than let SDPA fall back to a slower kernel
         kernel = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if self.use_flash_attn and q.is_cuda else nullcontext()
         with kernel:
@@ -271,7 +277,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = spec.norm(config.hidden_size, config.norm_epsilon, **kw)
         self.mlp = spec.mlp(config, tp_group, **kw)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x: (s, b, h) or (s/tp, b, h) -> same
-        x = x + self.attention(self.input_norm(x), rope)
+        x = x + self.attention(self.input_norm(x), rope, document_ids)
         return x + self.mlp(self.post_attention_norm(x))

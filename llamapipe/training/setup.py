@@ -84,7 +84,8 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
     if config.training.compile:
         from llamapipe.model.compile import compile_chunks
         compile_chunks(chunks, micro_batch_size=config.training.micro_batch_size,
-                       seq_length=config.training.seq_length, eval_too=config.training.eval_iters > 0)
+                       seq_length=config.training.seq_length, eval_too=config.training.eval_iters > 0,
+                       positions=config.data.reset_position_ids, documents=config.data.reset_attention_mask)
     return chunks, roles
 
 
@@ -127,12 +128,16 @@ def build_iterators(config: Config, model_cfg: LlamaConfig, ps: ParallelState, r
 
     The datasets and samplers are built once per rank, even when two local chunks read data (the first and
     the last stage under the V placement); those chunks get copies of one iterator that yield the same
-    microbatches in the same order.
+    microbatches in the same order. With packed documents (--reset-attention-mask, --reset-position-ids) every
+    chunk reads the microbatches, since every layer needs the documents' boundaries (a chunk that neither
+    embeds nor computes the loss takes only their position and document ids).
     """
     from llamapipe.data.sampler import build_data_iterators
     needs = [pre or post for pre, post in roles]
     if config.parallel.vocab_parallel and ps.pp_size > 1:
         needs.append(True)          # every rank's embedding shard reads the microbatches (executor's prepass)
+    if config.data.packed_documents:
+        needs = [True] * len(needs)   # every chunk's attention needs the documents' boundaries
     train, valid, _ = build_data_iterators(config.data, config.training, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
                                            vocab_size=model_cfg.vocab_size, consumed_samples=consumed_samples,
                                            needs_data=any(needs))
@@ -157,8 +162,10 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[tor
 
     The loop divides the global sum by the global token count: Megatron's --calculate-per-token-loss.
     Megatron's default instead averages each microbatch's own token mean; the two differ only when
-    microbatches hold different numbers of loss tokens, and every sample here has a loss mask of ones
-    (seq_length tokens), so both settings of the flag train the same model.
+    microbatches hold different numbers of loss tokens. Every sample has a loss mask of ones (seq_length
+    tokens), so both settings of the flag train the same model, except under --eod-mask-loss: there the
+    microbatches lose as many tokens as they hold end-of-document tokens, and the loss here is still the mean
+    over the global batch's loss tokens (docs/data.md).
     """
     mask = loss_mask.to(output_tensor.device, torch.float32)
     loss_sum = (output_tensor.float() * mask).sum()
@@ -167,15 +174,18 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[tor
 
 
 def forward_step(data_iterator, model: torch.nn.Module):
-    """Megatron's forward_step_func: read a microbatch when this chunk embeds or computes the loss, and give the
-    chunk its whole sequences. Under context parallelism the chunk keeps its CP rank's tokens of them and
-    returns their losses, so the loss mask is cut the same way (`model.sequence_shard`)."""
+    """Megatron's forward_step_func: read a microbatch when this chunk has a data iterator (`build_iterators`
+    gives one to the chunks that embed or compute the loss, and to every chunk with packed documents), and give
+    the chunk its whole sequences, with the position and document ids of packed documents when the microbatch
+    has them. Under context parallelism the chunk keeps its CP rank's tokens of them and returns their losses,
+    so the loss mask is cut the same way (`model.sequence_shard`)."""
     pre, post = model.pre_process, model.post_process
-    batch = next(data_iterator) if data_iterator is not None and (pre or post) else None
+    batch = next(data_iterator) if data_iterator is not None else None
     device = next(model.parameters()).device
     tokens = batch["tokens"].to(device) if pre else None
     labels = batch["labels"].to(device) if post else None
-    output = model(input_ids=tokens, labels=labels)
+    documents = {key: batch[key].to(device) for key in ("position_ids", "document_ids") if batch and key in batch}
+    output = model(input_ids=tokens, labels=labels, **documents)
     if not post:
         return output, None
     loss_mask = model.sequence_shard(batch["loss_mask"])

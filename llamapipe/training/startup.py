@@ -83,10 +83,21 @@ def _validation(config: Config) -> str:
             "0 turns it off)")
 
 
+def _documents(config: Config) -> list[str]:
+    """The packed-document line, when any of Megatron's three flags is on (docs/data.md, "Packed documents")."""
+    data = config.data
+    if not data.packed_documents:
+        return []
+    parts = [what for on, what in ((data.reset_attention_mask, "attention within each document"),
+                                   (data.reset_position_ids, "positions restart at each document"),
+                                   (data.eod_mask_loss, "no loss on end-of-document tokens")) if on]
+    return [f"packed documents: {', '.join(parts)} (end-of-document id {data.eod_id})"]
+
+
 def startup_lines(config: Config) -> list[str]:
     """The block, one 'run: ...' line per concern."""
     return ["run: " + part for part in (_layout(config), _schedule(config), _data_parallel(config),
-                                        _numerics(config), _validation(config))]
+                                        _numerics(config), _validation(config), *_documents(config))]
 
 
 def log_startup(config: Config) -> None:

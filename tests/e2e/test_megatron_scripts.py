@@ -2,7 +2,9 @@
 
 The flags are copied from NVIDIA/Megatron-LM examples/llama/ (commit 0c0185b, 2025-07-31, the scripts the
 README's LLaMA 3 8B H200 runs use): train_llama3_8b_h200_bf16.sh with its mock-data branch, and
-train_llama_1gpu_bf16_slimpajama.sh with real data (a BPE tokenizer.json and a corpus made here). Only sizes,
+train_llama_1gpu_bf16_slimpajama.sh with real data (a BPE tokenizer.json and a corpus made here), also with the
+training arguments by which Megatron's examples/post_training/modelopt/finetune.sh packs documents
+(MLM_TRAIN_ARGS: --reset-position-ids --reset-attention-mask --eod-mask-loss and its neighbours). Only sizes,
 lengths, intervals and paths are scaled; every other flag is the script's. Each run must end (exit 0) with
 finite losses, and print one notice line per flag that has no effect here, once (rank 0 only).
 """
@@ -13,6 +15,7 @@ import os
 
 import pytest
 
+from llamapipe.data.tokenizers.huggingface_tokenizer import HuggingFaceTokenizer
 from llamapipe.tools import make_sample_corpus, preprocess_data, train_tokenizer
 from llamapipe.training.arguments.megatron_compat import NOTICES
 from tests.cli import read_metrics, torchrun
@@ -141,6 +144,28 @@ def bpe_corpus(tmp_path_factory):
     assert preprocess_data.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-model", tok,
                                  "--workers", "1", "--append-eod", "--no-progress"]) == 0
     return prefix + "_text_document", tok
+
+
+# examples/post_training/modelopt/finetune.sh's MLM_TRAIN_ARGS (NVIDIA/Megatron-LM at d98e8a6), BACKEND=auto (cp 1)
+PACKED_DOCUMENTS = ["--no-gradient-accumulation-fusion", "--reset-position-ids", "--reset-attention-mask",
+                    "--eod-mask-loss", "--micro-batch-size", "1", "--attention-dropout", "0.0", "--hidden-dropout",
+                    "0.0", "--no-check-for-nan-in-loss-and-grad", "--attention-backend", "auto"]
+
+
+def test_slimpajama_script_with_megatrons_packed_document_flags_runs_to_the_end(tmp_path, bpe_corpus):
+    """The three flags on real packed data, next to the flags Megatron's finetune.sh passes with them: the
+    documents' boundaries come from the tokenizer's end-of-document id, which the run block names."""
+    data, tokenizer = bpe_corpus
+    args = slimpajama_bf16(str(tmp_path / "ckpt"), str(tmp_path / "tb"), data, tokenizer) + PACKED_DOCUMENTS
+    rows, output = _run(1, args, tmp_path)
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["lm_loss"]) for r in rows)
+    _check_notices(args, output)
+    eod = HuggingFaceTokenizer(tokenizer).eod
+    lines = [line for line in output.splitlines() if "run: packed documents:" in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        "run: packed documents: attention within each document, positions restart at each document, no loss on "
+        f"end-of-document tokens (end-of-document id {eod})"), lines
 
 
 def test_llama_1gpu_bf16_slimpajama_script_runs_to_the_end(tmp_path, bpe_corpus):

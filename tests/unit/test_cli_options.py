@@ -38,6 +38,7 @@ FLAGS = """
 --test-data-path --log-throughput --log-params-norm --log-num-zeros-in-grad --wandb-project --wandb-exp-name
 --wandb-save-dir --use-checkpoint-args --recompute-activations --use-flash-attn
 --pipeline-schedule-file --pipeline-profile --allow-tokenizer-change
+--reset-position-ids --reset-attention-mask --eod-mask-loss
 """.split()
 COMPAT = [entry.flag for entry in NOTICES + REFUSED] + list(FORK_FLAGS)   # the zero-bubble fork's, pinned there
 

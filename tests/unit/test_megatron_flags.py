@@ -59,6 +59,7 @@ MEGATRON_DEFAULTS = {
     "--min-loss-scale": 1.0, "--loss-scale-window": 1000, "--hysteresis": 2,
     "--data-path": None, "--train-data-path": None, "--valid-data-path": None, "--test-data-path": None,
     "--tokenizer-model": None, "--tokenizer-type": None, "--mock-data": False, "--data-cache-path": None,
+    "--reset-position-ids": False, "--reset-attention-mask": False, "--eod-mask-loss": False,
     "--num-workers": 2, "--save": None, "--save-interval": None, "--load": None, "--use-checkpoint-args": False,
     "--finetune": False, "--override-opt_param-scheduler": False, "--use-checkpoint-opt_param-scheduler": False,
     "--async-save": False, "--log-interval": 100, "--profile-step-start": 10, "--profile-step-end": 12, "--timing-log-level": 0, "--timing-log-option": "minmax", "--log-throughput": False, "--log-params-norm": False,

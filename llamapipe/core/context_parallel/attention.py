@@ -16,6 +16,11 @@ queries, with exact gradients for q, k and v.
   attends the keys up to its own end. The backward gathers K/V again (so only local tensors are saved) and
   reduce-scatters their gradients to the owners. Transient memory is O(s) for K/V.
 
+Packed documents (Megatron's --reset-attention-mask, core/document_attention.py): given the document ids of the
+whole sequence, each block is further restricted to (query, key) pairs of one document, read from the two
+chunks' global positions; a block in which no pair shares a document is skipped, in the forward and the
+backward, so short documents leave most of the ring's blocks uncomputed.
+
 Ulysses (`a2a`) is not built. torch's own `context_parallel` API does not run here: see
 docs/context_parallel.md for why.
 """
@@ -30,12 +35,14 @@ import torch.nn.functional as F
 
 from llamapipe.core.config import ConfigError
 from llamapipe.core.context_parallel.kernels import attend, attend_backward
-from llamapipe.core.context_parallel.sharding import chunk_ids, shard_sequence, unshard_sequence
+from llamapipe.core.context_parallel.sharding import chunk_ids, local_positions, shard_sequence, unshard_sequence
+from llamapipe.core.document_attention import document_attention, same_document
 from llamapipe.core.tensor_parallel.graph_breaks import eager
 from llamapipe.core.tensor_parallel.mappings import reduce_scatter
 
 COMM_TYPES = ("p2p", "allgather")
 Block = tuple[int, int, int, int, bool]   # query chunks [q0, q1), key chunks [k0, k1), causal diagonal?
+Docs = Optional[tuple[torch.Tensor, torch.Tensor]]   # document ids (b, s_q) of the local queries, (b, s_k) of the keys
 
 
 def attention_blocks(q_chunks: Sequence[int], k_chunks: Sequence[int]) -> list[Block]:
@@ -63,27 +70,43 @@ def attention_blocks(q_chunks: Sequence[int], k_chunks: Sequence[int]) -> list[B
     return blocks
 
 
+def _allowed(docs: Docs, rows: slice, cols: slice, causal: bool) -> tuple[bool, Optional[torch.Tensor]]:
+    """(whether the block has any pair to attend, its document mask or None without documents)."""
+    if docs is None:
+        return True, None
+    allowed = same_document(docs[0][:, rows], docs[1][:, cols], causal)
+    return bool(allowed.any()), allowed
+
+
 def _forward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block], chunk: int,
-                    scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+                    scale: float, out: torch.Tensor, lse: torch.Tensor, docs: Docs) -> None:
     """Attend q's rows to k/v per block; merge into the running fp32 `out` and `lse` by log-sum-exp."""
     for q0, q1, k0, k1, causal in blocks:
         rows, cols = slice(q0 * chunk, q1 * chunk), slice(k0 * chunk, k1 * chunk)
-        block_out, block_lse = attend(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale)
+        any_pair, allowed = _allowed(docs, rows, cols, causal)
+        if not any_pair:
+            continue
+        block_out, block_lse = attend(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale, allowed)
         old_out, old_lse = out[:, :, rows], lse[:, :, rows]
         new_lse = torch.logaddexp(old_lse, block_lse)
-        old_out.mul_((old_lse - new_lse).exp_().unsqueeze(-1))
-        old_out.add_(block_out.float() * (block_lse - new_lse).exp_().unsqueeze(-1))
+        # a row that has attended no key yet (documents) keeps lse -inf: weigh by 0, not by exp(-inf + inf)
+        finite = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
+        old_out.mul_((old_lse - finite).exp_().unsqueeze(-1))
+        old_out.add_(block_out.float() * (block_lse - finite).exp_().unsqueeze(-1))
         old_lse.copy_(new_lse)
 
 
 def _backward_blocks(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor, blocks: list[Block], chunk: int, scale: float, dq: torch.Tensor,
-                     dkv: torch.Tensor) -> None:
+                     dkv: torch.Tensor, docs: Docs) -> None:
     """Add each block's gradients into the fp32 `dq` (like q) and `dkv` (2, like k): global out and lse."""
     for q0, q1, k0, k1, causal in blocks:
         rows, cols = slice(q0 * chunk, q1 * chunk), slice(k0 * chunk, k1 * chunk)
+        any_pair, allowed = _allowed(docs, rows, cols, causal)
+        if not any_pair:
+            continue
         dq_b, dk_b, dv_b = attend_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
-                                           out[:, :, rows], lse[:, :, rows], causal, scale)
+                                           out[:, :, rows], lse[:, :, rows], causal, scale, allowed)
         dq[:, :, rows] += dq_b
         dkv[0][:, :, cols] += dk_b
         dkv[1][:, :, cols] += dv_b
@@ -120,11 +143,12 @@ def _wait(works: list) -> None:
 
 
 def _save(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-          group: Any, scale: float) -> torch.Tensor:
-    """End of either forward: keep only the local q, k, v, the output and its log-sum-exp (O(s / cp))."""
+          group: Any, scale: float, documents: Optional[torch.Tensor]) -> torch.Tensor:
+    """End of either forward: keep only the local q, k, v, the output and its log-sum-exp (O(s / cp)), and the
+    document ids (b, s) when there are any."""
     out = out.to(q.dtype)
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.group, ctx.scale = group, scale
+    ctx.group, ctx.scale, ctx.documents = group, scale, documents
     return out
 
 
@@ -136,11 +160,22 @@ def _restore(ctx) -> tuple:
     return q, k, v, out, lse, group, ctx.scale, dist.get_world_size(group), dist.get_rank(group), dq
 
 
+def _docs(documents: Optional[torch.Tensor], cp_size: int, q_rank: int, k_rank: Optional[int]) -> Docs:
+    """The document ids of CP rank q_rank's queries and of CP rank k_rank's keys (None: the whole sequence)."""
+    if documents is None:
+        return None
+    s = documents.shape[1]
+    mine = documents[:, local_positions(s, cp_size, q_rank).to(documents.device)]
+    keys = documents if k_rank is None else documents[:, local_positions(s, cp_size, k_rank).to(documents.device)]
+    return mine, keys
+
+
 class _RingAttention(torch.autograd.Function):
     """p2p: K/V around the ring, forward and backward; dK/dV accumulators follow them home."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float,
+                documents: Optional[torch.Tensor]) -> torch.Tensor:
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         ring, chunk = _Ring(group), q.shape[2] // 2
         out, lse = _accumulators(q)
@@ -150,11 +185,11 @@ class _RingAttention(torch.autograd.Function):
                 kv_next, works = ring.start(kv, tag=0)
             src = (cp_rank - step) % cp_size
             blocks = attention_blocks(chunk_ids(cp_size, cp_rank), chunk_ids(cp_size, src))
-            _forward_blocks(q, kv[0], kv[1], blocks, chunk, scale, out, lse)
+            _forward_blocks(q, kv[0], kv[1], blocks, chunk, scale, out, lse, _docs(documents, cp_size, cp_rank, src))
             if step + 1 < cp_size:
                 _wait(works)
                 kv = kv_next
-        return _save(ctx, q, k, v, out, lse, group, scale)
+        return _save(ctx, q, k, v, out, lse, group, scale, documents)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
@@ -167,7 +202,8 @@ class _RingAttention(torch.autograd.Function):
             src = (cp_rank - step) % cp_size
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # grads of src's K/V
             blocks = attention_blocks(chunk_ids(cp_size, cp_rank), chunk_ids(cp_size, src))
-            _backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, chunk, scale, dq, dkv)
+            _backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, chunk, scale, dq, dkv,
+                             _docs(ctx.documents, cp_size, cp_rank, src))
             if step > 0:    # what the ranks before me added to src's K/V gradients
                 _wait(dkv_works)
                 dkv += dkv_in
@@ -178,7 +214,7 @@ class _RingAttention(torch.autograd.Function):
                 _wait(kv_works)
                 kv = kv_next
         _wait(dkv_works)
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
 
 
 def _gather_kv(kv: torch.Tensor, group: Any) -> torch.Tensor:
@@ -192,13 +228,15 @@ class _AllGatherAttention(torch.autograd.Function):
     """allgather: every rank gathers K/V and attends its two query chunks to the keys before them."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float,
+                documents: Optional[torch.Tensor]) -> torch.Tensor:
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         kv = _gather_kv(torch.stack([k, v]), group)  # (2, b, groups, s, d)
         out, lse = _accumulators(q)
         blocks = attention_blocks(chunk_ids(cp_size, cp_rank), range(2 * cp_size))
-        _forward_blocks(q, kv[0], kv[1], blocks, q.shape[2] // 2, scale, out, lse)
-        return _save(ctx, q, k, v, out, lse, group, scale)
+        _forward_blocks(q, kv[0], kv[1], blocks, q.shape[2] // 2, scale, out, lse,
+                        _docs(documents, cp_size, cp_rank, None))
+        return _save(ctx, q, k, v, out, lse, group, scale, documents)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
@@ -206,27 +244,32 @@ class _AllGatherAttention(torch.autograd.Function):
         kv = _gather_kv(torch.stack([k, v]), group)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         blocks = attention_blocks(chunk_ids(cp_size, cp_rank), range(2 * cp_size))
-        _backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, q.shape[2] // 2, scale, dq, dkv)
+        _backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, q.shape[2] // 2, scale, dq, dkv,
+                         _docs(ctx.documents, cp_size, cp_rank, None))
         per_rank = torch.cat([shard_sequence(dkv, 3, cp_size, r) for r in range(cp_size)])  # (cp * 2, ...)
         mine = reduce_scatter(per_rank, group)   # (2, b, groups, s_local, d): my K/V's, summed over ranks
-        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None
 
 
 @eager   # under --compile: collectives on gloo do not trace
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Optional[Any],
-                               comm_type: str = "p2p", *, scale: Optional[float] = None) -> torch.Tensor:
-    """Causal attention of the local queries over the global sequence split across `cp_group`.
+                               comm_type: str = "p2p", *, scale: Optional[float] = None,
+                               document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of the local queries over the global sequence split across `cp_group`, within the
+    documents of `document_ids` (b, s) of the whole sequence when given.
 
     q: (b, heads, s_local, d), k/v: (b, groups, s_local, d) in the load-balanced layout (sharding.py) ->
-    (b, heads, s_local, d). A group of one (or None) is plain causal SDPA."""
+    (b, heads, s_local, d). A group of one (or None) is plain causal SDPA (document_attention with documents)."""
     if comm_type not in COMM_TYPES:
         raise ConfigError(f"cp_comm_type {comm_type} is not supported (Ulysses all-to-all is not built); "
                           f"use one of {', '.join(COMM_TYPES)}", "cp_comm_type")
     assert q.shape[1] % k.shape[1] == 0, f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} groups"
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if cp_group is None or dist.get_world_size(cp_group) == 1:
+        if document_ids is not None:
+            return document_attention(q, k, v, document_ids, scale=scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     assert q.shape[2] % 2 == 0, f"{q.shape[2]} local tokens do not form the two chunks of the balanced layout"
     function = _RingAttention if comm_type == "p2p" else _AllGatherAttention
-    return function.apply(q, k, v, cp_group, scale)
+    return function.apply(q, k, v, cp_group, scale, document_ids)

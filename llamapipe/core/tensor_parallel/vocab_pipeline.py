@@ -94,7 +94,10 @@ class EmbeddingPrepass(nn.Module):
     def parameters(self, recurse: bool = True):
         return self._shard[0].parameters(recurse)
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The partial embedding of `input_ids`; a packed sample's position and document ids concern the layers."""
         return self._shard[0](input_ids)
 
 

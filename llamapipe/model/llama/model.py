@@ -171,12 +171,16 @@ class LlamaModel(nn.Module):
                                                       or index_in_chunk < c.recompute_num_layers)
 
     def forward(self, input_ids: Optional[torch.LongTensor] = None, labels: Optional[torch.LongTensor] = None,
-                position_ids: Optional[torch.LongTensor] = None) -> torch.Tensor:
+                position_ids: Optional[torch.LongTensor] = None,
+                document_ids: Optional[torch.LongTensor] = None) -> torch.Tensor:
         """Hidden states (s, b, h) for the next stage, or logits (b, s, vocab), or per-token losses (b, s), from
-        `input_ids`, `labels` and `position_ids` (None: 0..s-1) of the whole sequence, (b, s).
+        `input_ids`, `labels` and `position_ids` (None: 0..s-1) of the whole sequence, (b, s). `document_ids`
+        (b, s), the document of each token of a packed sample, restricts attention to each document
+        (Megatron's --reset-attention-mask; None: causal over the sample).
 
-        Under context parallelism the chunk keeps this rank's s/cp tokens of each (`sequence_shard`) and the
-        outputs hold those tokens only: s is s/cp above."""
+        Under context parallelism the chunk keeps this rank's s/cp tokens of each (`sequence_shard`; the document
+        ids stay whole, since keys come from every CP rank) and the outputs hold those tokens only: s is s/cp
+        above."""
         shard = self.sequence_shard
         input_ids, labels, position_ids = shard(input_ids), shard(labels), shard(position_ids)
         if self.pre_process:
@@ -192,9 +196,9 @@ class LlamaModel(nn.Module):
         rope = self.rotary(seq_len, position_ids, hidden.dtype)
         for i, layer in enumerate(self.layers.values()):
             if self._recompute_layer(i) and torch.is_grad_enabled():
-                hidden = checkpoint(layer, hidden, rope, use_reentrant=False)
+                hidden = checkpoint(layer, hidden, rope, document_ids, use_reentrant=False)
             else:
-                hidden = layer(hidden, rope)
+                hidden = layer(hidden, rope, document_ids)
         if not self.post_process:
             return hidden
         if self.vocab_parallel:

@@ -8,12 +8,14 @@ missing trailing weights are 0 ("99,1" is "99,1,0").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
-from typing import Sequence
+from typing import Optional, Sequence
 
 from llamapipe.core.config import ArgumentError, DataConfig
+from llamapipe.data.tokenizers.base import Tokenizer
 
 DEFAULT_SPLIT = "969,30,1"      # Megatron's legacy default when --data-path comes without --split
 _PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path")
@@ -98,5 +100,27 @@ def data_config(args: argparse.Namespace) -> DataConfig:
     return DataConfig(data_path=tuple(args.data_path or ()), split=split, tokenizer_model=args.tokenizer_model,
                       tokenizer_type=args.tokenizer_type, mock_data=args.mock_data,
                       data_cache_path=args.data_cache_path, num_workers=args.num_workers,
-                      vocab_size=args.vocab_size,
+                      vocab_size=args.vocab_size, reset_position_ids=args.reset_position_ids,
+                      reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
                       **{name: tuple(getattr(args, name) or ()) for name in _PER_SPLIT})
+
+
+def with_end_of_document(data: DataConfig, tokenizer: Optional[Tokenizer], *, post_validation: bool) -> DataConfig:
+    """`data` with the tokenizer's end-of-document id when --reset-position-ids, --reset-attention-mask or
+    --eod-mask-loss reads it (Megatron takes it from the tokenizer too)."""
+    if not data.packed_documents:
+        return data
+    if data.eod_mask_loss and post_validation:
+        raise ArgumentError("--eod-mask-loss cannot be used with --enable-optimizer-post-validation: post-validation "
+                            "divides the gradients by the global batch's token count before the step ends, which "
+                            "needs every loss-mask entry to be 1")
+    flags = [f"--{n.replace('_', '-')}" for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+             if getattr(data, n)]
+    if tokenizer is None:
+        verb = "needs" if len(flags) == 1 else "need"
+        raise ArgumentError(f"{' and '.join(flags)} {verb} the end-of-document token id of a tokenizer: give "
+                            "--tokenizer-model, or --tokenizer-type NullTokenizer with --vocab-size")
+    try:
+        return dataclasses.replace(data, eod_id=tokenizer.eod)
+    except ValueError as err:
+        raise ArgumentError(f"{' and '.join(flags)}: {err}") from None

@@ -27,6 +27,14 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-cache-path", default=None,
                    help="directory of the dataset index caches; None: a cache/ folder next to the data")
     g.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes per rank")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="positions restart at 0 after each end-of-document token of a packed sample")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="a token attends only to the tokens of its own document in a packed sample (block-causal "
+                        "mask; the document ends at its end-of-document token)")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss where the input token is the end-of-document token (its label is the next "
+                        "document's first token)")
 
 
 def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:

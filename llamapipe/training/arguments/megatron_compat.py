@@ -65,8 +65,11 @@ NOTICES: tuple[CompatFlag, ...] = (
     CompatFlag("--tensorboard-queue-size", "events are written as they come", int),
     CompatFlag("--tensorboard-log-interval", "TensorBoard is written every --log-interval", int),
     CompatFlag("--wandb-entity", "it is not passed to wandb; set WANDB_ENTITY instead", str),
-    CompatFlag("--no-create-attention-mask-in-dataloader", "no attention mask is ever built (causal SDPA)"),
+    CompatFlag("--no-create-attention-mask-in-dataloader", "no (s, s) attention mask is ever built: attention is "
+               "causal, and causal within documents under --reset-attention-mask, from per-token document ids"),
     CompatFlag("--no-mmap-bin-files", ".bin files are always memory-mapped"),
+    CompatFlag("--no-check-for-nan-in-loss-and-grad", "a step whose gradients are not finite stops the run, as "
+               "Megatron's check does, unless --skip-nonfinite-steps skips it"),
     CompatFlag("--num-dataset-builder-threads", "rank 0 builds the dataset indices in one thread", int),
     CompatFlag("--max-seqlen-per-dp-cp-rank", "sequences are not packed (dynamic context parallelism); each "
                "rank holds --seq-length / --context-parallel-size tokens of every sequence", int),

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from llamapipe.core.config import ArgumentError, ParallelConfig
+from llamapipe.data.tokenizers.base import Tokenizer
 from llamapipe.model import families
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.families import PRESETS
@@ -131,16 +132,23 @@ def _family(args: argparse.Namespace) -> families.ModelFamily:
     return family
 
 
-def run_vocab_size(args: argparse.Namespace, model: LlamaConfig, notices: list[str]) -> LlamaConfig:
+def run_tokenizer(args: argparse.Namespace) -> Optional[Tokenizer]:
+    """The run's tokenizer (None without --tokenizer-model or NullTokenizer); built after data_config checked its
+    flags."""
+    from llamapipe.data.tokenizer import build_tokenizer   # sentencepiece/tokenizers: imported only here
+    if args.tokenizer_model is None and args.tokenizer_type != "NullTokenizer":
+        return None
+    try:
+        return build_tokenizer(args.tokenizer_model, args.tokenizer_type, vocab_size=args.vocab_size)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+
+
+def run_vocab_size(args: argparse.Namespace, model: LlamaConfig, notices: list[str],
+                   tokenizer: Optional[Tokenizer]) -> LlamaConfig:
     """`model` with the run's vocabulary (`data.tokenizer.model_vocab_size`, the one rule), which the model pads,
-    the checkpoint records and export writes. Needs the tokenizer, so it runs after data_config checked it."""
-    from llamapipe.data.tokenizer import build_tokenizer, model_vocab_size   # sentencepiece/tokenizers: only here
-    tokenizer = None
-    if args.tokenizer_model is not None or args.tokenizer_type == "NullTokenizer":
-        try:
-            tokenizer = build_tokenizer(args.tokenizer_model, args.tokenizer_type, vocab_size=args.vocab_size)
-        except ValueError as err:
-            raise ArgumentError(str(err)) from None
+    the checkpoint records and export writes; `tokenizer` is `run_tokenizer`'s."""
+    from llamapipe.data.tokenizer import model_vocab_size
     try:
         vocab = model_vocab_size(tokenizer, args.vocab_size, model.vocab_size)
     except ValueError as err:

@@ -20,14 +20,15 @@ from llamapipe.training.flag_parser import FlagParser
 from llamapipe.core.logger import get_logger
 from llamapipe.training.arguments.auto_layout import device_of, resolve_auto_layout
 from llamapipe.training.arguments.checkpoint_args import with_checkpoint_args
-from llamapipe.training.arguments.data_args import data_config
+from llamapipe.training.arguments.data_args import data_config, with_end_of_document
 from llamapipe.training.arguments.flags_data import add_checkpoint_flags, add_data_flags, add_logging_flags
 from llamapipe.training.arguments.flags_model import add_model_flags, add_parallel_flags
 from llamapipe.training.arguments.flags_training import add_optimizer_flags, add_training_flags
 from llamapipe.training.arguments.megatron_compat import add_compat_flags, check_compat
 from llamapipe.training.arguments.memory import check_fits_memory, machine_memory_bytes
 from llamapipe.training.arguments.noop import noop_notices
-from llamapipe.training.arguments.model_args import check_model, model_config, run_seq_length, run_vocab_size
+from llamapipe.training.arguments.model_args import (check_model, model_config, run_seq_length, run_tokenizer,
+                                                      run_vocab_size)
 from llamapipe.training.arguments.pipeline import check_schedule
 from llamapipe.training.arguments.training_args import optimizer_config, training_config
 from llamapipe.training.arguments.validation import (check_positive, check_trace, checkpoint_config, logging_config,
@@ -98,7 +99,9 @@ def _build_config(args: argparse.Namespace, world_size: int, check_memory: bool)
     training = training_config(args, parallel, seq_length)
     check_schedule(args, parallel, training.num_microbatches, model.num_layers)
     data = data_config(args)
-    model = run_vocab_size(args, model, notices)
+    tokenizer = run_tokenizer(args)
+    model = run_vocab_size(args, model, notices, tokenizer)
+    data = with_end_of_document(data, tokenizer, post_validation=training.post_validation)
     training = _without_evaluation_if_no_validation_data(args, training, data, notices)
     notices += noop_notices(args, parallel)
     check_trace(args, world_size, notices)
