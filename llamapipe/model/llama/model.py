@@ -57,6 +57,9 @@ def _check_config(config: LlamaConfig, tp_size: int, layer_range: tuple[int, int
     start, end = layer_range
     if not 0 <= start <= end <= c.num_layers:
         raise ValueError(f"layer_range {layer_range} is not inside the model's {c.num_layers} layers")
+    if c.use_rope_scaling and not (c.rope_scaling_factor > 0 and c.rope_high_freq_factor > c.rope_low_freq_factor > 0):
+        raise ValueError(f"RoPE scaling needs a positive factor (got {c.rope_scaling_factor}) and 0 < low_freq_factor "
+                         f"({c.rope_low_freq_factor}) < high_freq_factor ({c.rope_high_freq_factor})")
     if c.recompute_granularity not in (None, "full", "selective"):
         raise ValueError(f"recompute_granularity {c.recompute_granularity!r} must be None, 'full' or 'selective'")
 
@@ -109,7 +112,8 @@ class LlamaModel(nn.Module):
         padded_vocab = config.padded_vocab_size(tp_size)
         if pre_process:
             self.embedding = VocabParallelEmbedding(padded_vocab, config.hidden_size, self.tp_group, **kw)
-        self.rotary = self.spec.positions(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
+        self.rotary = self.spec.positions(config.rotary_dim, config.max_position_embeddings, config.rope_theta,
+                                          scaling=config.rope_scaling)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, self.spec, self.tp_group, cp_group=cp_group,
                                                           cp_comm_type=cp_comm_type, **kw)
                                      for i in range(*layer_range)})

@@ -42,7 +42,11 @@ _MODEL_FIELDS = {"family": "--model (or --add-qkv-bias)", "num_layers": "--num-l
                  "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
                  "vocab_size": "--vocab-size (or --tokenizer-model)",
                  "tie_word_embeddings": "--tie-embeddings-and-output-weights", "rope_theta": "--rotary-base",
-                 "norm_epsilon": "--norm-epsilon", "kv_channels": "--kv-channels", "rotary_percent": "--rotary-percent"}
+                 "norm_epsilon": "--norm-epsilon", "kv_channels": "--kv-channels", "rotary_percent": "--rotary-percent",
+                 "use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "--rope-scaling-factor",
+                 "rope_low_freq_factor": "--model (a preset with this RoPE scaling)",
+                 "rope_high_freq_factor": "--model (a preset with this RoPE scaling)",
+                 "rope_original_max_position_embeddings": "--model (a preset with this RoPE scaling)"}
 
 
 @dataclasses.dataclass(frozen=True)
