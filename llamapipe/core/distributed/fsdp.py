@@ -44,7 +44,7 @@ from llamapipe.core.distributed import fsdp_internals
 from llamapipe.core.tensor_parallel.layers import TP_PARTIAL_GRADS, all_reduce_coalesced, tp_size_rank
 
 _TP_ATTRS = ("tensor_model_parallel", "partition_dim", "vocab_padded", "sequence_parallel", "per_head", "shared",
-             "vocab_shard", "vocab_shards")
+             "vocab_shard", "vocab_shards", "tied_embedding", "tied_to")
 
 
 def is_sharded(chunks: list[nn.Module]) -> bool:

@@ -117,7 +117,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate output-layer weights (LLaMA's; also llamapipe's default)")
     g.add_argument("--tie-embeddings-and-output-weights", action="store_true",
-                   help="share the embedding with the output layer (pipeline size 1 only)")
+                   help="share the embedding with the output layer (across pipeline stages: two copies whose "
+                        "gradients are summed, as Megatron keeps them)")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                    help="activation recompute: whole layers, or only the attention core")
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,

@@ -199,9 +199,6 @@ def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig, s
     _check_recompute(args, m)
     if m.use_rope_scaling and m.rope_scaling_factor <= 0:
         raise ArgumentError(f"--rope-scaling-factor {m.rope_scaling_factor:g} must be positive")
-    if m.tie_word_embeddings and par.pp_size > 1:
-        raise ArgumentError("--tie-embeddings-and-output-weights is supported only with "
-                            f"--pipeline-model-parallel-size 1 (got {par.pp_size})")
 
 
 def _check_context_parallel_length(par: ParallelConfig, seq_length: int) -> None:
