@@ -163,3 +163,26 @@ def test_use_checkpoint_args_takes_the_rope_scaling(tmp_path):
     assert taken.rope_scaling == saved.rope_scaling
     with pytest.raises(ValueError, match="set --use-rope-scaling True"):
         _check_model_config(dataclasses.asdict(saved), saved.replace(use_rope_scaling=False), "ckpt")
+
+
+def test_convert_hf_import_at_tp2_pp2_and_export_give_the_directory_back(tmp_path):
+    """A Llama-3.2-shaped HF directory (tied, scaled RoPE) through `convert-hf import` at tp 2 x pp 2 and `export`:
+    the exported weights equal the original tensors bit for bit (one embedding tensor, no lm_head), config.json
+    keeps the rope_scaling dict and tie_word_embeddings true, and transformers' logits of it equal the original's."""
+    import json
+    from safetensors.torch import load_file
+    from llamapipe.tools.convert_hf import export_hf, import_hf
+    hf = _hf(True, 32.0)
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), 2, 2, None)
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert "lm_head.weight" not in exported
+    original = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    assert set(exported) == set(original) and all(torch.equal(exported[k], v) for k, v in original.items())
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True and config["rope_scaling"]["factor"] == 32.0
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    ids = torch.randint(0, VOCAB, (1, 3 * ORIGINAL), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, rtol=0, atol=1e-5)
