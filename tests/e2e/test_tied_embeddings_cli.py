@@ -3,9 +3,11 @@
 --overlap-grad-reduce, post-validation and vocabulary parallelism, the per-iteration losses over 6 iterations equal
 the single-process tied run's (rel 1e-5), and the save at the end finds the first stage's embedding equal to the
 last stage's output weight bit for bit (the save compares them, `checkpointing/tie_check.py`, and stops when they
-differ; under vocabulary parallelism each rank's two shards are one parameter, two copies only under ZeRO-3). A run saved at iteration 3 resumes bit for bit in its layout and, in another layout (ZB-V with ZeRO-1:
-both copies on one rank), reproduces the single-process losses, the copies again equal at its save. Without the
-gradient sum the losses leave the single-process ones by 4e-5 relative at iteration 3 and 1e-3 by iteration 6."""
+differ; under vocabulary parallelism each rank's two shards are one parameter, two copies only under ZeRO-3).
+A run saved at iteration 3 resumes bit for bit in its layout and, in two others (ZB-V with ZeRO-1: both copies on
+one rank; vocabulary parallelism under ZeRO-3), reproduces the single-process losses, the copies again equal at the
+save. Without the gradient sum the losses leave the single-process ones by 4e-5 relative at iteration 3 and 1e-3
+by iteration 6."""
 import math
 import shutil
 
@@ -32,12 +34,11 @@ CASES = {
     "pp2-1f1b-cp2": (4, PP2 + schedule("1f1b") + ["--context-parallel-size", "2"]),
     "pp4-1f1b": (4, PP4 + schedule("1f1b")),
     "pp2-interleaved-tp2-sp": (4, PP2 + schedule("interleaved", *V2) + TP2_SP),
-    "pp2-zb-h1-dp2-zero1-postval": (4, PP2 + schedule("zb-h1") + ["--use-distributed-optimizer"] + POSTVAL),
-    "pp2-zb-h2-dp2-zero2": (4, PP2 + schedule("zb-h2", *PROFILED) + ["--data-parallel-sharding-strategy",
-                                                                    "optim_grads"]),
+    "pp2-zb-h1-dp2-zero2": (4, PP2 + schedule("zb-h1") + ["--data-parallel-sharding-strategy", "optim_grads"]),
+    "pp2-zb-h2": (2, PP2 + schedule("zb-h2", *PROFILED)),
     "pp2-zbv-dp2-zero3": (4, PP2 + schedule("zbv", *V2) + ["--use-torch-fsdp2"]),
     "pp4-zbv": (4, PP4 + schedule("zbv", *V2)),
-    "pp2-v-half": (2, PP2 + schedule("v-half", *V2)),
+    "pp2-v-half-dp2-zero1-postval": (4, PP2 + schedule("v-half", *V2) + ["--use-distributed-optimizer"] + POSTVAL),
     "pp2-v-min-dp2-overlap": (4, PP2 + schedule("v-min", *V2) + ["--overlap-grad-reduce", "--ddp-bucket-size", "1000"]),
     "pp2-dualpipev-tp2-sp": (4, PP2 + schedule("dualpipev", *V2) + TP2_SP),
     "pp2-auto-postval": (2, PP2 + schedule("auto", *V2, *PROFILED) + POSTVAL),
@@ -87,7 +88,8 @@ def test_tied_embeddings_train_like_one_process(reference, tmp_path, name):
 def test_resume_in_the_same_and_in_another_layout(reference, tmp_path):
     """pp 2 1F1B saved at 3 and 6: from the iteration-3 checkpoint alone, the same layout repeats iterations 4-6
     bit for bit; ZB-V at pp 2 x dp 2 with ZeRO-1 (both copies on one rank, the copy's optimizer state loaded
-    from the embedding's) gives the single-process losses. Every save finds the copies equal."""
+    from the embedding's) and vocabulary parallelism at pp 2 x dp 2 under ZeRO-3 (each rank's two shard copies
+    loaded from the embedding's rows) give the single-process losses. Every save finds the copies equal."""
     full, output = run(2, PP2 + schedule("1f1b") + ["--save-interval", "3"], tmp_path, "full")
     assert f"iteration 3: {EQUAL}" in output and f"iteration 6: {EQUAL}" in output
     only3 = tmp_path / "only3"
@@ -95,7 +97,9 @@ def test_resume_in_the_same_and_in_another_layout(reference, tmp_path):
     shutil.copytree(tmp_path / "full-ckpt" / "iter_0000003", only3 / "iter_0000003")
     (only3 / "latest_checkpointed_iteration.txt").write_text("3\n")
     for name, nproc, flags in (("same", 2, PP2 + schedule("1f1b")),
-                               ("zbv-dp2-zero1", 4, PP2 + schedule("zbv", *V2) + ["--use-distributed-optimizer"])):
+                               ("zbv-dp2-zero1", 4, PP2 + schedule("zbv", *V2) + ["--use-distributed-optimizer"]),
+                               ("vocab-1f1b-dp2-zero3", 4, PP2 + schedule("1f1b") + ["--enable-vocab-parallel",
+                                                                                     "--use-torch-fsdp2"])):
         records, output = run(nproc, flags + ["--load", str(only3)], tmp_path, name)
         assert [r["iteration"] for r in records] == [4, 5, 6], name
         assert f"iteration 6: {EQUAL}" in output, name
