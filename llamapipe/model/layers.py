@@ -6,7 +6,8 @@ Activations are sequence-first, (s, b, h) as in Megatron-LM, or (s/tp, b, h) wit
 Linear layers are the tensor-parallel ones from core/tensor_parallel; q/k/v (and gate/up) stay separate
 parameters but share one call so they pay one input gather. RoPE uses HF's rotate_half convention, so HF
 checkpoints load without permuting q/k; with Megatron's --rotary-percent < 1 it rotates only the first
-rotary_dim dims of each head (as Megatron and HF's partial_rotary_factor do). The head dim is Megatron's
+rotary_dim dims of each head (as Megatron and HF's partial_rotary_factor do), and with --use-rope-scaling its
+frequencies are Llama 3.1's scaled ones. The head dim is Megatron's
 kv_channels, which may differ from hidden/heads. Attention is torch's scaled_dot_product_attention
 (causal), restricted to its FlashAttention kernel on CUDA under --use-flash-attn. Under context parallelism
 (a CP group of more than one rank) each rank holds s/cp tokens in the load-balanced layout and the attention
@@ -21,6 +22,7 @@ their neighbours and differentiates itself.
 """
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -36,7 +38,7 @@ from llamapipe.core.tensor_parallel.layers import (ColumnParallelLinear, RowPara
                                          set_tensor_model_parallel_attributes, tp_size_rank)
 
 if TYPE_CHECKING:
-    from llamapipe.model.llama.config import LlamaConfig
+    from llamapipe.model.llama.config import LlamaConfig, RopeScaling
     from llamapipe.model.spec import ModelSpec
 
 try:  # NVIDIA apex, when installed, provides a fused CUDA RMSNorm
@@ -90,11 +92,15 @@ class _RMSNormFunction(torch.autograd.Function):
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_position_embeddings, computed once in fp32, over the
-    rotary_dim rotated dims of a head (the frequencies depend on rotary_dim, not the head dim: Megatron)."""
+    rotary_dim rotated dims of a head (the frequencies depend on rotary_dim, not the head dim: Megatron), with
+    Llama 3.1's frequency scaling when `scaling` is given (`scaled_inv_freq`)."""
 
-    def __init__(self, rotary_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float,
+                 scaling: Optional[RopeScaling] = None) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        if scaling is not None:
+            inv_freq = scaled_inv_freq(inv_freq, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)  # (p, d/2)
         table = torch.cat([freqs, freqs], dim=-1)  # (p, d)
         self.register_buffer("cos", table.cos(), persistent=False)
@@ -110,6 +116,21 @@ class RotaryEmbedding(nn.Module):
             # layout position_ids came in (an expanded (b, s) or a contiguous one), as a compiled layer expects
             cos, sin = self.cos[ids].unsqueeze(2), self.sin[ids].unsqueeze(2)  # (s, b, 1, d)
         return cos.to(dtype), sin.to(dtype)
+
+
+def scaled_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's scaled RoPE frequencies (Meta's apply_scaling; HF's rope_type "llama3", Megatron-LM's
+    --use-rope-scaling), the same operations as HF's `_compute_llama3_parameters`: a wavelength longer than
+    original / low_freq_factor is slowed by `factor` (positions beyond the original context interpolate), one
+    shorter than original / high_freq_factor stays (local order is kept), and between them the frequency
+    interpolates linearly in original / wavelength."""
+    original = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > original / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * slowed / s.factor + smooth * slowed
+    medium = ~(wavelen < original / s.high_freq_factor) * ~(wavelen > original / s.low_freq_factor)
+    return torch.where(medium, smoothed, slowed)
 
 
 def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:

@@ -34,7 +34,8 @@ class ModelSpec:
                                                # q_layernorm / k_layernorm)
     core_attention: type[nn.Module] = CausalAttention   # the mask: causal over the sequence (and the CP group)
     mlp: type[nn.Module] = MLP                 # the feed-forward block: (config, tp_group, *, sequence_parallel, ...)
-    positions: type[nn.Module] = RotaryEmbedding   # the tables every layer gets: (rotary_dim, max_positions, theta)
+    positions: type[nn.Module] = RotaryEmbedding   # the tables every layer gets: (rotary_dim, max_positions,
+                                                   # theta, *, scaling: the config's rope_scaling or None)
 
 
 @dataclass(frozen=True)

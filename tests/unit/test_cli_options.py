@@ -39,6 +39,7 @@ FLAGS = """
 --wandb-save-dir --use-checkpoint-args --recompute-activations --use-flash-attn
 --pipeline-schedule-file --pipeline-profile --allow-tokenizer-change
 --reset-position-ids --reset-attention-mask --eod-mask-loss
+--use-rope-scaling --rope-scaling-factor
 """.split()
 COMPAT = [entry.flag for entry in NOTICES + REFUSED] + list(FORK_FLAGS)   # the zero-bubble fork's, pinned there
 

@@ -43,7 +43,7 @@ MEGATRON_DEFAULTS = {
     "--use-torch-fsdp2": False, "--optimizer-cpu-offload": False,
     "--num-layers": None, "--hidden-size": None, "--ffn-hidden-size": None, "--num-attention-heads": None,
     "--kv-channels": None, "--group-query-attention": False, "--max-position-embeddings": None,
-    "--rotary-percent": 1.0, "--vocab-size": None, "--untie-embeddings-and-output-weights": False,
+    "--rotary-percent": 1.0, "--use-rope-scaling": False, "--vocab-size": None, "--untie-embeddings-and-output-weights": False,
     "--swiglu": False, "--use-rotary-position-embeddings": False, "--recompute-granularity": None,
     "--recompute-method": None, "--recompute-num-layers": None, "--recompute-activations": False,
     "--use-flash-attn": False, "--add-qkv-bias": False,
@@ -71,6 +71,7 @@ MEGATRON_DEFAULTS = {
 MEGATRON_EFFECTIVE = {
     "--num-query-groups": (1, lambda c: cfg(BASE + ["--group-query-attention"]).model.num_query_groups),
     "--rotary-base": (10000, lambda c: c.model.rope_theta),
+    "--rope-scaling-factor": (8.0, lambda c: cfg(BASE + ["--use-rope-scaling"]).model.rope_scaling_factor),
     "--norm-epsilon": (1e-5, lambda c: c.model.norm_epsilon),
     "--make-vocab-size-divisible-by": (128, lambda c: c.model.make_vocab_size_divisible_by),
     "--init-method-std": (0.02, lambda c: c.model.init_method_std),

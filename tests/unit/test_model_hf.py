@@ -105,10 +105,11 @@ def test_to_hf_round_trip(tie):
     assert rebuilt.config.rope_parameters["rope_theta"] == 50000.0
 
 
-def test_from_hf_rejects_rope_scaling():
+def test_from_hf_rejects_unknown_rope_scaling():
+    """Llama 3.1's "llama3" type is converted (tests/unit/test_model_llama3.py); others are refused."""
     hf = _hf_model()
     cfg = hf.config.to_dict()
-    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}
     with pytest.raises(ValueError, match="rope type"):
         from_hf(hf.state_dict(), cfg)
 

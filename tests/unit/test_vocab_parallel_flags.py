@@ -1,10 +1,9 @@
-"""--enable-vocab-parallel in the flags: on at pp > 1, a one-line notice and off at pp 1, refused in one sentence
-where it cannot work (tied embeddings need the embedding and the output layer in one chunk), accepted with
+"""--enable-vocab-parallel in the flags: on at pp > 1, a one-line notice and off at pp 1, accepted with tied embeddings,
 ZeRO-2/3 (the vocabulary shards are FSDP units of their own) and --overlap-grad-reduce at dp > 1 (the
 embedding's late gradient has a bucket of its own, reduced at the step's end)."""
 import pytest
 
-from llamapipe.training.arguments.parser import ArgumentError, build_parser, config_from_args
+from llamapipe.training.arguments.parser import build_parser, config_from_args
 
 
 def cfg(argv, world=1):
@@ -24,12 +23,11 @@ def test_pp1_is_a_notice_and_turns_off(llamapipe_log):
         "the whole output layer (turned off)"]
 
 
-def test_tied_embeddings_refused_in_one_sentence():
-    with pytest.raises(ArgumentError) as info:
-        cfg(["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--tie-embeddings-and-output-weights"],
+def test_tied_embeddings_accepted():
+    """Tied, a rank's output-layer and embedding shards are one parameter (tests/e2e/test_tied_embeddings_cli.py)."""
+    c = cfg(["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--tie-embeddings-and-output-weights"],
             world=4)
-    assert "--tie-embeddings-and-output-weights is supported only with" in str(info.value)
-    assert "\n" not in str(info.value)
+    assert c.parallel.vocab_parallel and c.model.tie_word_embeddings
 
 
 @pytest.mark.parametrize("argv,strategy", [

@@ -19,7 +19,8 @@ chunk's forward. Each is an FSDP unit of its own: its forward hooks gather its w
 pre-pass, the pre-backward hooks on S's logits and on the pre-pass's output gather it again for T and for the
 embedding's backward, and its gradient is reduce-scattered with the chunk's (the same `reduce_scatter_grads`).
 So they stay sharded like every other weight (the largest ones under a big vocabulary), and the optimizer,
-gradient norm and checkpoints see ordinary FSDP parameters. The chunk's FSDP state is initialised at wrap time
+gradient norm and checkpoints see ordinary FSDP parameters. Tied, the two shards (one parameter without FSDP)
+become two copies kept equal (`_split_shared_weights`). The chunk's FSDP state is initialised at wrap time
 (`fsdp_internals.init_root`), because these units may run before the chunk's first forward (the pre-pass
 does), and FSDP makes the first module whose forward runs the root. Every use of torch's private FSDP2 and
 DTensor API goes through `fsdp_internals`.
@@ -41,10 +42,11 @@ from torch.distributed.tensor import DTensor
 
 from llamapipe.core.config import FSDP_STRATEGIES, SHARDING_STRATEGIES as STRATEGIES, ConfigError
 from llamapipe.core.distributed import fsdp_internals
+from llamapipe.core.distributed.tied_embeddings import mark_tied
 from llamapipe.core.tensor_parallel.layers import TP_PARTIAL_GRADS, all_reduce_coalesced, tp_size_rank
 
 _TP_ATTRS = ("tensor_model_parallel", "partition_dim", "vocab_padded", "sequence_parallel", "per_head", "shared",
-             "vocab_shard", "vocab_shards")
+             "vocab_shard", "vocab_shards", "tied_embedding", "tied_to")
 
 
 def is_sharded(chunks: list[nn.Module]) -> bool:
@@ -83,6 +85,7 @@ def apply_data_parallel_sharding(chunks: list[nn.Module], strategy: str, ps: Any
     mesh = DeviceMesh.from_group(ps.dp_cp_group, device.type)
     reshard = strategy == "optim_grads_params"
     for chunk in chunks:
+        _split_shared_weights(chunk)
         attrs = {name: {a: getattr(p, a) for a in _TP_ATTRS if hasattr(p, a)} for name, p in chunk.named_parameters()}
         half = any(p.dtype in (torch.float16, torch.bfloat16) for p in chunk.parameters())
         # half-precision grads accumulate over microbatches and are reduce-scattered in fp32 (Megatron's main_grad)
@@ -109,6 +112,22 @@ def outside_modules(chunk: nn.Module) -> list[nn.Module]:
     """The chunk's submodules that the runtime calls outside the chunk's forward (the vocabulary-parallel output
     layer and embedding shards): FSDP units of their own."""
     return [m for m in chunk.children() if getattr(m, "runs_outside_chunk", False)]
+
+
+def _split_shared_weights(chunk: nn.Module) -> None:
+    """A weight that two outside units share (the tied vocabulary-parallel shard, the embedding's and the output
+    layer's) becomes two copies kept equal, as across pipeline stages (`tied_embeddings`): FSDP2 gathers a parameter
+    in the hooks of the one unit that holds it, and these two units run apart."""
+    units = outside_modules(chunk)
+    for unit in units[1:]:
+        if any(unit.weight is other.weight for other in units if other is not unit):
+            shared = unit.weight
+            unit.weight = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+            for attr in _TP_ATTRS:
+                if hasattr(shared, attr):
+                    setattr(unit.weight, attr, getattr(shared, attr))
+            mark_tied(shared, copy=False)
+            mark_tied(unit.weight, copy=True)
 
 
 def _full_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

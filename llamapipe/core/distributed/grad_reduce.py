@@ -3,7 +3,8 @@
 Order: (1) sum over TP the grads of replicated params that TP ranks hold parts of (sequence-parallel and
 per-head norms); (2) count the step's loss tokens (known on the last pipeline stage) and sum that count over
 DP; (3) sum every grad over DP in flat buckets (one all-reduce per bucket, optionally all launched before any
-is awaited) and divide by the token count.
+is awaited) and divide by the token count; (4) sum the two copies of a tied embedding that the first and the
+last stage hold (core/distributed/tied_embeddings.py).
 The runtime back-propagates per-microbatch loss SUMS, so after this each grad is exactly the gradient of
 the single-rank token-averaged loss. Half-precision grads are reduced in fp32. Bucketing only groups
 elements; each element's sum is the same for any bucket size.
@@ -15,7 +16,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from llamapipe.core.distributed.fsdp import is_sharded, reduce_scatter_grads
+from llamapipe.core.distributed.fsdp import is_sharded, local_tensor, reduce_scatter_grads
+from llamapipe.core.distributed.tied_embeddings import tied_params
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.tensor_parallel.layers import allreduce_sequence_parallel_grads, grad_dtype
 
@@ -162,7 +164,23 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module], parallel_state: Pa
     elif total is not None or group_size(ps.dp_cp_group) > 1:  # dp=1 still divides in fp32, like dp>1
         all_reduce_bucketed([p.grad for p in params], ps.dp_cp_group, bucket_size, divisor=total,
                             async_op=overlap_grad_reduce)
+    sum_tied_grads(model_chunks, ps)
     return total
+
+
+def sum_tied_grads(model_chunks: list[torch.nn.Module], ps: ParallelState) -> None:
+    """Give both copies of a tied embedding the sum of their (DP-reduced) gradients (`tied_embeddings`, Megatron's
+    _allreduce_embedding_grads): collective over the embedding group on the ranks that hold one copy, a local sum
+    on a rank that holds both (the V placements), nothing elsewhere. Under ZeRO-2/3 on this rank's shards."""
+    grads = [local_tensor(p.grad) for p in tied_params(model_chunks)]
+    assert all(g is not None for g in grads), "a tied embedding copy has no gradient at the step's end"
+    if len(grads) == 2:
+        total = grads[0] + grads[1]
+        for g in grads:
+            g.copy_(total)
+    elif grads:
+        assert len(grads) == 1, f"{len(grads)} tied embedding copies on one rank"
+        all_reduce_over(grads[0], [ps.embedding_group])
 
 
 def _finalize_sharded(model_chunks: list[torch.nn.Module], ps: ParallelState, num_tokens: Optional[torch.Tensor],
@@ -174,4 +192,21 @@ def _finalize_sharded(model_chunks: list[torch.nn.Module], ps: ParallelState, nu
     if grad_sync is not None:
         grad_sync.end_step()
     reduce_scatter_grads(model_chunks, ps, total)
+    sum_tied_grads(model_chunks, ps)
     return total
+
+
+@torch.no_grad()
+def tied_copies_equal(model_chunks: list[torch.nn.Module], ps: ParallelState) -> Optional[bool]:
+    """Whether the two copies of a tied embedding are equal bit for bit, the same answer on every rank (None where
+    no rank holds copies: untied, one stage, vocabulary parallelism). Compared locally on a rank holding both,
+    after an all-gather over the embedding group otherwise; collective over the world."""
+    copies = [local_tensor(p).detach().contiguous() for p in tied_params(model_chunks)]
+    if len(copies) == 1:
+        both = [torch.empty_like(copies[0]) for _ in range(2)]
+        dist.all_gather(both, copies[0], group=ps.embedding_group)
+        copies = both
+    flags = torch.tensor([float(bool(copies)), float(bool(copies) and not torch.equal(*copies))])
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return None if flags[0].item() == 0 else flags[1].item() == 0

@@ -1,13 +1,28 @@
 """LLaMA model configuration (every family's base config) and named presets (nanoGPT/gpt-fast `from_name`).
 
 A preset fixes the architecture; explicit shape flags on the command line override single fields
-(llamapipe.training.arguments.model_args builds the config from the flags).
+(llamapipe.training.arguments.model_args builds the config from the flags). The Llama 3.1/3.2/3.3 presets
+carry Llama 3.1's RoPE frequency scaling (`use_rope_scaling`; HF's rope_type "llama3", Megatron-LM's
+--use-rope-scaling / --rope-scaling-factor) with the shapes of Meta's published checkpoints (their
+config.json files; the parameter counts are tests/unit/test_model_llama3.py's).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (Meta's apply_scaling; HF rope_type "llama3"): the frequencies whose
+    wavelength exceeds original_max_position_embeddings / low_freq_factor are divided by `factor`, those below
+    original / high_freq_factor stay, and the ones between are interpolated smoothly
+    (`model/layers.py` `scaled_inv_freq`)."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -30,6 +45,11 @@ class LlamaConfig:
     rotary_percent: float = 1.0        # RoPE rotates the first rotary_percent of each head's dims
     use_flash_attn: bool = False       # CUDA: SDPA restricted to its FlashAttention kernel
     family: str = "llama"              # the model family (model/families.py); a family's config subclass sets it
+    use_rope_scaling: bool = False     # Llama 3.1's RoPE frequency scaling (HF rope_type "llama3"), `rope_scaling`
+    rope_scaling_factor: float = 8.0   # its factor (Megatron's default; Llama 3.2 1B/3B use 32)
+    rope_low_freq_factor: float = 1.0  # wavelengths beyond original / low_freq_factor are divided by the factor
+    rope_high_freq_factor: float = 4.0   # wavelengths below original / high_freq_factor stay; between: interpolated
+    rope_original_max_position_embeddings: int = 8192   # the context the unscaled model was trained on
 
     @property
     def head_dim(self) -> int:
@@ -39,6 +59,14 @@ class LlamaConfig:
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (Megatron: int(kv_channels * rotary_percent)); the rest pass."""
         return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def rope_scaling(self) -> Optional["RopeScaling"]:
+        """The RoPE frequency scaling the positions part applies, or None (plain RoPE)."""
+        if not self.use_rope_scaling:
+            return None
+        return RopeScaling(self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                           self.rope_original_max_position_embeddings)
 
     def padded_vocab_size(self, tp_size: int = 1) -> int:
         """Megatron's vocabulary padding: round up to a multiple of divisible_by x tp."""
@@ -60,6 +88,9 @@ class LlamaConfig:
         return cls(**PRESETS[name])
 
 
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072, num_query_groups=8,
+               use_rope_scaling=True, rope_scaling_factor=8.0)   # Llama 3.1 onwards: 128K context, scaled RoPE
+
 PRESETS: dict[str, dict] = {
     "tiny": dict(num_layers=8, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4,
                  num_query_groups=2, vocab_size=1024, max_position_embeddings=256),
@@ -72,4 +103,13 @@ PRESETS: dict[str, dict] = {
     "llama3-8b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
                       num_query_groups=8, vocab_size=128256, max_position_embeddings=8192,
                       rope_theta=500000.0),
+    "llama3.1-8b": dict(_LLAMA3, num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32),
+    "llama3.1-70b": dict(_LLAMA3, num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64),
+    "llama3.1-405b": dict(_LLAMA3, num_layers=126, hidden_size=16384, ffn_hidden_size=53248,
+                          num_attention_heads=128),
+    "llama3.2-1b": dict(_LLAMA3, num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
+                        rope_scaling_factor=32.0, tie_word_embeddings=True),
+    "llama3.2-3b": dict(_LLAMA3, num_layers=28, hidden_size=3072, ffn_hidden_size=8192, num_attention_heads=24,
+                        rope_scaling_factor=32.0, tie_word_embeddings=True),
+    "llama3.3-70b": dict(_LLAMA3, num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64),
 }

@@ -39,13 +39,34 @@ def _name_map(num_layers: int, tied: bool, layer_names: dict[str, str]) -> dict[
     return names
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise ValueError(f"HF rope type {rope_type!r} is not supported; only the default LLaMA RoPE is")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+_LLAMA3_KEYS = {"factor": ("rope_scaling_factor", float), "low_freq_factor": ("rope_low_freq_factor", float),
+                "high_freq_factor": ("rope_high_freq_factor", float),
+                "original_max_position_embeddings": ("rope_original_max_position_embeddings", int)}  # HF: ours
+
+
+def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """RoPE theta and Llama 3.1's scaling from an HF config: transformers >= 5's `rope_parameters` or a
+    config.json's `rope_scaling` beside `rope_theta`; rope types other than the default and "llama3" are refused."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return dict(rope_theta=theta)
+    if rope_type != "llama3":
+        raise ValueError(f"HF rope type {rope_type!r} is not supported; only the default RoPE and Llama 3.1's "
+                         "'llama3' scaling are")
+    missing = [key for key in _LLAMA3_KEYS if key not in params]
+    if missing:
+        raise ValueError(f"HF rope type 'llama3' needs {', '.join(missing)} in its RoPE parameters")
+    return dict(rope_theta=theta, use_rope_scaling=True,
+                **{ours: kind(params[key]) for key, (ours, kind) in _LLAMA3_KEYS.items()})
+
+
+def rope_scaling_dict(config: LlamaConfig) -> Optional[dict[str, Any]]:
+    """config.json's `rope_scaling` (None: plain RoPE), the form Meta's Llama 3.1 checkpoints ship."""
+    if not config.use_rope_scaling:
+        return None
+    return {"rope_type": "llama3", **{key: getattr(config, ours) for key, (ours, _) in _LLAMA3_KEYS.items()}}
 
 
 def hf_config_fields(hf: dict[str, Any], make_vocab_size_divisible_by: int = 128) -> dict[str, Any]:
@@ -58,7 +79,7 @@ def hf_config_fields(hf: dict[str, Any], make_vocab_size_divisible_by: int = 128
                 num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
                 ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
                 num_query_groups=hf.get("num_key_value_heads") or heads, vocab_size=hf["vocab_size"],
-                max_position_embeddings=hf["max_position_embeddings"], rope_theta=_rope_theta(hf),
+                max_position_embeddings=hf["max_position_embeddings"], **_rope_fields(hf),
                 norm_epsilon=hf.get("rms_norm_eps", 1e-6),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 make_vocab_size_divisible_by=make_vocab_size_divisible_by,
@@ -83,7 +104,7 @@ def hf_config_dict(config: LlamaConfig, architecture: str, model_type: str,
             "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
             "num_key_value_heads": config.num_query_groups, "head_dim": config.head_dim,
             "vocab_size": config.vocab_size, "max_position_embeddings": config.max_position_embeddings,
-            "rope_theta": config.rope_theta, "rope_scaling": None, "rms_norm_eps": config.norm_epsilon,
+            "rope_theta": config.rope_theta, "rope_scaling": rope_scaling_dict(config), "rms_norm_eps": config.norm_epsilon,
             "tie_word_embeddings": config.tie_word_embeddings,
             "initializer_range": config.init_method_std, "torch_dtype": "float32", **(token_ids or {})}
 

@@ -11,10 +11,15 @@ keeps s/cp tokens of it in the causal load-balanced layout of core/context_paral
 `sequence_shard` cuts the input ids, the labels and the positions, so no caller cuts them first; its attention
 spans the CP group (`cp_comm_type` "p2p" or "allgather") and it returns those tokens' losses, which the
 caller's loss mask meets after the same cut (`chunk.sequence_shard(loss_mask)`).
+With tied embeddings (`tie_word_embeddings`) a chunk holding both ends uses the embedding as the output
+weight; when the ends are in two chunks (pipeline parallelism) the last stage's output weight is a copy of the
+embedding, initialised and stored under its name and kept equal by summing the two gradients
+(core/distributed/tied_embeddings.py).
 With `vocab_parallel` (arXiv 2411.05288) the last chunk ends at the final norm, the first starts from the
 embedding output it is given (`set_input_tensor`, like any later chunk: `pre_process` is False), and the
 output layer and the embedding are `PipelineVocabOutput` / `PipelineVocabEmbedding` shards held by local chunk 0
-of every pipeline rank (`vocab_shard=True`), which the executor runs (S/T actions, the embedding prepass).
+of every pipeline rank (`vocab_shard=True`), which the executor runs (S/T actions, the embedding prepass); tied,
+the two shards of a rank are one parameter.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llamapipe.core.context_parallel import COMM_TYPES, SequenceShard
+from llamapipe.core.distributed.tied_embeddings import logical_name, mark_tied
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.tensor_parallel import mappings
 from llamapipe.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -57,6 +63,9 @@ def _check_config(config: LlamaConfig, tp_size: int, layer_range: tuple[int, int
     start, end = layer_range
     if not 0 <= start <= end <= c.num_layers:
         raise ValueError(f"layer_range {layer_range} is not inside the model's {c.num_layers} layers")
+    if c.use_rope_scaling and not (c.rope_scaling_factor > 0 and c.rope_high_freq_factor > c.rope_low_freq_factor > 0):
+        raise ValueError(f"RoPE scaling needs a positive factor (got {c.rope_scaling_factor}) and 0 < low_freq_factor "
+                         f"({c.rope_low_freq_factor}) < high_freq_factor ({c.rope_high_freq_factor})")
     if c.recompute_granularity not in (None, "full", "selective"):
         raise ValueError(f"recompute_granularity {c.recompute_granularity!r} must be None, 'full' or 'selective'")
 
@@ -99,8 +108,6 @@ class LlamaModel(nn.Module):
             raise ValueError(f"--cp-comm-type {cp_comm_type} is not supported; use one of {', '.join(COMM_TYPES)}")
         layer_range = tuple(layer_range) if layer_range is not None else (0, config.num_layers)
         _check_config(config, tp_size, layer_range)
-        if config.tie_word_embeddings and (vocab_parallel or not (pre_process and post_process)):
-            raise ValueError("tie_word_embeddings needs the embedding and the output head in the same chunk")
         self.config, self.layer_range = config, layer_range
         pre_process = pre_process and not vocab_parallel     # the embedding runs before the step (prepass)
         self.pre_process, self.post_process, self.vocab_parallel = pre_process, post_process, vocab_parallel
@@ -109,15 +116,19 @@ class LlamaModel(nn.Module):
         padded_vocab = config.padded_vocab_size(tp_size)
         if pre_process:
             self.embedding = VocabParallelEmbedding(padded_vocab, config.hidden_size, self.tp_group, **kw)
-        self.rotary = self.spec.positions(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
+        self.rotary = self.spec.positions(config.rotary_dim, config.max_position_embeddings, config.rope_theta,
+                                          scaling=config.rope_scaling)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, self.spec, self.tp_group, cp_group=cp_group,
                                                           cp_comm_type=cp_comm_type, **kw)
                                      for i in range(*layer_range)})
+        tied = config.tie_word_embeddings
         if post_process:
             self.final_norm = self.spec.norm(config.hidden_size, config.norm_epsilon, **kw)
-            if not config.tie_word_embeddings and not vocab_parallel:
+            if not (tied and pre_process) and not vocab_parallel:
                 self.output = ColumnParallelLinear(config.hidden_size, padded_vocab, self.tp_group, **kw)
                 set_tensor_model_parallel_attributes(self.output.weight, 0, vocab_padded=True)
+        if tied and pre_process != post_process and not vocab_parallel:   # the two ends in two chunks: two copies
+            mark_tied(self.embedding.weight if pre_process else self.output.weight, copy=post_process)
         if vocab_shard:
             pp_rank, pp_size = parallel_state.pp_rank, parallel_state.pp_size
             padded_split = config.padded_vocab_size(tp_size * pp_size)
@@ -125,6 +136,8 @@ class LlamaModel(nn.Module):
                                                     pp_size, sequence_shard=self.sequence_shard, **kw)
             self.output = PipelineVocabOutput(padded_split, config.hidden_size, config.vocab_size, self.tp_group,
                                               pp_rank, pp_size, **kw)
+            if tied:     # the same rows of the same matrix: one parameter for both shards
+                self.output.weight = self.embedding.weight
         self.input_tensor: Optional[torch.Tensor] = None
         self.reset_parameters(seed)
 
@@ -138,7 +151,7 @@ class LlamaModel(nn.Module):
                 shape[param.partition_dim] *= size
             if getattr(param, "vocab_padded", False):
                 shape[0] = self.config.vocab_size  # padding rows start at zero in every layout
-            full = init_logical_tensor(name, shape, self.config, seed)
+            full = init_logical_tensor(logical_name(name, param), shape, self.config, seed)  # tied copy: as the embedding
             param.copy_(shard_logical_tensor(full, param, rank, size))
 
     def _shard_of(self, param: torch.Tensor) -> tuple[int, int]:
@@ -151,12 +164,12 @@ class LlamaModel(nn.Module):
     def load_logical_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load full logical tensors (e.g. from `from_hf`), keeping this rank's shard of each."""
         own = dict(self.named_parameters())
-        missing = sorted(set(own) - set(state_dict))
+        missing = sorted(name for name, param in own.items() if logical_name(name, param) not in state_dict)
         if strict and missing:
             raise ValueError(f"state dict lacks {len(missing)} parameters of this chunk, e.g. {missing[0]}")
         for name, param in own.items():
-            if name in state_dict:
-                param.copy_(shard_logical_tensor(state_dict[name], param, *self._shard_of(param)))
+            if logical_name(name, param) in state_dict:
+                param.copy_(shard_logical_tensor(state_dict[logical_name(name, param)], param, *self._shard_of(param)))
 
     def set_input_tensor(self, input_tensor: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> None:
         """Megatron protocol: the previous stage's output, (s, b, h) or (s/tp, b, h) with sequence parallel."""
@@ -206,7 +219,7 @@ class LlamaModel(nn.Module):
         return self._head(self.final_norm(hidden), labels)
 
     def _head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
-        weight = self.embedding.weight if self.config.tie_word_embeddings else self.output.weight
+        weight = self.embedding.weight if self.config.tie_word_embeddings and self.pre_process else self.output.weight
         mode = INPUT_GATHER if self.sequence_parallel else INPUT_COPY
         logits = parallel_linear(hidden, [weight], self.tp_group, mode)[0]  # (s, b, vocab/tp)
         if labels is None:

@@ -2,7 +2,7 @@
 
 As in Megatron, shape flags the user did not give are filled from the checkpoint (layers, hidden, MLP and
 head sizes, positions, sequence length, vocabulary), while the architecture switches are always taken
-from it (query groups and --group-query-attention, RoPE base and percent, tied embeddings). With no
+from it (query groups and --group-query-attention, RoPE base, percent and scaling, tied embeddings). With no
 checkpoint in --load yet, the command line stands (Megatron prints the same and goes on).
 """
 from __future__ import annotations
@@ -50,11 +50,14 @@ def with_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> argpar
     if args.seq_length is None:
         values["seq_length"] = ((meta.get("config") or {}).get("training") or {}).get("seq_length")
     values.update({flag: model.get(field) for field, flag in _FORCED.items()})
+    if model.get("use_rope_scaling"):     # Llama 3.1's RoPE scaling: switched on with the checkpoint's factor
+        values["rope_scaling_factor"] = model["rope_scaling_factor"]
     values = {flag: value for flag, value in values.items() if value is not None}
     taken = ", ".join(f"--{flag.replace('_', '-')} {value}" for flag, value in values.items())
     notices.append(f"--use-checkpoint-args: {taken} from {found[1]}")
     tie = bool(model.get("tie_word_embeddings"))
     return argparse.Namespace(**{**vars(args), **values, "tie_embeddings_and_output_weights": tie,
+                                 "use_rope_scaling": bool(model.get("use_rope_scaling")),
                                  "untie_embeddings_and_output_weights": not tie,
                                  "group_query_attention": model["num_query_groups"] != model["num_attention_heads"],
                                  "add_qkv_bias": (model.get("family") == qkv_bias_family().name

@@ -114,12 +114,19 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument(flag, type=typ, default=None, help=text)
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="fraction of each head's dims that RoPE rotates (the first ones); the rest pass unrotated")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1's RoPE frequency scaling (HF rope_type llama3: low and high frequency factors 1 "
+                        "and 4, original context 8192, as Megatron applies it); the llama3.x presets have it")
+    g.add_argument("--rope-scaling-factor", type=float, default=None,
+                   help="the factor of --use-rope-scaling; None: the preset's, else 8.0 (Llama 3.1's and Megatron's "
+                        "default; Llama 3.2 1B/3B use 32)")
     g.add_argument("--group-query-attention", action="store_true",
                    help="grouped-query attention with --num-query-groups key/value heads")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate output-layer weights (LLaMA's; also llamapipe's default)")
     g.add_argument("--tie-embeddings-and-output-weights", action="store_true",
-                   help="share the embedding with the output layer (pipeline size 1 only)")
+                   help="share the embedding with the output layer (across pipeline stages: two copies whose "
+                        "gradients are summed, as Megatron keeps them)")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                    help="activation recompute: whole layers, or only the attention core")
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,

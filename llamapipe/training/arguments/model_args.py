@@ -30,7 +30,7 @@ _OVERRIDES = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hid
               "max_position_embeddings": "max_position_embeddings", "rope_theta": "rotary_base",
               "norm_epsilon": "norm_epsilon", "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
               "init_method_std": "init_method_std", "kv_channels": "kv_channels",
-              "recompute_num_layers": "recompute_num_layers"}
+              "recompute_num_layers": "recompute_num_layers", "rope_scaling_factor": "rope_scaling_factor"}
 
 
 def _flags(names) -> str:
@@ -100,6 +100,12 @@ def model_config(args: argparse.Namespace, notices: list[str]) -> LlamaConfig:
     if fields.get("kv_channels") is not None and fields["kv_channels"] * fields["num_attention_heads"] == \
             fields["hidden_size"]:
         fields["kv_channels"] = None    # one spelling of the default head dim, so checkpoint configs compare
+    if args.use_rope_scaling:
+        fields["use_rope_scaling"] = True
+    if args.rope_scaling_factor is not None and not fields.get("use_rope_scaling"):
+        del fields["rope_scaling_factor"]   # the factor of a scaling that is off: the config keeps the default
+        notices.append(f"notice: --rope-scaling-factor {args.rope_scaling_factor:g} has no effect without "
+                       "--use-rope-scaling (as in Megatron-LM)")
     if args.untie_embeddings_and_output_weights:
         fields["tie_word_embeddings"] = False
     if args.tie_embeddings_and_output_weights:
@@ -199,9 +205,8 @@ def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig, s
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not supported: LLaMA "
                                 "pretraining here uses no dropout (accepted only as 0 for Megatron scripts)")
     _check_recompute(args, m)
-    if m.tie_word_embeddings and par.pp_size > 1:
-        raise ArgumentError("--tie-embeddings-and-output-weights is supported only with "
-                            f"--pipeline-model-parallel-size 1 (got {par.pp_size})")
+    if m.use_rope_scaling and m.rope_scaling_factor <= 0:
+        raise ArgumentError(f"--rope-scaling-factor {m.rope_scaling_factor:g} must be positive")
 
 
 def _check_context_parallel_length(par: ParallelConfig, seq_length: int) -> None:

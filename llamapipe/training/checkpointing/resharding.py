@@ -1,13 +1,15 @@
 """Tensor-parallel resharding of logical tensors, and which pipeline rank holds which logical name.
 
 A checkpoint stores every tensor under its layout-independent logical name (`embedding.weight`,
-`layers.<global index>.<...>`, `final_norm.weight`, `output.weight`). A TP shard is the contiguous slice
+`layers.<global index>.<...>`, `final_norm.weight`, `output.weight`; tied embeddings: `embedding.weight` alone,
+which the last stage's copy loads, core/distributed/tied_embeddings.py). A TP shard is the contiguous slice
 of the logical tensor along `partition_dim` in tp_rank order (-1: replicated). Vocabulary-padded
 tensors (embedding, output) are padded with zero rows to a tp-dependent size inside the model, so the
 merge trims them to the true vocabulary and the split re-pads for the target tp size.
 Under vocabulary parallelism (arXiv 2411.05288) the output layer is split over tp x pp (`vocab_shard` of
 `vocab_shards`, tp-major): a save gathers the pp shards of each TP rank into that rank's ordinary TP shard
 (`gather_vocab_shards`), so the files look the same with or without the split and load into either.
+A tied embedding's copy on the last stage is saved as the first stage's embedding, once (`named_tensors`).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from llamapipe.core.distributed.tied_embeddings import is_copy
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.core.pipeline_parallel.schedule_ir import rank_chunk_of
 
@@ -38,12 +41,18 @@ def spec_of(tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(int(getattr(tensor, "partition_dim")), bool(getattr(tensor, "vocab_padded", False)))
 
 
-def named_tensors(model_chunks: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
-    """Logical name -> parameter or persistent buffer, over all chunks of this rank (keep_vars)."""
+def named_tensors(model_chunks: Iterable[nn.Module], copies: bool = True) -> dict[str, torch.Tensor]:
+    """Name -> parameter or persistent buffer, over all chunks of this rank (keep_vars). A tensor under two names
+    (the tied vocabulary-parallel shard, also the output layer's) is listed once, under its first; `copies` False
+    leaves out the last stage's copy of a tied embedding, which a checkpoint holds once, as the embedding."""
     out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
     for chunk in model_chunks:
         for name, tensor in chunk.state_dict(keep_vars=True).items():
-            assert name not in out or out[name] is tensor, f"logical name {name} held by two chunks"
+            if id(tensor) in seen or (is_copy(tensor) and not copies):
+                continue
+            assert name not in out, f"logical name {name} held by two chunks"
+            seen.add(id(tensor))
             out[name] = tensor
     return out
 

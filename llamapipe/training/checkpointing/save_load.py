@@ -5,9 +5,9 @@ of each (tp_rank, pp_rank) (the replicas of its weights: CP ranks hold whole wei
 optimizer shards, every rank writes its RNG state, each verifies what it wrote and rank 0 commits atomically
 (writer.py, catalog.py), inline or in the background (--async-save; `finalize_async_save` waits). A load takes
 the newest checkpoint whose files all pass their checksums (selection.py). Loading reads logical tensors by
-name, so a checkpoint from any layout loads into any other; optimizer state reshards like the parameters. RNG
-state is restored only when the layout is unchanged (it is per rank; a layout recorded before an axis existed
-has that axis at size 1).
+name, so a checkpoint from any layout loads into any other; optimizer state reshards like the parameters (a tied
+embedding is stored once, the last stage's copy loads it). RNG state is restored only when the layout is
+unchanged (it is per rank; a layout recorded before an axis existed has that axis at size 1).
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ from llamapipe.core.logger import get_logger
 from llamapipe.core.parallel_state import AXES, ParallelState
 from llamapipe.training.checkpointing.resharding import (TensorSpec, gather_vocab_shards, named_tensors,
                                                           padded_rows_for, shard_of, spec_of, split_shard)
+from llamapipe.training.checkpointing.tie_check import check_tie
+from llamapipe.core.distributed.tied_embeddings import logical_name
 from llamapipe.core.tensor_parallel.random import get_rng_tracker
 from llamapipe.model.llama import LlamaConfig
 
@@ -43,7 +45,10 @@ _MODEL_FIELDS = {"family": "--model (or --add-qkv-bias)", "num_layers": "--num-l
                  "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
                  "vocab_size": "--vocab-size (or --tokenizer-model)",
                  "tie_word_embeddings": "--tie-embeddings-and-output-weights", "rope_theta": "--rotary-base",
-                 "norm_epsilon": "--norm-epsilon", "kv_channels": "--kv-channels", "rotary_percent": "--rotary-percent"}
+                 "norm_epsilon": "--norm-epsilon", "kv_channels": "--kv-channels", "rotary_percent": "--rotary-percent",
+                 "use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "--rope-scaling-factor",
+                 **dict.fromkeys(("rope_low_freq_factor", "rope_high_freq_factor",
+                                  "rope_original_max_position_embeddings"), "--model (a preset with this RoPE scaling)")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,7 @@ def save_checkpoint(save_dir: str, iteration: int, *, model_chunks: list[nn.Modu
     setup_error = _from_rank0(setup_error)
     if setup_error is not None:
         raise CheckpointSaveError(setup_error)
+    check_tie(model_chunks, ps, iteration)     # a tied embedding is saved once: its copies must be equal
     files = _rank_files(model_chunks, optimizer, ps, copy=async_save)    # collective under ZeRO-1
     has_optimizer = optimizer is not None
     fields = dict(iteration=iteration, consumed_samples=consumed_samples,
@@ -98,13 +104,15 @@ def save_checkpoint(save_dir: str, iteration: int, *, model_chunks: list[nn.Modu
 
 def _rank_files(model_chunks: list[nn.Module], optimizer: Any, ps: ParallelState, copy: bool) -> list[FileJob]:
     """This rank's files, each with the state it holds (copied, for a background writer, when `copy`)."""
-    params = named_tensors(model_chunks)
+    params = named_tensors(model_chunks, copies=False)    # a tied embedding once, as the embedding
     specs = {name: spec_of(t) for name, t in params.items()}
     # collective under ZeRO-1; only dp_rank 0 (the writer) keeps the gathered state
     optim_state = optimizer.state_dict(keep=ps.dp_cp_rank == 0) if optimizer is not None else None
     files = []
     tensors = dict(params)
-    optim_tensors, key_specs = ({}, {}) if optim_state is None or ps.dp_cp_rank else _optimizer_shard(optim_state, specs)
+    copies = set(named_tensors(model_chunks)) - set(params)      # a tied copy's state is the embedding's
+    optim_tensors, key_specs = ({}, {}) if optim_state is None or ps.dp_cp_rank else \
+        _optimizer_shard(optim_state, specs, copies)
     if ps.dp_cp_rank == 0 and any(hasattr(t, "vocab_shards") for t in params.values()):
         # collective over pp: the vocabulary-parallel output layer as ordinary TP shards, on pp rank 0
         tensors = gather_vocab_shards(tensors, params, ps.pp_rank, ps.pp_group)
@@ -147,11 +155,13 @@ def _cpu(obj: Any, copy: bool) -> Any:
     return obj
 
 
-def _optimizer_shard(optim_state: dict, specs: dict[str, TensorSpec]) -> tuple[dict, dict]:
-    """The per-parameter optimizer state as one shard's tensors; `Optimizer.state_dict` returns CPU copies
-    that the caller owns, so a background writer needs no second copy."""
+def _optimizer_shard(optim_state: dict, specs: dict[str, TensorSpec], skip: set[str]) -> tuple[dict, dict]:
+    """The per-parameter optimizer state but `skip`'s as one shard's tensors; `Optimizer.state_dict` returns CPU
+    copies that the caller owns, so a background writer needs no second copy."""
     tensors, key_specs = {}, {}
     for name, fields in optim_state["param_state"].items():
+        if name in skip:
+            continue
         assert name in specs, f"optimizer state for {name}, which no model chunk holds"
         for field, value in fields.items():
             assert torch.is_tensor(value), f"optimizer state {name}/{field} is not a tensor"
@@ -174,10 +184,11 @@ def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: 
     check_tokenizer(reader.meta.get("tokenizer"), config.data, path, config.checkpoint.allow_tokenizer_change)
     tensors = named_tensors(model_chunks)
     for name, target in tensors.items():
-        if not reader.has(name):
-            raise ValueError(f"checkpoint {path} has no tensor {name}, so it was saved from a different model")
+        key = logical_name(name, target)         # a tied copy loads the embedding
+        if not reader.has(key):
+            raise ValueError(f"checkpoint {path} has no tensor {key}, so it was saved from a different model")
         with torch.no_grad():
-            target.copy_(_local_shard(target, reader, name, "model", ps))
+            target.copy_(_local_shard(target, reader, key, "model", ps))
     if not (finetune or no_load_optim):
         if optimizer is not None:
             _load_optimizer(reader, optimizer, tensors, ps)
@@ -245,12 +256,13 @@ def _load_optimizer(reader: cio.CheckpointReader, optimizer: Any, tensors: dict[
     for name, target in tensors.items():
         if not isinstance(target, nn.Parameter) or not target.requires_grad or id(target) in done:
             continue
-        if name not in fields:
-            raise ValueError(f"checkpoint {reader.path} has no optimizer state for parameter {name}; {hint}")
+        key = logical_name(name, target)
+        if key not in fields:
+            raise ValueError(f"checkpoint {reader.path} has no optimizer state for parameter {key}; {hint}")
         done.add(id(target))
-        param_state[name] = {field: _local_shard(target, reader, f"{name}/{field}", "optim", ps)
+        param_state[name] = {field: _local_shard(target, reader, f"{key}/{field}", "optim", ps)
                              .to(target.device, copy=True)
-                             for field in fields[name]}
+                             for field in fields[key]}
     common = reader.load_pt(cio.OPTIM_COMMON)
     try:
         optimizer.load_state_dict({"param_state": param_state, **common})
