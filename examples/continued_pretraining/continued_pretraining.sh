@@ -37,8 +37,8 @@ if [ -z "$HF" ]; then
   echo "== 2/6 no HF_CHECKPOINT: a random-weight checkpoint of Llama 3.2 1B's shape -> $HF"
   "$PY" -m llamapipe train-tokenizer --tokenizer-type HuggingFaceTokenizer --input "$CORPUS" \
     --vocab-size "${TOKENIZER_VOCAB:-8192}" --model-prefix "$HF"
-  # Llama 3.2 1B's config.json (meta-llama/Llama-3.2-1B). Its rope_scaling (rope_type llama3) and tied embeddings
-  # are left out here until llamapipe imports them (issue 38 parts 1-2): the plain LLaMA form of the shape.
+  # Llama 3.2 1B's config.json (meta-llama/Llama-3.2-1B): Llama 3.1's RoPE scaling (rope_type llama3, factor 32)
+  # and the input embedding tied to the output layer.
   "$PY" - "$HF" <<'PY'
 import os, sys
 import torch
@@ -50,8 +50,11 @@ env = lambda name, default: int(os.environ.get(name, default))
 config = LlamaConfig(num_hidden_layers=env("NUM_LAYERS", 16), hidden_size=env("HIDDEN_SIZE", 2048),
                      intermediate_size=env("FFN_HIDDEN_SIZE", 8192), num_attention_heads=env("NUM_HEADS", 32),
                      num_key_value_heads=env("NUM_KV_HEADS", 8), vocab_size=env("VOCAB_SIZE", 128256),
-                     max_position_embeddings=env("MAX_POSITION_EMBEDDINGS", 131072), rope_theta=500000.0,
-                     rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, initializer_range=0.02,
+                     max_position_embeddings=env("MAX_POSITION_EMBEDDINGS", 131072),
+                     rope_parameters={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                                      "rope_theta": 500000.0},
+                     rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True, initializer_range=0.02,
                      bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
 torch.manual_seed(0)
 LlamaForCausalLM(config).save_pretrained(out)
