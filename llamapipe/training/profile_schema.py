@@ -116,6 +116,17 @@ def notice(profile: dict, name: str = "profile") -> Optional[str]:
     return None
 
 
+def threads_mismatch(profile: dict, threads: int, name: str, run: str) -> Optional[str]:
+    """One line when a CPU profile was timed with another thread count per process than the run computes with
+    (`threads`; `run` says whose: "a torchrun rank ..."), whose passes then take other times; None when they
+    agree (or on CUDA, where the kernels run on the device)."""
+    if profile["device"] != "cpu" or profile["threads"] == threads:
+        return None
+    return (f"{name} was measured with {profile['threads']} thread(s) per process, but {run} computes with "
+            f"{threads}; profile again with `llamapipe profile --threads {threads} ...`, or set OMP_NUM_THREADS="
+            f"{profile['threads']} for both")
+
+
 def load(path: str, flag: str = "--profile") -> dict:
     """Read and validate a profile given as `flag` (plan's --profile, the trainer's --pipeline-profile);
     one-line ProfileError naming the flag and the file for a missing or malformed one."""
