@@ -131,7 +131,8 @@ def export_hf(load: str, hf_dir: str, tokenizer_model: str | None = None,
               metadata={"format": "pt"})
     with open(os.path.join(hf_dir, "config.json"), "w") as fh:
         json.dump(hf_config, fh, indent=2)
-    written = write_hf_tokenizer(tokenizer, hf_dir, config.max_position_embeddings) if tokenizer else []
+    written = write_hf_tokenizer(tokenizer, hf_dir, config.max_position_embeddings,
+                                 family_of(config).hf_tokenizer_config) if tokenizer else []
     return path, written
 
 
