@@ -45,7 +45,8 @@ from llamapipe.model.llama import LlamaModel
 from llamapipe.tools import profile_comm, profile_machine, profile_overhead
 from llamapipe.training import profile_schema
 from llamapipe.training.arguments.flags_model import add_model_flags
-from llamapipe.training.arguments.model_args import model_config, run_seq_length
+from llamapipe.data.tokenizer import TOKENIZER_TYPES
+from llamapipe.training.arguments.model_args import model_config, run_seq_length, run_vocab_size
 
 RECOMPUTE = ("none", "full")
 
@@ -68,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed repeats of 4 microbatches per pass (after 1 warm-up repeat)")
     p.add_argument("--out", required=True, help="the JSON profile to write (an existing file only with --force)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
-    p.set_defaults(tokenizer_model=None)
+    p.add_argument("--tokenizer-model", default=None,
+                   help="the run's tokenizer, whose vocabulary the embedding and output layer then have (as in training)")
+    p.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, help="kind of --tokenizer-model")
+    p.set_defaults(tensor_model_parallel_size=1)
     return p
 
 
@@ -219,7 +223,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"llamapipe profile: --out {args.out} exists; give another path, or --force to replace it")
     torch.set_num_threads(args.threads or profile_machine.run_threads())
     try:
-        m = model_config(args, [])
+        m = run_vocab_size(args, model_config(args, []), [])
         seq = run_seq_length(args)
     except ArgumentError as err:
         sys.stderr.write(f"llamapipe profile: {flag_message(err)}\n")

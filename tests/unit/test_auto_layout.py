@@ -146,3 +146,21 @@ def test_every_schedule_validates_the_layout_auto_chose(schedule):
     ranks = stage_ranks(2, par.vpp_size, SPECS[schedule].placement(par.vpp_size))
     head_rank = ranks[-1]
     assert sum(n for n, r in zip(counts, ranks) if r == head_rank) < 8 / 2
+
+
+def test_auto_split_counts_the_tokenizers_vocabulary_not_the_presets(tmp_path, llamapipe_log):
+    """issue 39, item 3: the tiny preset says 1024, the tokenizer has 8192 ids; the split and its notice use
+    8192, the vocabulary the run trains (the layout differs from the one 1024 gives)."""
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(8192)}, unk_token="w0")).save(str(tmp_path / "tokenizer.json"))
+    flags = ["--model", "tiny", "--mock-data", "--pipeline-model-parallel-size", "2",
+             "--pipeline-model-parallel-layout", "auto", "--global-batch-size", "4"]
+    config = config_from_args(build_parser().parse_args(flags + ["--tokenizer-model", str(tmp_path)]), 2)
+    assert config.model.vocab_size == 8192
+    notice = [line for line in llamapipe_log if "layout auto chose" in line]
+    assert len(notice) == 1 and "counted at vocabulary 8192)" in notice[0], notice
+    args = build_parser().parse_args(flags)
+    want = resolve_auto_layout(args, model_config(args, []).replace(vocab_size=8192), 128, "cpu", [])
+    preset = resolve_auto_layout(args, model_config(args, []), 128, "cpu", [])
+    assert want.pipeline_model_parallel_layout != preset.pipeline_model_parallel_layout
+    assert config.parallel.pipeline_layout == want.pipeline_model_parallel_layout

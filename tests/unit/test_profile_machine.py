@@ -88,3 +88,19 @@ def test_plan_refuses_a_profile_with_another_thread_count(tmp_path, monkeypatch,
     monkeypatch.setenv("OMP_NUM_THREADS", "2")          # the run's ranks compute with 2 as well
     assert plan_parallelism.main(argv) == 0
     assert profile_schema.threads_mismatch(dict(profile, device="cuda"), 1, "p", "r") is None
+
+
+def test_profile_takes_the_tokenizers_vocabulary(tmp_path):
+    """As training does (item 3's kind): the profiled embedding and output layer have the tokenizer's 96 ids,
+    not --vocab-size's placeholder, so --pipeline-profile matches the run that trains with that tokenizer."""
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0")).save(str(tmp_path / "tokenizer.json"))
+    at = SMALL.index("--vocab-size")
+    shape = SMALL[:at] + SMALL[at + 2:]
+    before = torch.get_num_threads()
+    try:
+        assert profile_model.main(shape + ["--threads", "1", "--tokenizer-model", str(tmp_path),
+                                           "--out", str(tmp_path / "p.json")]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert json.loads((tmp_path / "p.json").read_text())["model"]["vocab_size"] == 96

@@ -124,8 +124,9 @@ def _profiled_parts(args: argparse.Namespace, model: LlamaConfig, seq_length: in
     profiled = profile["model"]
     for field in SAME_MODEL:
         if profiled.get(field) != getattr(model, field):
+            how = " --tokenizer-model" if field == "vocab_size" and args.tokenizer_model is not None else ""
             raise ArgumentError(f"{said} was made for a model with {field} {profiled.get(field)}, but this run's is "
-                                f"{getattr(model, field)}; profile this model with `llamapipe profile`")
+                                f"{getattr(model, field)}; profile this model with `llamapipe profile{how}`")
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     cp = max(getattr(args, "context_parallel_size", 1) or 1, 1)
     tokens = "--seq-length" if cp == 1 else f"--seq-length / --context-parallel-size {cp} (tokens per rank)"
