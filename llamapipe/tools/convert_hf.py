@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from llamapipe.training.checkpointing import io as cio
-from llamapipe.core.config import ParallelConfig
+from llamapipe.core.config import ParallelConfig, TrainingConfig
 from llamapipe.training.flag_names import flag_message
 from llamapipe.training.flag_parser import FlagParser
 from llamapipe.training.config import Config
@@ -100,8 +100,10 @@ def import_hf(hf_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_s
     except ValueError as exc:
         raise ValueError(f"--tensor-model-parallel-size {tp} does not fit this model: {exc}") from None
     parallel = ParallelConfig(world_size=tp * pp, tp_size=tp, pp_size=pp, vpp_size=vpp)
+    # the context the model was trained for, which --use-checkpoint-args then takes as --seq-length
+    training = TrainingConfig(seq_length=config.max_position_embeddings)
     return cio.write_layout(save_dir, 0, full, specs, dataclasses.asdict(config), tp=tp, pp=pp, vpp=vpp,
-                            config=dataclasses.asdict(Config(model=config, parallel=parallel)),
+                            config=dataclasses.asdict(Config(model=config, parallel=parallel, training=training)),
                             progress=lambda grid: tqdm(grid, desc="writing shards", unit="shard"))
 
 
