@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the JSON profile to write (an existing file only with --force)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--tokenizer-model", default=None,
-                   help="the run's tokenizer, whose vocabulary the embedding and output layer then have (as in training)")
+                   help="the run's tokenizer, whose vocabulary the embedding and output layer then have (as in "
+                        "training)")
     p.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, help="kind of --tokenizer-model")
     p.set_defaults(tensor_model_parallel_size=1)
     return p

@@ -152,7 +152,8 @@ def test_auto_split_counts_the_tokenizers_vocabulary_not_the_presets(tmp_path, l
     """issue 39, item 3: the tiny preset says 1024, the tokenizer has 8192 ids; the split and its notice use
     8192, the vocabulary the run trains (the layout differs from the one 1024 gives)."""
     from tokenizers import Tokenizer, models
-    Tokenizer(models.WordLevel({f"w{i}": i for i in range(8192)}, unk_token="w0")).save(str(tmp_path / "tokenizer.json"))
+    vocab = {f"w{i}": i for i in range(8192)}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "tokenizer.json"))
     flags = ["--model", "tiny", "--mock-data", "--pipeline-model-parallel-size", "2",
              "--pipeline-model-parallel-layout", "auto", "--global-batch-size", "4"]
     config = config_from_args(build_parser().parse_args(flags + ["--tokenizer-model", str(tmp_path)]), 2)
