@@ -5,7 +5,7 @@ import re
 from tests.cli import TINY, torchrun
 
 
-def test_two_ranks_log_the_block_once_and_the_validation_time():
+def test_two_ranks_log_the_block_once_and_how_long_validation_took():
     proc = torchrun(2, TINY + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "2", "--train-iters", "1",
                                "--eval-iters", "2", "--use-distributed-optimizer"], timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
