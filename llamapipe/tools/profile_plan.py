@@ -20,6 +20,9 @@ from llamapipe.tools.profile_machine import run_threads
 from llamapipe.tools.profile_predict import Prediction, balanced_counts, layer_counts, layout_string, predict
 
 VOCAB_FLAG = "--enable-vocab-parallel"
+MOCK_DATA = "--mock-data"      # both plans' commands run as printed; DATA_NOTE says what to give instead
+DATA_NOTE = ("the top row's command trains on --mock-data (random tokens): for your data give --data-path PREFIX "
+             "--tokenizer-model TOKENIZER instead (from `llamapipe preprocess`)")
 
 
 def trainer_has_vocab_parallel() -> bool:
@@ -128,7 +131,7 @@ def command(profile: dict, lay: Layout, global_batch: int, post_validation: bool
     flags = [f"torchrun --nproc-per-node {lay.tp * lay.pp * lay.dp} pretrain_llama.py", *shape_flags(profile),
              *layout_flags(lay), "--global-batch-size", str(global_batch)]
     flags += (["--bf16"] if profile["dtype"] == "bf16" else []) + (
-        ["--enable-optimizer-post-validation"] if post_validation else [])
+        ["--enable-optimizer-post-validation"] if post_validation else []) + [MOCK_DATA]
     return " ".join(f"'{f}'" if "|" in f else f for f in flags)
 
 
@@ -157,6 +160,6 @@ def run(args: argparse.Namespace, layouts_fn) -> int:
     if close > 1:
         print(f"note: rows 1-{close} are predicted within {TIE:.0%} of each other, closer than the model separates "
               "on measurement (docs/planner.md, Accuracy): measure them before choosing")
-    print(f"\n{len(rows)} layouts predicted. Top row:\n  "
+    print(f"\n{DATA_NOTE}\n{len(rows)} layouts predicted. Top row:\n  "
           f"{command(profile, rows[0][0], args.global_batch_size, args.post_validation)}")
     return 0

@@ -26,6 +26,18 @@ SKIPPED_ALL_HINT = ("; no update was applied: the fp16 loss scale starts at --in
                     "use --bf16")
 
 
+def start_line(train_iters: int, start: int) -> str:
+    """What the run is about to train: the count of iterations it will run, and where a resumed run takes over
+    (--train-iters is the last iteration, not a count from the checkpoint)."""
+    left = train_iters - start
+    if left <= 0:
+        return f"nothing to train: resumed at iteration {start}, and --train-iters {train_iters} is the last iteration"
+    count = f"training {left} iteration{'' if left == 1 else 's'}"
+    if start == 0:
+        return f"{count} (--train-iters {train_iters})"
+    return f"{count}, {start + 1} to {train_iters} (resumed at iteration {start}; --train-iters is the last iteration)"
+
+
 class TrainingProgress:
     """Builds the per-iteration records and the lines a person reads."""
 
