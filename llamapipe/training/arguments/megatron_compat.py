@@ -46,10 +46,6 @@ NOTICES: tuple[CompatFlag, ...] = (
                "the distributed optimizer gathers the parameters right after its step"),
     CompatFlag("--grad-reduce-in-bf16", "half-precision gradients are reduced in fp32"),
     CompatFlag("--accumulate-allreduce-grads-in-fp32", "half-precision gradients are always reduced in fp32"),
-    CompatFlag("--decoupled-lr", "every parameter follows --lr; a separate embedding/output-layer rate is not "
-               "implemented", float),
-    CompatFlag("--decoupled-min-lr", "every parameter follows --min-lr; a separate embedding/output-layer rate "
-               "is not implemented", float),
     CompatFlag("--ckpt-format", "checkpoints are llamapipe's own format (safetensors shards and metadata.json), "
                "which load into any parallel layout", str),
     CompatFlag("--ckpt-fully-parallel-load", "checkpoint loading has one strategy: each rank reads what it holds"),
