@@ -1,12 +1,12 @@
 """What `llamapipe profile` needs to know of the machine to measure what a training rank will see.
 
 A training rank launched by torchrun computes with one thread (torchrun sets OMP_NUM_THREADS=1 unless the
-environment already sets it), so the profile times its passes with that many threads (`run_threads`). With one
-thread a pass is timed in its thread's CPU time, which other processes sharing the cores do not inflate; with
-several, only wall time counts them all, and other processes' work lands in it. So before timing with more
-than one thread the profile measures how many cores other processes keep busy (`busy_cores`, from
-/proc/stat while this process sleeps) and refuses, naming the load, when fewer idle cores remain than it
-has threads (`load_refusal`).
+environment already sets it), so the profile times its passes with that many threads
+(`profile_schema.run_threads`). With one thread a pass is timed in its thread's CPU time, which other
+processes sharing the cores do not inflate; with several, only wall time counts them all, and other
+processes' work lands in it. So before timing with more than one thread the profile measures how many cores
+other processes keep busy (`busy_cores`, from /proc/stat while this process sleeps) and refuses, naming the
+load, when fewer idle cores remain than it has threads (`load_refusal`).
 """
 from __future__ import annotations
 
@@ -16,13 +16,6 @@ from typing import Optional
 
 MEASURE_S = 0.5     # long enough to span several scheduler time slices of the other processes
 SLACK_CORES = 0.25  # the kernel's own threads and this process's wake-ups keep a quiet machine this busy
-
-
-def run_threads() -> int:
-    """Threads per process of a torchrun rank on this machine: OMP_NUM_THREADS when the environment sets it
-    (torchrun keeps it), else torchrun's 1."""
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 def _cpu_times() -> Optional[tuple[float, float]]:

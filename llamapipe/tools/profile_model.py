@@ -3,7 +3,7 @@
     llamapipe profile --model tiny --seq-length 128 --micro-batch-size 1 2 --recompute none full --out prof.json
     torchrun --nproc-per-node 2 -m llamapipe.tools.profile_model --model tiny --out prof_2ranks.json   # + communication
 
-It computes with the threads a torchrun rank uses (`profile_machine.run_threads`: 1 unless OMP_NUM_THREADS says
+It computes with the threads a torchrun rank uses (`profile_schema.run_threads`: 1 unless OMP_NUM_THREADS says
 otherwise) and records them; with more than one it refuses a machine where other processes leave too few idle
 cores (`profile_machine.load_refusal`), since it then times in wall time. An existing --out is kept unless --force.
 
@@ -222,7 +222,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"llamapipe profile: --threads {args.threads} must be at least 1")
     if os.path.exists(args.out) and not args.force:
         raise SystemExit(f"llamapipe profile: --out {args.out} exists; give another path, or --force to replace it")
-    torch.set_num_threads(args.threads or profile_machine.run_threads())
+    torch.set_num_threads(args.threads or profile_schema.run_threads())
     try:
         m = run_vocab_size(args, model_config(args, []), [])
         seq = run_seq_length(args)

@@ -16,7 +16,6 @@ from typing import Optional
 
 from llamapipe.training import profile_schema
 from llamapipe.tools.parallel_estimate import Layout
-from llamapipe.tools.profile_machine import run_threads
 from llamapipe.tools.profile_predict import Prediction, balanced_counts, layer_counts, layout_string, predict
 
 VOCAB_FLAG = "--enable-vocab-parallel"
@@ -139,7 +138,7 @@ def run(args: argparse.Namespace, layouts_fn) -> int:
     """`plan --profile`: load, rank, print; `layouts_fn(model, gpus, global_batch, max_mbs)` enumerates."""
     profile = profile_schema.load(args.profile)
     source = "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in os.environ else "torchrun's OMP_NUM_THREADS=1"
-    mismatch = profile_schema.threads_mismatch(profile, run_threads(), f"--profile {args.profile}",
+    mismatch = profile_schema.threads_mismatch(profile, profile_schema.run_threads(), f"--profile {args.profile}",
                                                f"a torchrun rank of the planned command ({source})")
     if mismatch is not None:
         raise profile_schema.ProfileError(mismatch)

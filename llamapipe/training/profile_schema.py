@@ -116,6 +116,13 @@ def notice(profile: dict, name: str = "profile") -> Optional[str]:
     return None
 
 
+def run_threads() -> int:
+    """Threads per process of a torchrun rank on this machine: OMP_NUM_THREADS when the environment sets it
+    (torchrun keeps it), else torchrun's 1."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
 def threads_mismatch(profile: dict, threads: int, name: str, run: str) -> Optional[str]:
     """One line when a CPU profile was timed with another thread count per process than the run computes with
     (`threads`; `run` says whose: "a torchrun rank ..."), whose passes then take other times; None when they

@@ -24,6 +24,12 @@ SHAPE = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--seq-length", "32", "--max-position-embeddings", "64", "--global-batch-size", "8", "--mock-data"]
 
 
+@pytest.fixture(autouse=True)
+def _torchrun_threads(monkeypatch):
+    """The ranks' thread count a profile must match is torchrun's 1 here, whatever this shell exports."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
 def resolve(*flags: str, vocab: int = 256, device: str = "cpu"):
     args = build_parser().parse_args(SHAPE + ["--vocab-size", str(vocab), *flags])
     notices: list[str] = []

@@ -22,7 +22,7 @@ def test_run_threads_is_torchruns(monkeypatch, env, threads):
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", env)
-    assert profile_machine.run_threads() == threads
+    assert profile_schema.run_threads() == threads
 
 
 def test_busy_cores_from_proc_stat(monkeypatch):
@@ -104,3 +104,24 @@ def test_profile_takes_the_tokenizers_vocabulary(tmp_path):
     finally:
         torch.set_num_threads(before)
     assert json.loads((tmp_path / "p.json").read_text())["model"]["vocab_size"] == 96
+
+
+def test_the_trainers_pipeline_profile_must_match_its_ranks_threads(tmp_path, monkeypatch):
+    """--pipeline-model-parallel-layout auto reads the profile's costs: one timed with 2 threads per process
+    does not describe ranks that compute with torchrun's 1."""
+    from llamapipe.core.config import ArgumentError
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    profile = synthetic_profile(num_layers=8)
+    profile["threads"] = 2
+    path = tmp_path / "prof.json"
+    path.write_text(json.dumps(profile))
+    shape = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+             "--vocab-size", "256", "--seq-length", "32", "--max-position-embeddings", "64", "--mock-data",
+             "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+             "--pipeline-model-parallel-layout", "auto", "--pipeline-profile", str(path)]
+    with pytest.raises(ArgumentError, match=r"measured with 2 thread\(s\) per process, but each rank torchrun "
+                                            r"starts \(OMP_NUM_THREADS, else 1\) computes with 1"):
+        config_from_args(build_parser().parse_args(shape), 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert config_from_args(build_parser().parse_args(shape), 2).parallel.pipeline_layout is not None

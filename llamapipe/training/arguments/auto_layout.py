@@ -133,6 +133,10 @@ def _profiled_parts(args: argparse.Namespace, model: LlamaConfig, seq_length: in
     for what, theirs, ours in ((tokens, profile["seq_length"], seq_length), ("precision", profile["dtype"], dtype)):
         if theirs != ours:
             raise ArgumentError(f"{said} was measured at {what} {theirs}, but this run's is {ours}")
+    threads = profile_schema.threads_mismatch(profile, profile_schema.run_threads(), said,
+                                              "each rank torchrun starts (OMP_NUM_THREADS, else 1)")
+    if threads is not None:
+        raise ArgumentError(threads)
     recompute = _recompute(model)
     parts = profile_schema.entry(profile, args.micro_batch_size, recompute)
     if parts is None:
