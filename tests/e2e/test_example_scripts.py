@@ -70,3 +70,13 @@ def test_every_example_script_has_a_test():
         tests += [open(os.path.join(d, f)).read() for f in files if f.endswith(".py")]
     untested = [s for s in scripts if not any(s in text or os.path.basename(s) in text for text in tests)]
     assert scripts and not untested, untested
+
+
+def test_the_single_node_launcher_runs_its_cpu_example_as_written(tmp_path):
+    """scripts/launch_single_node.sh's header line for a machine without GPUs (the kind of item 5 elsewhere)."""
+    script = "scripts/launch_single_node.sh"
+    (command,) = [line for line in header_commands(script) if line.startswith("GPUS_PER_NODE=2 ")]
+    proc = run_as_written(command, tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    assert "run: schedule zbv" in output and "training done: 5 iterations in " in output
