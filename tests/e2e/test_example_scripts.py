@@ -1,6 +1,7 @@
 """The scripts under examples/ run as their headers say (issue 39, item 5): every command line a header shows is
 run exactly as written, from the repository root, on this machine (no GPU: the script's CPU defaults, mock data,
-nothing downloaded), and trains what it names; and every script under examples/ has a test."""
+nothing downloaded), and trains what it names; every script under examples/ has a test; and of their kind
+elsewhere, the single-node launcher's CPU example and `llamapipe plan`'s top command run as printed."""
 from __future__ import annotations
 
 import os
@@ -80,3 +81,22 @@ def test_the_single_node_launcher_runs_its_cpu_example_as_written(tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
     assert "run: schedule zbv" in output and "training done: 5 iterations in " in output
+
+
+def test_plans_top_command_runs_as_printed():
+    """`llamapipe plan`'s top row is a command to run (item 7): as printed, from the repository root, with
+    torchrun's port from its environment (PET_MASTER_PORT) so that concurrent tests do not collide."""
+    plan = subprocess.run([sys.executable, "-m", "llamapipe", "plan", "--model", "tiny", "--gpus", "2",
+                           "--global-batch-size", "4", "--seq-length", "64", "--top", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert plan.returncode == 0, plan.stderr
+    lines = plan.stdout.splitlines()
+    command = lines[lines.index(next(line for line in lines if line.endswith("Top row:"))) + 1].strip()
+    assert command.startswith("torchrun ") and command.endswith("--mock-data")
+    env = dict(os.environ, PYTHONPATH=ROOT, PET_MASTER_PORT=str(free_port()),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    assert "training done: 10 iterations in " in output
