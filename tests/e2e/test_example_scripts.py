@@ -100,3 +100,14 @@ def test_plans_top_command_runs_as_printed():
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
     assert "training done: 10 iterations in " in output
+
+
+def test_the_fork_scripts_fp16_on_a_short_run_ends_with_the_hint(tmp_path):
+    """FP32 left empty asks for the fork's fp16: 6 iterations from a loss scale of 2^32 skip every update, and
+    the summary says so and what to give (before: 'training done: 0 iterations' and nothing more)."""
+    proc = run_as_written(f"FP32= TRAIN_SAMPLES=24 ZERO_BUBBLE_V_SCHEDULE=1 {ZERO_BUBBLE}", tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    (done,) = [line for line in output.splitlines() if "training done: " in line]
+    assert "training done: 0 iterations in " in done and "6 iteration(s) skipped their update" in done
+    assert done.endswith("give --initial-loss-scale 65536, train longer, or use --bf16"), done
