@@ -98,6 +98,8 @@ class OptimizerConfig:
     lr_warmup_samples: int = 0                  # sample-based schedule (with --train-samples)
     lr_decay_samples: Optional[int] = None
     lr_warmup_fraction: Optional[float] = None  # warmup as a fraction of the decay length
+    decoupled_lr: Optional[float] = None        # the embedding's and output layer's peak rate (None: lr)
+    decoupled_min_lr: Optional[float] = None    # and their rate at the end of the decay (None: min_lr)
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

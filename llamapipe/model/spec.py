@@ -11,7 +11,7 @@ per family. docs/model.md, "Model families", says how to add one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable
 
@@ -56,14 +56,17 @@ class ModelFamily:
     parameters: Callable[..., int]      # (config, tp) -> parameters of the built model
     flops_per_token: Callable[..., float]   # (config, seq_length, tp, full_recompute) -> training FLOPs
     presets: dict[str, dict]
+    hf_tokenizer_config: dict = field(default_factory=dict)   # added to an export's tokenizer_config.json
 
     @classmethod
     def of(cls, name: str, config_class: type, model_class: type, presets: dict[str, dict], *, hf: ModuleType,
            parameters: Callable[..., int], flops_per_token: Callable[..., float]) -> "ModelFamily":
         """The record of a family whose HF adapter module `hf` has HF_ARCHITECTURE, HF_MODEL_TYPE,
-        config_from_hf, config_to_hf, from_hf and to_hf."""
+        config_from_hf, config_to_hf, from_hf and to_hf (and HF_TOKENIZER_CONFIG where transformers needs more in
+        an export's tokenizer_config.json to load the run's tokenizer)."""
         return cls(name, config_class, model_class, hf.HF_ARCHITECTURE, hf.HF_MODEL_TYPE, hf.config_from_hf,
-                   hf.config_to_hf, hf.from_hf, hf.to_hf, parameters, flops_per_token, presets)
+                   hf.config_to_hf, hf.from_hf, hf.to_hf, parameters, flops_per_token, presets,
+                   dict(getattr(hf, "HF_TOKENIZER_CONFIG", {})))
 
     @property
     def spec(self) -> ModelSpec:

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from llamapipe.training.checkpointing import io as cio
-from llamapipe.core.config import ParallelConfig
+from llamapipe.core.config import ParallelConfig, TrainingConfig
 from llamapipe.training.flag_names import flag_message
 from llamapipe.training.flag_parser import FlagParser
 from llamapipe.training.config import Config
@@ -106,8 +106,10 @@ def import_hf(hf_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_s
     except ValueError as exc:
         raise ValueError(f"--tensor-model-parallel-size {tp} does not fit this model: {exc}") from None
     parallel = ParallelConfig(world_size=tp * pp, tp_size=tp, pp_size=pp, vpp_size=vpp)
+    # the context the model was trained for, which --use-checkpoint-args then takes as --seq-length
+    training = TrainingConfig(seq_length=config.max_position_embeddings)
     return cio.write_layout(save_dir, 0, full, specs, dataclasses.asdict(config), tp=tp, pp=pp, vpp=vpp,
-                            config=dataclasses.asdict(Config(model=config, parallel=parallel)),
+                            config=dataclasses.asdict(Config(model=config, parallel=parallel, training=training)),
                             progress=lambda grid: tqdm(grid, desc="writing shards", unit="shard"))
 
 
@@ -139,7 +141,8 @@ def export_hf(load: str, hf_dir: str, tokenizer_model: str | None = None,
         {k: v.contiguous() for k, v in hf_state_dict.items()}, tmp, metadata={"format": "pt"}))
     with replace_atomically(os.path.join(hf_dir, "config.json"), "w") as fh:
         json.dump(hf_config, fh, indent=2)
-    written = write_hf_tokenizer(tokenizer, hf_dir, config.max_position_embeddings) if tokenizer else []
+    written = write_hf_tokenizer(tokenizer, hf_dir, config.max_position_embeddings,
+                                 family_of(config).hf_tokenizer_config) if tokenizer else []
     return path, written
 
 

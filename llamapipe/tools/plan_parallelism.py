@@ -141,13 +141,15 @@ def command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig] = No
     parts += [f"--micro-batch-size {lay.micro_batch}", f"--global-batch-size {args.global_batch_size}",
               f"--seq-length {args.seq_length}", "--bf16"] + (["--sequence-parallel"] if lay.tp > 1 else [])
     parts += RECOMPUTE_FLAGS[lay.recompute] + (["--use-distributed-optimizer"] if lay.dist_opt else [])
-    return " ".join(parts)
+    return " ".join(parts + [profile_plan.MOCK_DATA])
 
 
 def table(rows: list[tuple[Layout, Estimate]], top: int) -> str:
     head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<11} {'mbs':>3} {'recompute':<9} "
             f"{'distopt':<7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} {'step s':>8} {'MFU':>6}")
-    lines = [head, "-" * len(head)]
+    memory = head.index("params") - 1         # the unit of the five memory columns, over them
+    lines = [" " * memory + "GiB on the most loaded GPU".center(len(head) - memory - 16).rstrip(), head,
+             "-" * len(head)]
     for i, (lay, e) in enumerate(rows[:top], 1):
         gib = [x / GIB for x in (e.params, e.grads, e.optimizer, e.activations, e.total)]
         lines.append(f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>3} {lay.schedule:<11} {lay.micro_batch:>3} "
@@ -196,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"time model: FLOPs at {dev.efficiency:.0%} of {args.device}'s peak (no --profile; `llamapipe profile` "
           "measures this machine)")
     print(table(rows, args.top))
-    print(f"\n{len(rows)} layouts fit. Top row:\n  {command(args, rows[0][0], m)}")
+    print(f"\n{profile_plan.DATA_NOTE}\n{len(rows)} layouts fit. Top row:\n  {command(args, rows[0][0], m)}")
     return 0
 
 

@@ -147,13 +147,47 @@ def preprocess(inputs: Sequence[str], prefix: str, model_path: Optional[str], wo
             "read_summary": stats.summary(), "outputs": [output_prefix(prefix, k) for k in json_keys]}
 
 
+class _InProcess:
+    """One worker: the batches are encoded in this process (no fork of a process that holds threads)."""
+
+    def __init__(self, initargs: tuple) -> None:
+        handler = signal.getsignal(signal.SIGTERM)     # a worker's reset is not this process's
+        _init_worker(*initargs)
+        signal.signal(signal.SIGTERM, handler)
+
+    def apply_async(self, fn, args: tuple) -> "_Done":
+        return _Done(fn(*args))
+
+    def __enter__(self) -> "_InProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class _Done:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def get(self):
+        return self.value
+
+
+def _pool(workers: int, initargs: tuple):
+    """The encoding workers: this process for one, else a pool of spawned processes. Not forked: a fork of a
+    process whose other threads hold a lock (torch's, a logging handler's) can leave the child waiting forever,
+    which hung the test suite about once a run."""
+    if workers == 1:
+        return _InProcess(initargs)
+    return mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=initargs)
+
+
 def _tokenize(docs: Iterator[Document], where: InputProgress, writers: dict[str, IndexedDatasetWriter],
               progress: bool, batch_docs: int, initargs: tuple) -> int:
     """Encode `docs` in a process pool and append them to `writers`; returns the first json key's token count."""
     json_keys, workers, tokens = initargs[1], initargs[3], 0
     pending: deque = deque()
-    with _progress_bar(where.total, progress) as bar, \
-            mp.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
+    with _progress_bar(where.total, progress) as bar, _pool(workers, initargs) as pool:
         def drain(keep: int) -> None:
             nonlocal tokens
             while len(pending) > keep:

@@ -1,7 +1,11 @@
 """`llamapipe profile`: measure what `llamapipe plan --profile` predicts a step from, on this device.
 
     llamapipe profile --model tiny --seq-length 128 --micro-batch-size 1 2 --recompute none full --out prof.json
-    torchrun --nproc-per-node 2 -m llamapipe.tools.profile_model --model tiny --out prof.json   # + communication
+    torchrun --nproc-per-node 2 -m llamapipe.tools.profile_model --model tiny --out prof_2ranks.json   # + communication
+
+It computes with the threads a torchrun rank uses (`profile_schema.run_threads`: 1 unless OMP_NUM_THREADS says
+otherwise) and records them; with more than one it refuses a machine where other processes leave too few idle
+cores (`profile_machine.load_refusal`), since it then times in wall time. An existing --out is kept unless --force.
 
 For each micro-batch size and recompute setting it times F, B (input gradient) and W (the deferred weight
 gradients, `weight_grad_store`) of a decoder layer (the mean over `--layers` run as one chunk: on a CPU a layer
@@ -38,10 +42,11 @@ from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.families import family_of
 from llamapipe.model.llama import LlamaModel
-from llamapipe.tools import profile_comm, profile_overhead
+from llamapipe.tools import profile_comm, profile_machine, profile_overhead
 from llamapipe.training import profile_schema
 from llamapipe.training.arguments.flags_model import add_model_flags
-from llamapipe.training.arguments.model_args import model_config, run_seq_length
+from llamapipe.data.tokenizer import TOKENIZER_TYPES
+from llamapipe.training.arguments.model_args import model_config, run_seq_length, run_tokenizer, run_vocab_size
 
 RECOMPUTE = ("none", "full")
 
@@ -57,11 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layers timed together, the per-layer cost being their mean (None: the model's, at "
                         "most 8): a layer in a deep stage runs slower than one alone, whose weights stay in cache")
     p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
-    p.add_argument("--threads", type=int, default=None, help="torch threads; None: torch's default here")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per process; None: a torchrun rank's (OMP_NUM_THREADS when set, else 1), which "
+                        "`plan --profile` and --pipeline-profile require of the run")
     p.add_argument("--repeats", type=int, default=5,
                    help="timed repeats of 4 microbatches per pass (after 1 warm-up repeat)")
-    p.add_argument("--out", required=True, help="the JSON profile to write")
-    p.set_defaults(tokenizer_model=None)
+    p.add_argument("--out", required=True, help="the JSON profile to write (an existing file only with --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="the run's tokenizer, whose vocabulary the embedding and output layer then have (as in "
+                        "training)")
+    p.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, help="kind of --tokenizer-model")
+    p.set_defaults(tensor_model_parallel_size=1)
     return p
 
 
@@ -179,6 +191,10 @@ def profile(args: argparse.Namespace, m: LlamaConfig, seq: int) -> dict:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     # compute is measured on rank 0 alone, so no other rank competes for its cores
+    if rank0 and device.type == "cpu":
+        refusal = profile_machine.load_refusal(torch.get_num_threads(), profile_machine.busy_cores())
+        if refusal is not None:
+            raise SystemExit(f"llamapipe profile: {refusal}")
     layers = min(args.layers or 8, m.num_layers)
     entries = [measure_entry(m, seq, mbs, rc, dtype, device, args.repeats, layers)
                for mbs in args.micro_batch_size for rc in args.recompute] if rank0 else []
@@ -202,10 +218,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.repeats < 1 or min(args.micro_batch_size) < 1 or (args.layers is not None and args.layers < 1):
         raise SystemExit(f"llamapipe profile: --repeats {args.repeats}, --micro-batch-size "
                          f"{' '.join(map(str, args.micro_batch_size))} and --layers {args.layers} must be at least 1")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"llamapipe profile: --threads {args.threads} must be at least 1")
+    if os.path.exists(args.out) and not args.force:
+        raise SystemExit(f"llamapipe profile: --out {args.out} exists; give another path, or --force to replace it")
+    torch.set_num_threads(args.threads or profile_schema.run_threads())
     try:
-        m = model_config(args, [])
+        m = run_vocab_size(args, model_config(args, []), [], run_tokenizer(args))
         seq = run_seq_length(args)
     except ArgumentError as err:
         sys.stderr.write(f"llamapipe profile: {flag_message(err)}\n")

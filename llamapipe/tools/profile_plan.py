@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Optional
 
 from llamapipe.model.llama import LlamaConfig
@@ -19,6 +20,9 @@ from llamapipe.tools.parallel_estimate import Layout
 from llamapipe.tools.profile_predict import Prediction, balanced_counts, layer_counts, layout_string, predict
 
 VOCAB_FLAG = "--enable-vocab-parallel"
+MOCK_DATA = "--mock-data"      # both plans' commands run as printed; DATA_NOTE says what to give instead
+DATA_NOTE = ("the top row's command trains on --mock-data (random tokens): for your data give --data-path PREFIX "
+             "--tokenizer-model TOKENIZER instead (from `llamapipe preprocess`)")
 
 
 def trainer_has_vocab_parallel() -> bool:
@@ -127,7 +131,7 @@ def command(profile: dict, lay: Layout, global_batch: int, post_validation: bool
     flags = [f"torchrun --nproc-per-node {lay.tp * lay.pp * lay.dp} pretrain_llama.py", *shape_flags(profile),
              *layout_flags(lay), "--global-batch-size", str(global_batch)]
     flags += (["--bf16"] if profile["dtype"] == "bf16" else []) + (
-        ["--enable-optimizer-post-validation"] if post_validation else [])
+        ["--enable-optimizer-post-validation"] if post_validation else []) + [MOCK_DATA]
     return " ".join(f"'{f}'" if "|" in f else f for f in flags)
 
 
@@ -139,6 +143,11 @@ def run(args: argparse.Namespace, layouts_fn, asked: Optional[LlamaConfig] = Non
     if asked is not None:
         profile_schema.check_same_model(profile, asked, f"--profile {args.profile}", "--model and the shape flags give")
         profile = {**profile, "model": {**profile["model"], "num_layers": asked.num_layers}}
+    source = "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in os.environ else "torchrun's OMP_NUM_THREADS=1"
+    mismatch = profile_schema.threads_mismatch(profile, profile_schema.run_threads(), f"--profile {args.profile}",
+                                               f"a torchrun rank of the planned command ({source})")
+    if mismatch is not None:
+        raise profile_schema.ProfileError(mismatch)
     model = profile_schema.model_of(profile)
     rows = rank_layouts(profile, layouts_fn(model, args.gpus, args.global_batch_size, args.max_micro_batch_size),
                         args.global_batch_size, vocab=trainer_has_vocab_parallel(),
@@ -156,6 +165,6 @@ def run(args: argparse.Namespace, layouts_fn, asked: Optional[LlamaConfig] = Non
     if close > 1:
         print(f"note: rows 1-{close} are predicted within {TIE:.0%} of each other, closer than the model separates "
               "on measurement (docs/planner.md, Accuracy): measure them before choosing")
-    print(f"\n{len(rows)} layouts predicted. Top row:\n  "
+    print(f"\n{DATA_NOTE}\n{len(rows)} layouts predicted. Top row:\n  "
           f"{command(profile, rows[0][0], args.global_batch_size, args.post_validation)}")
     return 0

@@ -34,7 +34,7 @@ from llamapipe.core.parallel_state import ParallelState, initialize_model_parall
 from llamapipe.training.log import MetricsWriter, check_wandb
 from llamapipe.training.process_control import collect_for_eval, manual_gc, run_as_one_job
 from llamapipe.training.signals import ExitSignal, StopReport, stop_on_signals
-from llamapipe.training.progress import TrainingProgress
+from llamapipe.training.progress import TrainingProgress, start_line
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.training.setup import build_model_chunks, build_iterators
 from llamapipe.training.step import StepParts, SynchronousStep, TrainState, run_schedule
@@ -180,7 +180,7 @@ class Trainer:
 
     def train(self) -> int:
         cfg, st = self.config.training, self.state
-        log.info(f"training {cfg.train_iters} iterations from iteration {st.iteration}")   # layout: "run:" lines
+        log.info(start_line(cfg.train_iters, st.iteration))   # the layout is in the "run:" lines
         with manual_gc(cfg.manual_gc):
             status = self._train_loop()
         if self.trace is not None and status is None:

@@ -65,13 +65,16 @@ def _number(where: str, value, positive: bool = False) -> None:
 SAME_MODEL = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size", "family")
 
 
-def check_same_model(profile: dict, model: LlamaConfig, said: str, whose: str = "this run's is") -> None:
+def check_same_model(profile: dict, model: LlamaConfig, said: str, whose: str = "this run's is",
+                     vocab_hint: str = "") -> None:
     """ProfileError when `profile` was measured on a model that differs from `model` where times depend on it
-    (the number of layers may differ: times are per layer)."""
+    (the number of layers may differ: times are per layer); `vocab_hint`: the flag that gives `llamapipe profile`
+    the run's vocabulary (its tokenizer), named when the vocabularies differ."""
     for field in SAME_MODEL:
         if profile["model"].get(field) != getattr(model, field):
+            how = vocab_hint if field == "vocab_size" else ""
             raise ProfileError(f"{said} was made for a model with {field} {profile['model'].get(field)}, but "
-                               f"{whose} {getattr(model, field)}; profile this model with `llamapipe profile`")
+                               f"{whose} {getattr(model, field)}; profile this model with `llamapipe profile{how}`")
 
 
 def validate(profile: dict, name: str = "profile") -> dict:
@@ -133,6 +136,24 @@ def notice(profile: dict, name: str = "profile") -> Optional[str]:
         return (f"{name} has no overhead figures (written before `llamapipe profile` measured them): predictions "
                 "leave out the per-action and per-iteration time outside the passes; profile again to include it")
     return None
+
+
+def run_threads() -> int:
+    """Threads per process of a torchrun rank on this machine: OMP_NUM_THREADS when the environment sets it
+    (torchrun keeps it), else torchrun's 1."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def threads_mismatch(profile: dict, threads: int, name: str, run: str) -> Optional[str]:
+    """One line when a CPU profile was timed with another thread count per process than the run computes with
+    (`threads`; `run` says whose: "a torchrun rank ..."), whose passes then take other times; None when they
+    agree (or on CUDA, where the kernels run on the device)."""
+    if profile["device"] != "cpu" or profile["threads"] == threads:
+        return None
+    return (f"{name} was measured with {profile['threads']} thread(s) per process, but {run} computes with "
+            f"{threads}; profile again with `llamapipe profile --threads {threads} ...`, or set OMP_NUM_THREADS="
+            f"{profile['threads']} for both")
 
 
 def load(path: str, flag: str = "--profile") -> dict:

@@ -8,7 +8,7 @@ applied steps only. The console line, as in Megatron-LM, averages the loss and t
 iterations since the previous line. Throughput (tokens/s, TFLOP/s per GPU, MFU) leaves out the first
 iteration of a run, which also pays for warm-up (allocations, profiling, first-touch of memory). A single
 iteration's loss is noisy, so the summary compares the mean loss of the first and the last (up to) ten
-iterations this run trained.
+iterations this run trained; skipped updates are counted there, with a hint when an fp16 run skipped all of them.
 """
 from __future__ import annotations
 
@@ -20,6 +20,22 @@ from llamapipe.training.log import MetricsWriter, device_peak_tflops, flops_per_
 from llamapipe.model.llama import LlamaConfig
 
 SUMMARY_WINDOW = 10     # iterations averaged at each end of the run for the summary
+SKIPPED_ALL_HINT = ("; no update was applied: the fp16 loss scale starts at --initial-loss-scale (2^32 by "
+                    "default, as in Megatron) and halves once per overflowing iteration (after --hysteresis of "
+                    "them), so a short run can skip every one; give --initial-loss-scale 65536, train longer, or "
+                    "use --bf16")
+
+
+def start_line(train_iters: int, start: int) -> str:
+    """What the run is about to train: the count of iterations it will run, and where a resumed run takes over
+    (--train-iters is the last iteration, not a count from the checkpoint)."""
+    left = train_iters - start
+    if left <= 0:
+        return f"nothing to train: resumed at iteration {start}, and --train-iters {train_iters} is the last iteration"
+    count = f"training {left} iteration{'' if left == 1 else 's'}"
+    if start == 0:
+        return f"{count} (--train-iters {train_iters})"
+    return f"{count}, {start + 1} to {train_iters} (resumed at iteration {start}; --train-iters is the last iteration)"
 
 
 class TrainingProgress:
@@ -36,6 +52,7 @@ class TrainingProgress:
         self.losses: dict[int, float] = {}              # iteration -> lm loss, this run only
         self._interval: list[dict] = []                 # records since the last console line
         self._timed_tokens = self._timed_seconds = 0.0  # the run's totals after its first iteration
+        self._skips: list[tuple[str, float]] = []       # (reason, loss scale after it) of each skipped update
         self._start = time.time()
 
     def _throughput(self, tokens: float, seconds: float) -> dict:
@@ -70,6 +87,7 @@ class TrainingProgress:
     def skipped(self, *, iteration: int, consumed_samples: int, global_batch_size: int, seconds: float, lr: float,
                 loss_scale: float, skipped_iterations: int, reason: str) -> None:
         """Record an iteration whose update was not applied; it ends a console interval like any other."""
+        self._skips.append((reason, loss_scale))
         self.metrics.write({"iteration": iteration, "consumed_samples": consumed_samples,
                             "global_batch_size": global_batch_size, "elapsed_ms": seconds * 1000.0, "lr": lr,
                             "loss_scale": loss_scale, "skipped_iterations": skipped_iterations, "skipped": True,
@@ -105,8 +123,10 @@ class TrainingProgress:
             t = self._throughput(self._timed_tokens, self._timed_seconds)
             line += f", {t['tokens_per_sec']:.0f} tokens/s ({t['tflops_per_device']:.3f} TFLOP/s per device) " \
                     "after the first iteration"
+        if self._skips:
+            line += f"; {len(self._skips)} iteration(s) skipped their update (last: {self._skips[-1][0]})"
         if not iters:
-            return line
+            return line + (SKIPPED_ALL_HINT if self._skips and self._skips[-1][1] > 1.0 else "")
         n = min(SUMMARY_WINDOW, len(iters) // 2)
         if n == 0:
             return line + f"; lm loss {self.losses[iters[0]]:.4f} at iteration {iters[0]} (one iteration: " \

@@ -206,31 +206,36 @@ def test_schedules_match_single_rank(tp, pp, dp):
                 torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=0, msg=f"{case} vs 1F1B {name}")
 
 
-class _SlowW(torch.autograd.Function):
-    """Identity whose deferred weight gradient sleeps `w_s` and records when it ends."""
+class _WaitingW(torch.autograd.Function):
+    """Identity whose deferred weight gradient waits (up to `wait_s`) for the file rank 0 writes once its step is
+    done, and records whether it appeared: an order observed, not a time measured."""
 
     @staticmethod
-    def forward(ctx, x, weight, w_s, log):
-        ctx.weight, ctx.w_s, ctx.log = weight, w_s, log
+    def forward(ctx, x, weight, wait_s, log, done_file):
+        ctx.weight, ctx.wait_s, ctx.log, ctx.done_file = weight, wait_s, log, done_file
         ctx.store = weight_grad_store.current()
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
+        import os
         import time
 
         def weight_grad() -> None:
-            time.sleep(ctx.w_s)
+            deadline = time.monotonic() + ctx.wait_s
+            while not os.path.exists(ctx.done_file) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ctx.log["rank0_done_before_w"] = os.path.exists(ctx.done_file)
             ctx.weight.grad = torch.ones_like(ctx.weight)
-            ctx.log["w_end"] = time.monotonic()
         weight_grad_store.defer(ctx.store, weight_grad, (ctx.weight,))
-        return grad.clone(), None, None, None
+        return grad.clone(), None, None, None, None
 
 
-class _SlowWChunk(nn.Module):
-    def __init__(self, pre: bool, post: bool, w_s: float, log: dict) -> None:
+class _WaitingWChunk(nn.Module):
+    def __init__(self, pre: bool, post: bool, wait_s: float, log: dict, done_file: str) -> None:
         super().__init__()
-        self.pre_process, self.post_process, self.w_s, self.log = pre, post, w_s, log
+        self.pre_process, self.post_process, self.wait_s, self.log = pre, post, wait_s, log
+        self.done_file = done_file
         self.weight, self.input_tensor = nn.Parameter(torch.zeros(1)), None
 
     def set_input_tensor(self, t):
@@ -238,36 +243,40 @@ class _SlowWChunk(nn.Module):
 
     def forward(self, input_ids=None, labels=None):
         x = input_ids.float() if self.pre_process else self.input_tensor
-        return _SlowW.apply(x, self.weight, self.w_s, self.log)
+        return _WaitingW.apply(x, self.weight, self.wait_s, self.log, self.done_file)
 
 
-def _early_send_worker(rank: int, world: int, fused_bw: bool) -> dict:
-    import time
+def _early_send_worker(rank: int, world: int, fused_bw: bool, done_file: str) -> dict:
     from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from llamapipe.core.pipeline_parallel import executor
     from llamapipe.core.pipeline_parallel.builders import one_f_one_b
     from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
     ps, log = initialize_model_parallel(1, 2), {}
     try:
-        chunk = _SlowWChunk(rank == 0, rank == 1, 0.0 if rank == 0 else 0.6, log)
+        # rank 1's W waits for rank 0 (whose own W does not): long enough for any load when rank 0 can finish
+        # first (split B/W), and 1 s when it cannot (fused BW sends rank 0 its gradient only after W)
+        wait_s = 0.0 if rank == 0 else 1.0 if fused_bw else 120.0
+        chunk = _WaitingWChunk(rank == 0, rank == 1, wait_s, log, done_file)
         batch = {"tokens": torch.ones(2, 3), "labels": torch.ones(2, 3)}
         executor.run(one_f_one_b(2, 1), model_chunks=[chunk], forward_step_func=forward_step,
                      data_iterator=iter([batch]), parallel_state=ps, num_microbatches=1,
                      options=RuntimeOptions(fused_bw=fused_bw))
-        log["done"] = time.monotonic()
+        if rank == 0:
+            open(done_file, "w").close()
         return log
     finally:
         destroy_model_parallel()
 
 
 @pytest.mark.parametrize("fused_bw", [False, True])
-def test_bw_sends_the_input_gradient_before_its_weight_gradients(fused_bw):
-    """Rank 1's W sleeps 0.6 s: rank 0 finishes before it ends, unless fused_bw (Megatron's order)."""
-    r0, r1 = run_distributed(_early_send_worker, 2, fused_bw)
+def test_bw_sends_the_input_gradient_before_its_weight_gradients(fused_bw, tmp_path):
+    """Rank 1's W waits for rank 0 to finish its step: rank 0 does, unless fused_bw (Megatron's order), which
+    sends rank 0 its input gradient only after W."""
+    r0, r1 = run_distributed(_early_send_worker, 2, fused_bw, str(tmp_path / "rank0_done"))
     if fused_bw:
-        assert r0["done"] > r1["w_end"]
+        assert r1["rank0_done_before_w"] is False
     else:
-        assert r0["done"] < r1["w_end"] - 0.3
+        assert r1["rank0_done_before_w"] is True
 
 
 def _fitted_zb_h2_worker(rank: int, world: int) -> dict:

@@ -24,6 +24,12 @@ SHAPE = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--seq-length", "32", "--max-position-embeddings", "64", "--global-batch-size", "8", "--mock-data"]
 
 
+@pytest.fixture(autouse=True)
+def _torchrun_threads(monkeypatch):
+    """The ranks' thread count a profile must match is torchrun's 1 here, whatever this shell exports."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
 def resolve(*flags: str, vocab: int = 256, device: str = "cpu"):
     args = build_parser().parse_args(SHAPE + ["--vocab-size", str(vocab), *flags])
     notices: list[str] = []
@@ -156,3 +162,22 @@ def test_a_profile_with_a_time_that_is_not_finite_is_one_line(tmp_path):
     path.write_text(json.dumps(profile))
     assert one_line(["--pipeline-model-parallel-layout", "auto", "--pipeline-profile", str(path)]) == \
         f"--pipeline-profile {path}: entries[0].head.f is inf; expected a finite non-negative number"
+
+
+def test_auto_split_counts_the_tokenizers_vocabulary_not_the_presets(tmp_path, llamapipe_log):
+    """issue 39, item 3: the tiny preset says 1024, the tokenizer has 8192 ids; the split and its notice use
+    8192, the vocabulary the run trains (the layout differs from the one 1024 gives)."""
+    from tokenizers import Tokenizer, models
+    vocab = {f"w{i}": i for i in range(8192)}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "tokenizer.json"))
+    flags = ["--model", "tiny", "--mock-data", "--pipeline-model-parallel-size", "2",
+             "--pipeline-model-parallel-layout", "auto", "--global-batch-size", "4"]
+    config = config_from_args(build_parser().parse_args(flags + ["--tokenizer-model", str(tmp_path)]), 2)
+    assert config.model.vocab_size == 8192
+    notice = [line for line in llamapipe_log if "layout auto chose" in line]
+    assert len(notice) == 1 and "counted at vocabulary 8192)" in notice[0], notice
+    args = build_parser().parse_args(flags)
+    want = resolve_auto_layout(args, model_config(args, []).replace(vocab_size=8192), 128, "cpu", [])
+    preset = resolve_auto_layout(args, model_config(args, []), 128, "cpu", [])
+    assert want.pipeline_model_parallel_layout != preset.pipeline_model_parallel_layout
+    assert config.parallel.pipeline_layout == want.pipeline_model_parallel_layout

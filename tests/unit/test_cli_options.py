@@ -40,6 +40,7 @@ FLAGS = """
 --pipeline-schedule-file --pipeline-profile --allow-tokenizer-change
 --reset-position-ids --reset-attention-mask --eod-mask-loss
 --use-rope-scaling --rope-scaling-factor
+--decoupled-lr --decoupled-min-lr
 """.split()
 COMPAT = [entry.flag for entry in NOTICES + REFUSED] + list(FORK_FLAGS)   # the zero-bubble fork's, pinned there
 

@@ -52,7 +52,8 @@ MEGATRON_DEFAULTS = {
     "--eval-interval": None,     # None since core_v0.17 (ValidationConfig); 1000 up to core_v0.16
     "--calculate-per-token-loss": False, "--exit-interval": None, "--exit-duration-in-mins": None,
     "--exit-signal-handler": False, "--exit-signal": signal.SIGTERM, "--manual-gc": False, "--manual-gc-interval": 0, "--no-manual-gc-eval": True,
-    "--optimizer": "adam", "--min-lr": 0.0, "--lr-decay-style": "linear", "--lr-warmup-iters": 0,
+    "--optimizer": "adam", "--min-lr": 0.0, "--decoupled-lr": None, "--decoupled-min-lr": None,
+    "--lr-decay-style": "linear", "--lr-warmup-iters": 0,
     "--lr-warmup-samples": 0, "--lr-warmup-fraction": None, "--lr-decay-iters": None, "--lr-decay-samples": None,
     "--weight-decay": 0.01, "--adam-beta1": 0.9, "--adam-beta2": 0.999, "--adam-eps": 1e-8, "--clip-grad": 1.0,
     "--bf16": False, "--fp16": False, "--loss-scale": None, "--initial-loss-scale": 2.0 ** 32,

@@ -154,7 +154,7 @@ def test_use_checkpoint_args_takes_the_rope_scaling(tmp_path):
     import dataclasses
     from llamapipe.tools.convert_hf import model_specs
     from llamapipe.training.checkpointing.io import write_layout
-    from llamapipe.training.checkpointing.save_load import _check_model_config
+    from llamapipe.training.arguments.checkpoint_args import check_saved_model
     saved = LlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                         vocab_size=128, max_position_embeddings=64, use_rope_scaling=True, rope_scaling_factor=32.0)
     state = {name: p.detach() for name, p in LlamaModel(saved).named_parameters()}
@@ -162,7 +162,7 @@ def test_use_checkpoint_args_takes_the_rope_scaling(tmp_path):
     taken = cfg(["--use-checkpoint-args", "--load", str(tmp_path)] + SHAPE).model
     assert taken.rope_scaling == saved.rope_scaling
     with pytest.raises(ValueError, match="set --use-rope-scaling True"):
-        _check_model_config(dataclasses.asdict(saved), saved.replace(use_rope_scaling=False), "ckpt")
+        check_saved_model(dataclasses.asdict(saved), saved.replace(use_rope_scaling=False), "ckpt")
 
 
 def test_convert_hf_import_at_tp2_pp2_and_export_give_the_directory_back(tmp_path):

@@ -28,6 +28,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MS = 1e-3
 
 
+@pytest.fixture(autouse=True)
+def _torchrun_threads(monkeypatch):
+    """The ranks' thread count a profile must match is torchrun's 1 here, whatever this shell exports."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
 def synthetic_profile(layer=(1.0, 1.0, 1.0), head=(1.0, 1.0, 1.0), num_layers=2, optimizer=0.0) -> dict:
     """A profile with round times in ms: embedding free, a layer and the head as given, comm negligible."""
     model = LlamaConfig(num_layers=num_layers, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,

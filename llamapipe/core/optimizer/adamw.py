@@ -2,11 +2,12 @@
 
 NVIDIA apex `FusedAdam` is used on CUDA when `apex.optimizers` imports; otherwise torch's AdamW
 (fused kernel on CUDA, multi-tensor `foreach` on CPU). Norm and bias parameters (1-D) get no weight decay,
-Megatron's rule.
+Megatron's rule. With a decoupled learning rate (Megatron's --decoupled-lr) the embedding and the output layer
+are a param group of their own, marked `decoupled_lr`, whose rate the scheduler sets from that schedule.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -27,10 +28,22 @@ def decays_weight(name: str, param: torch.Tensor) -> bool:
     return param.dim() > 1 and not name.endswith(".bias")
 
 
-def make_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], opt_cfg: OptimizerConfig) -> Any:
-    """AdamW over two param groups (with and without weight decay)."""
+EMBEDDING_OR_OUTPUT = ("embedding.weight", "output.weight")     # Megatron's is_embedding_or_output_parameter
+
+
+def follows_decoupled_lr(name: str, opt_cfg: OptimizerConfig) -> bool:
+    """Whether the parameter named `name` learns at the decoupled rate: the embedding and the output layer
+    (Megatron's is_embedding_or_output_parameter), when --decoupled-lr is given."""
+    return opt_cfg.decoupled_lr is not None and name in EMBEDDING_OR_OUTPUT
+
+
+def make_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], opt_cfg: OptimizerConfig,
+               decoupled: Sequence[torch.Tensor] = ()) -> Any:
+    """AdamW over the param groups with and without weight decay, and the weight-decayed `decoupled` group
+    (the embedding and output layer under --decoupled-lr)."""
     groups = [{"params": decay, "weight_decay": opt_cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+              {"params": no_decay, "weight_decay": 0.0},
+              {"params": list(decoupled), "weight_decay": opt_cfg.weight_decay, "decoupled_lr": True}]
     groups = [g for g in groups if g["params"]]
     if not groups:  # a ZeRO-1 shard made only of padding still needs an optimizer object
         groups = [{"params": [torch.zeros(0)], "weight_decay": 0.0}]

@@ -6,7 +6,9 @@ its warmup and decay (--lr-warmup-samples, --lr-decay-samples) follow the data s
 --rampup-batch-size grows the batch. --lr-warmup-fraction sets the warmup to that share of the decay
 span in either unit. One `step(increment)` per successful optimizer update (increment: 1, or the step's
 global batch size when counting samples). Iteration 1 runs at `get_lr()` of step 0 (0 during warmup), as
-in Megatron.
+in Megatron. A param group marked `decoupled_lr` (the embedding and output layer under Megatron's
+--decoupled-lr) follows the same warmup and decay between its own peak and floor (decoupled_lr,
+decoupled_min_lr, which defaults to min_lr), as Megatron's per-group max_lr / min_lr do.
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ class OptimizerParamScheduler:
         self.optimizer = optimizer
         self.max_lr = float(opt_cfg.lr)
         self.min_lr = float(opt_cfg.min_lr)
+        decoupled = opt_cfg.decoupled_lr is not None
+        self.decoupled_max_lr = float(opt_cfg.decoupled_lr) if decoupled else None
+        self.decoupled_min_lr = (float(opt_cfg.decoupled_min_lr if opt_cfg.decoupled_min_lr is not None
+                                       else opt_cfg.min_lr) if decoupled else None)
         self.counts_samples = train_samples is not None
         unit = "samples" if self.counts_samples else "iters"
         given_decay = opt_cfg.lr_decay_samples if self.counts_samples else opt_cfg.lr_decay_iters
@@ -39,6 +45,10 @@ class OptimizerParamScheduler:
                         "lr_decay_style": ("lr_decay_style", "decay style"),
                         "lr_decay_steps": (f"lr_decay_{unit}" if given_decay is not None else f"train_{unit}",
                                            f"decay length in {unit}")}
+        if decoupled:
+            self._fields.update(decoupled_max_lr=("decoupled_lr", "embedding and output layer's learning rate"),
+                                decoupled_min_lr=("decoupled_min_lr", "embedding and output layer's minimum "
+                                                                      "learning rate"))
         if opt_cfg.lr_warmup_fraction is not None:
             self.lr_warmup_steps = opt_cfg.lr_warmup_fraction * self.lr_decay_steps
             warmup_field = "lr_warmup_fraction"
@@ -55,22 +65,24 @@ class OptimizerParamScheduler:
         self.num_steps = 0
         self.step(0)
 
-    def get_lr(self, num_steps: Optional[int] = None) -> float:
-        """Learning rate after `num_steps` updates (default: the current step count)."""
+    def get_lr(self, num_steps: Optional[int] = None, decoupled: bool = False) -> float:
+        """Learning rate after `num_steps` updates (default: the current step count); `decoupled`: of the
+        embedding and output layer under --decoupled-lr."""
         n = self.num_steps if num_steps is None else num_steps
+        max_lr, min_lr = (self.decoupled_max_lr, self.decoupled_min_lr) if decoupled else (self.max_lr, self.min_lr)
         if self.lr_warmup_steps > 0 and n <= self.lr_warmup_steps:
-            return self.max_lr * n / self.lr_warmup_steps
+            return max_lr * n / self.lr_warmup_steps
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if n > self.lr_decay_steps:
-            return self.min_lr
+            return min_lr
         decay_ratio = (n - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
         assert 0.0 <= decay_ratio <= 1.0, decay_ratio
         if self.lr_decay_style == "linear":
             coeff = 1.0 - decay_ratio
         else:
             coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def step(self, increment: int = 1) -> float:
         """Advance the step count (by the step's global batch size when counting samples) and write the new
@@ -78,13 +90,14 @@ class OptimizerParamScheduler:
         self.num_steps += increment
         lr = self.get_lr()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = self.get_lr(decoupled=True) if group.get("decoupled_lr") else lr
         return lr
 
     def state_dict(self) -> dict:
+        decoupled = {"decoupled_max_lr": self.decoupled_max_lr, "decoupled_min_lr": self.decoupled_min_lr}
         return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
                 "lr_warmup_steps": self.lr_warmup_steps, "lr_decay_steps": self.lr_decay_steps,
-                "lr_decay_style": self.lr_decay_style}
+                "lr_decay_style": self.lr_decay_style, **(decoupled if self.decoupled_max_lr is not None else {})}
 
     def load_state_dict(self, state: dict, *, override: bool = False, use_checkpoint: bool = False) -> None:
         """Resume the step count, with Megatron's rule for the schedule's shape (lr, min-lr, warmup, decay
@@ -97,7 +110,8 @@ class OptimizerParamScheduler:
             raise ConfigError(f"{choices[0]} and {choices[1]} cannot be used together", *choices)
         # under a constant style on both sides the decay length and min-lr set no learning rate, so a
         # difference cannot make the schedule drift (Megatron compares them anyway)
-        inert = ("lr_decay_steps", "min_lr") if self.lr_decay_style == state.get("lr_decay_style") == "constant" else ()
+        constant = self.lr_decay_style == state.get("lr_decay_style") == "constant"
+        inert = ("lr_decay_steps", "min_lr", "decoupled_min_lr") if constant else ()
         for name, (field, what) in ([] if override else self._fields.items()):
             if name not in state or state[name] == getattr(self, name) or name in inert:
                 continue

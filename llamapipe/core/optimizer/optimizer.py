@@ -17,7 +17,8 @@ import torch
 
 from llamapipe.core.config import OptimizerConfig
 from llamapipe.core.logger import get_logger
-from llamapipe.core.optimizer.adamw import decays_weight, get_adam_state, make_adamw, set_adam_state
+from llamapipe.core.optimizer.adamw import (decays_weight, follows_decoupled_lr, get_adam_state, make_adamw,
+                                            set_adam_state)
 from llamapipe.core.optimizer.clip_grads import (clip_grads_, counts_for_norm, local_squared_norm, unscale_and_check_,
                                                  unscale_local_)
 from llamapipe.core.optimizer import post_validation as pv
@@ -70,8 +71,10 @@ class Optimizer:
         self._has_master = [self.params[s.param_index].dtype != torch.float32 or self.offload for s in self.segments]
         self._counted = [counts_for_norm(self.model_params[s.param_index], ps.tp_rank) for s in self.segments]
         decay = [decays_weight(self.names[s.param_index], self.params[s.param_index]) for s in self.segments]
-        self.inner = make_adamw([m for m, d in zip(self.mains, decay) if d],
-                                [m for m, d in zip(self.mains, decay) if not d], opt_cfg)
+        decoupled = [follows_decoupled_lr(self.names[s.param_index], opt_cfg) for s in self.segments]
+        self.inner = make_adamw([m for m, d, c in zip(self.mains, decay, decoupled) if d and not c],
+                                [m for m, d, c in zip(self.mains, decay, decoupled) if not d and not c], opt_cfg,
+                                [m for m, c in zip(self.mains, decoupled) if c])
         self.grad_scaler = build_grad_scaler(opt_cfg)
         self.num_steps = 0
         self.device = self.params[0].device if self.params else torch.device("cpu")

@@ -6,6 +6,10 @@
   when there are any, else a `tokenizer_config.json` naming its special tokens.
 - NullTokenizer has no text form, so nothing is written.
 
+A family may add to tokenizer_config.json what transformers needs to build the class it names rather than one
+of its own for the model type (qwen2's `auto_map`, `ModelFamily.hf_tokenizer_config`); tests/e2e/
+test_hf_export_families.py loads every family's export with both tokenizer kinds through the Auto classes.
+
 An exported sentencepiece model encodes a text to the ids this package's tokenizer gives it, with no bos
 prepended, as the data was preprocessed (documents, then eod under --append-eod); this holds for models trained
 with LLaMA's settings (`llamapipe train-tokenizer`), as transformers' conversion does not reproduce every
@@ -34,8 +38,11 @@ def special_token_ids(tokenizer: Tokenizer) -> dict[str, Optional[int]]:
     return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
 
 
-def write_hf_tokenizer(tokenizer: Tokenizer, out_dir: str, model_max_length: int) -> list[str]:
-    """Write `tokenizer`'s HF files into `out_dir`; returns the file names written (none for NullTokenizer)."""
+def write_hf_tokenizer(tokenizer: Tokenizer, out_dir: str, model_max_length: int,
+                       family_config: Optional[dict] = None) -> list[str]:
+    """Write `tokenizer`'s HF files into `out_dir`; returns the file names written (none for NullTokenizer).
+    `family_config`: what the model family adds to tokenizer_config.json (`ModelFamily.hf_tokenizer_config`)."""
+    family_config = family_config or {}
     if isinstance(tokenizer, NullTokenizer):
         return []
     os.makedirs(out_dir, exist_ok=True)
@@ -47,7 +54,7 @@ def write_hf_tokenizer(tokenizer: Tokenizer, out_dir: str, model_max_length: int
         _copy(tokenizer.model_path, os.path.join(out_dir, "tokenizer.model"))
         unk = tokenizer.unk_id
         config.update(tokenizer_class="LlamaTokenizer", legacy=False,
-                      **({"unk_token": tokenizer.id_to_piece(unk)} if unk is not None else {}))
+                      **({"unk_token": tokenizer.id_to_piece(unk)} if unk is not None else {}), **family_config)
         _write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
         return ["tokenizer.model", "tokenizer_config.json"]
     assert isinstance(tokenizer, HuggingFaceTokenizer), type(tokenizer)
@@ -58,8 +65,12 @@ def write_hf_tokenizer(tokenizer: Tokenizer, out_dir: str, model_max_length: int
         _copy(os.path.join(os.path.dirname(source), name), os.path.join(out_dir, name))
     if "tokenizer_config.json" not in beside:
         _write_json(os.path.join(out_dir, "tokenizer_config.json"),
-                    {"tokenizer_class": "PreTrainedTokenizerFast", **config})
+                    {"tokenizer_class": "PreTrainedTokenizerFast", **config, **family_config})
         beside.append("tokenizer_config.json")
+    elif family_config:
+        path = os.path.join(out_dir, "tokenizer_config.json")
+        with open(path, encoding="utf-8") as f:
+            _write_json(path, {"tokenizer_class": "PreTrainedTokenizerFast", **json.load(f), **family_config})
     return ["tokenizer.json"] + beside
 
 

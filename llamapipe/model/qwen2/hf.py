@@ -11,6 +11,11 @@ from llamapipe.model.llama import LlamaConfig, hf as llama_hf
 from llamapipe.model.qwen2.config import Qwen2Config
 
 HF_ARCHITECTURE, HF_MODEL_TYPE = "Qwen2ForCausalLM", "qwen2"
+# transformers 5's AutoTokenizer builds its Qwen2Tokenizer for model_type qwen2 whatever tokenizer_config.json's
+# tokenizer_class says (it keeps only the vocabulary and merges: Qwen's pre-tokenizer and NFC, no sentencepiece),
+# unless the config has an auto_map; one naming no code makes it take tokenizer_class, as for LLaMA. (Loading
+# with trust_remote_code=True then fails: there is no code to trust.)
+HF_TOKENIZER_CONFIG = {"auto_map": {"AutoTokenizer": [None, None]}}
 _LAYER_NAMES = {**llama_hf.LAYER_NAMES, **{f"attention.{p}_proj.bias": f"self_attn.{p}_proj.bias" for p in "qkv"}}
 
 

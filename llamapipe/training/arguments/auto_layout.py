@@ -118,7 +118,8 @@ def _profiled_parts(args: argparse.Namespace, model: LlamaConfig, seq_length: in
     said = f"{PROFILE_FLAG} {path}"
     try:
         profile = profile_schema.load(path, PROFILE_FLAG)
-        profile_schema.check_same_model(profile, model, said)
+        profile_schema.check_same_model(profile, model, said,
+                                        vocab_hint=" --tokenizer-model" if args.tokenizer_model is not None else "")
     except profile_schema.ProfileError as err:
         raise ArgumentError(str(err)) from None
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -127,6 +128,10 @@ def _profiled_parts(args: argparse.Namespace, model: LlamaConfig, seq_length: in
     for what, theirs, ours in ((tokens, profile["seq_length"], seq_length), ("precision", profile["dtype"], dtype)):
         if theirs != ours:
             raise ArgumentError(f"{said} was measured at {what} {theirs}, but this run's is {ours}")
+    threads = profile_schema.threads_mismatch(profile, profile_schema.run_threads(), said,
+                                              "each rank torchrun starts (OMP_NUM_THREADS, else 1)")
+    if threads is not None:
+        raise ArgumentError(threads)
     recompute = _recompute(model)
     parts = profile_schema.entry(profile, args.micro_batch_size, recompute)
     if parts is None:

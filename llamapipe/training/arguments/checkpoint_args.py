@@ -2,7 +2,8 @@
 
 As in Megatron, shape flags the user did not give are filled from the checkpoint (layers, hidden, MLP and
 head sizes, positions, sequence length, vocabulary), while the architecture switches are always taken
-from it (query groups and --group-query-attention, RoPE base, percent and scaling, tied embeddings). With no
+from it (the model family, query groups and --group-query-attention, RoPE base, percent and scaling, tied
+embeddings). With no
 checkpoint in --load yet, the command line stands (Megatron prints the same and goes on).
 """
 from __future__ import annotations
@@ -12,7 +13,8 @@ import json
 import os
 
 from llamapipe.core.config import ArgumentError
-from llamapipe.model.families import qkv_bias_family
+from llamapipe.model.families import family_named, qkv_bias_family
+from llamapipe.model.llama import LlamaConfig
 from llamapipe.training.checkpointing.io import METADATA, latest_checkpoint
 
 _FILLED = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
@@ -56,9 +58,42 @@ def with_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> argpar
     taken = ", ".join(f"--{flag.replace('_', '-')} {value}" for flag, value in values.items())
     notices.append(f"--use-checkpoint-args: {taken} from {found[1]}")
     tie = bool(model.get("tie_word_embeddings"))
-    return argparse.Namespace(**{**vars(args), **values, "tie_embeddings_and_output_weights": tie,
+    return argparse.Namespace(**{**vars(args), **values, "checkpoint_family": model.get("family", "llama"),
+                                 "tie_embeddings_and_output_weights": tie,
                                  "use_rope_scaling": bool(model.get("use_rope_scaling")),
                                  "untie_embeddings_and_output_weights": not tie,
                                  "group_query_attention": model["num_query_groups"] != model["num_attention_heads"],
                                  "add_qkv_bias": (model.get("family") == qkv_bias_family().name
                                                   or getattr(args, "add_qkv_bias", False))})
+
+
+# Model fields a checkpoint fixes, with the flag that sets each (RoPE base and norm epsilon change the
+# function without changing any shape, so they are checked too); the family is said by `_family_setting`.
+_CHECKED = {"family": None, "num_layers": "--num-layers", "hidden_size": "--hidden-size",
+            "ffn_hidden_size": "--ffn-hidden-size", "num_attention_heads": "--num-attention-heads",
+            "num_query_groups": "--num-query-groups", "vocab_size": "--vocab-size (or --tokenizer-model)",
+            "tie_word_embeddings": "--tie-embeddings-and-output-weights", "rope_theta": "--rotary-base",
+            "norm_epsilon": "--norm-epsilon", "kv_channels": "--kv-channels", "rotary_percent": "--rotary-percent",
+            "use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "--rope-scaling-factor",
+            **dict.fromkeys(("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings"),
+                            "--model (a preset with this RoPE scaling)")}
+
+
+def check_saved_model(saved: dict, current: LlamaConfig, path: str) -> None:
+    """ValueError, one line, when the checkpoint's model (`saved`, its recorded fields) is not this run's: every
+    field that differs, the flags that set them, and --use-checkpoint-args, which sets them all at once (an
+    imported HF checkpoint differs from the defaults in most)."""
+    differ = [field for field in _CHECKED if field in saved and saved[field] != getattr(current, field)]
+    if not differ:
+        return
+    settings = ", ".join(_family_setting(saved[f]) if f == "family" else f"{_CHECKED[f]} {saved[f]}" for f in differ)
+    raise ValueError(f"checkpoint {path} was saved with {', '.join(f'{f} {saved[f]}' for f in differ)} but this "
+                     f"run has {', '.join(str(getattr(current, f)) for f in differ)}; set {settings}, or give "
+                     "--use-checkpoint-args to take the model's shape from the checkpoint")
+
+
+def _family_setting(name: str) -> str:
+    """How a run asks for model family `name`: one of its --model presets (or Megatron's Qwen2 flag)."""
+    family = family_named(name)
+    bias = " or --add-qkv-bias" if family is qkv_bias_family() else ""
+    return f"--model with a {name} preset ({', '.join(family.presets)}){bias}"

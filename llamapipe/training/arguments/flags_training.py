@@ -77,6 +77,12 @@ def add_optimizer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=3e-4,
                    help="peak learning rate (Megatron has no usable default)")
     g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the embedding and the output layer, on --lr's warmup and decay "
+                        "(Megatron's); None: --lr")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="the embedding's and output layer's rate at the end of the decay, with --decoupled-lr; "
+                        "None: --min-lr")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear",
                    help="shape of the decay from --lr to --min-lr")
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="iterations of linear warmup from 0")

@@ -47,10 +47,6 @@ NOTICES: tuple[CompatFlag, ...] = (
                "the distributed optimizer gathers the parameters right after its step"),
     CompatFlag("--grad-reduce-in-bf16", "half-precision gradients are reduced in fp32"),
     CompatFlag("--accumulate-allreduce-grads-in-fp32", "half-precision gradients are always reduced in fp32"),
-    CompatFlag("--decoupled-lr", "every parameter follows --lr; a separate embedding/output-layer rate is not "
-               "implemented", float),
-    CompatFlag("--decoupled-min-lr", "every parameter follows --min-lr; a separate embedding/output-layer rate "
-               "is not implemented", float),
     CompatFlag("--ckpt-format", "checkpoints are llamapipe's own format (safetensors shards and metadata.json), "
                "which load into any parallel layout", str),
     CompatFlag("--ckpt-fully-parallel-load", "checkpoint loading has one strategy: each rank reads what it holds"),
@@ -117,12 +113,16 @@ def add_compat_flags(p: argparse.ArgumentParser) -> None:
 
 
 def check_compat(args: argparse.Namespace) -> list[str]:
-    """Raise ArgumentError for the first refused flag given; return one notice line per no-effect flag given,
-    then the zero-bubble fork's (zb_fork_flags.check_fork_flags) and the line on a schedule file."""
-    for e in REFUSED:
-        value = getattr(args, dest_of(e.flag))
-        if value not in (None, False) and value not in e.off:
-            raise ArgumentError(f"{said(e, value)} is not supported: {e.why}")
+    """Raise ArgumentError naming every refused flag given, in one line (so a script learns all it must drop
+    at once); return one notice line per no-effect flag given, then the zero-bubble fork's
+    (zb_fork_flags.check_fork_flags) and the line on a schedule file."""
+    refused = [(said(e, value), e.why) for e in REFUSED
+               for value in [getattr(args, dest_of(e.flag))] if value not in (None, False) and value not in e.off]
+    if len(refused) == 1:
+        raise ArgumentError(f"{refused[0][0]} is not supported: {refused[0][1]}")
+    if refused:
+        raise ArgumentError(f"{len(refused)} flags are not supported: " +
+                            ", ".join(f"{flag} ({why})" for flag, why in refused))
     notices = [f"notice: {said(e, getattr(args, dest_of(e.flag)))} has no effect here: {e.why}"
                for e in NOTICES if getattr(args, dest_of(e.flag)) not in (None, False)]
     check_schedule_file(args)

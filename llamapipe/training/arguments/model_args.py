@@ -126,7 +126,11 @@ def model_config(args: argparse.Namespace, notices: list[str]) -> LlamaConfig:
 
 
 def _family(args: argparse.Namespace) -> families.ModelFamily:
-    """The preset's family; --add-qkv-bias (Megatron's Qwen2 flag) asks for the family with q/k/v biases."""
+    """The preset's family; --add-qkv-bias (Megatron's Qwen2 flag) asks for the family with q/k/v biases;
+    --use-checkpoint-args takes the checkpoint's, as it does the other architecture switches."""
+    recorded = getattr(args, "checkpoint_family", None)
+    if recorded is not None:
+        return families.family_named(recorded)
     preset = preset_name(args)
     family = families.family_of_preset(preset) if preset is not None else families.FAMILIES["llama"]
     biased = families.qkv_bias_family()

@@ -92,5 +92,8 @@ def noop_notices(args: argparse.Namespace, par: ParallelConfig) -> list[str]:
         lines.append(f"--use-flash-attn has no effect with --context-parallel-size {par.cp_size}: context-parallel "
                      "attention runs its own per-block kernel with the log-sum-exp (the CPU flash kernel on CPU, "
                      "plain matmuls elsewhere; docs/context_parallel.md)")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        lines.append(f"--decoupled-min-lr {args.decoupled_min_lr:g} has no effect without --decoupled-lr (as in "
+                     "Megatron-LM): the embedding and output layer follow --lr and --min-lr")
     lines += _data_parallel(args, par) + _pipeline(args, par) + _checkpoint(args) + _exit_signal(args)
     return ["notice: " + line for line in lines]

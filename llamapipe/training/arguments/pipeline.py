@@ -126,6 +126,20 @@ def virtual_stage_flag(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def schedule_chunks(args: argparse.Namespace, spec: ScheduleSpec, vpp: int, num_layers: int) -> int:
+    """`vpp`, or the one chunk count a schedule of one shape runs (the V schedules' 2) when no flag sets the
+    chunks or the split and the layers fill that many virtual stages evenly (else the refusal says why)."""
+    given = (args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank,
+             getattr(args, "pipeline_model_parallel_layout", None), args.decoder_first_pipeline_num_layers,
+             args.decoder_last_pipeline_num_layers)
+    pp = args.pipeline_model_parallel_size
+    if pp == 1 or spec.min_chunks != spec.max_chunks or any(flag is not None for flag in given):
+        return vpp
+    units, _, _ = _layer_units(num_layers, args.account_for_embedding_in_pipeline_split,
+                               args.account_for_loss_in_pipeline_split)
+    return spec.min_chunks if units % (pp * spec.min_chunks) == 0 else vpp
+
+
 def _layer_units(num_layers: int, embedding: bool, loss: bool) -> tuple[int, str, str]:
     """Layers counted by the split (the embedding / loss as one each when accounted for, as in Megatron),
     how to say that count ("(--num-layers 7 + 1 each for the loss) = 8 layers") and its sum alone."""

@@ -18,7 +18,7 @@ from llamapipe.core.context_parallel import COMM_TYPES
 from llamapipe.core.parallel_state import AXES, DEFAULT_ORDER, full_order
 from llamapipe.training.arguments.memory_limit import MemoryBytes
 from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule
-from llamapipe.training.arguments.pipeline import vpp_size
+from llamapipe.training.arguments.pipeline import schedule_chunks, vpp_size
 from llamapipe.training.flag_names import flag_message
 from llamapipe.training.schedule_file import load_schedule
 from llamapipe.training.config import CheckpointConfig, LoggingConfig
@@ -87,9 +87,10 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
     vpp = vpp_size(args, num_layers)
     schedule = args.pipeline_schedule or default_schedule(vpp)
     try:
-        load_schedule(schedule)     # a name in the table, or file:PATH (read and verified)
+        spec = load_schedule(schedule)     # a name in the table, or file:PATH (read and verified)
     except ValueError as err:
         raise ArgumentError(flag_message(err)) from None
+    vpp = schedule_chunks(args, spec, vpp, num_layers)
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 cannot be used together")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:

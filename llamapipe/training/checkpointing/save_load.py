@@ -27,6 +27,7 @@ from llamapipe.training.checkpointing.selection import choose_checkpoint, same_l
 from llamapipe.training.checkpointing.tokenizer_record import check_tokenizer, tokenizer_record
 from llamapipe.training.checkpointing.writer import (  # noqa: F401  (finalize and the error: this module's API)
     CheckpointSaveError, FileJob, SaveJob, finalize_async_save, start)
+from llamapipe.training.arguments.checkpoint_args import check_saved_model
 from llamapipe.training.config import Config
 from llamapipe.training.flag_names import flag_message
 from llamapipe.core.logger import get_logger
@@ -36,20 +37,6 @@ from llamapipe.training.checkpointing.resharding import (TensorSpec, gather_voca
 from llamapipe.training.checkpointing.tie_check import check_tie
 from llamapipe.core.distributed.tied_embeddings import logical_name
 from llamapipe.core.tensor_parallel.random import get_rng_tracker
-from llamapipe.model.llama import LlamaConfig
-
-# Model fields a checkpoint fixes, with the flag that sets each (RoPE base and norm epsilon change the
-# function without changing any shape, so they are checked too).
-_MODEL_FIELDS = {"family": "--model (or --add-qkv-bias)", "num_layers": "--num-layers", "hidden_size": "--hidden-size",
-                 "ffn_hidden_size": "--ffn-hidden-size",
-                 "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
-                 "vocab_size": "--vocab-size (or --tokenizer-model)",
-                 "tie_word_embeddings": "--tie-embeddings-and-output-weights", "rope_theta": "--rotary-base",
-                 "norm_epsilon": "--norm-epsilon", "kv_channels": "--kv-channels", "rotary_percent": "--rotary-percent",
-                 "use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "--rope-scaling-factor",
-                 **dict.fromkeys(("rope_low_freq_factor", "rope_high_freq_factor",
-                                  "rope_original_max_position_embeddings"), "--model (a preset with this RoPE scaling)")}
-
 
 @dataclasses.dataclass(frozen=True)
 class LoadResult:
@@ -180,7 +167,7 @@ def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: 
         return None
     iteration, path = found
     reader = cio.CheckpointReader(path)
-    _check_model_config(reader.meta["model_config"], config.model, path)
+    check_saved_model(reader.meta["model_config"], config.model, path)
     check_tokenizer(reader.meta.get("tokenizer"), config.data, path, config.checkpoint.allow_tokenizer_change)
     tensors = named_tensors(model_chunks)
     for name, target in tensors.items():
@@ -221,13 +208,6 @@ def _load_scheduler(scheduler: Any, state: dict, config: Config, path: str) -> N
                                   use_checkpoint=ckpt.use_checkpoint_opt_param_scheduler)
     except ValueError as err:
         raise ValueError(f"checkpoint {path}: {flag_message(err)}") from None
-
-
-def _check_model_config(saved: dict, current: LlamaConfig, path: str) -> None:
-    for field, flag in _MODEL_FIELDS.items():
-        if field in saved and saved[field] != getattr(current, field):
-            raise ValueError(f"checkpoint {path} was saved with {field} {saved[field]} but this run has "
-                             f"{getattr(current, field)}; set {flag} {saved[field]}")
 
 
 def _local_shard(param: torch.Tensor, reader: cio.CheckpointReader, key: str, kind: str,
