@@ -110,9 +110,8 @@ def remove_dead_temporaries(path: str) -> None:
             get_logger().info(f"removed {os.path.join(directory, name)}, left by a writer that was stopped")
 
 
-def _running(pid: int) -> bool:
-    if pid == os.getpid():
-        return False        # ours can only be a leftover of an earlier process with this pid
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this host (one we may not signal runs too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -120,6 +119,11 @@ def _running(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _running(pid: int) -> bool:
+    # ours can only be a leftover of an earlier process with this pid
+    return pid != os.getpid() and pid_alive(pid)
 
 
 def clear_leftover(tmp: str) -> None:

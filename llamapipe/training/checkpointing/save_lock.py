@@ -26,7 +26,7 @@ import time
 from typing import Any, Optional
 
 from llamapipe.core.logger import get_logger
-from llamapipe.safe_files import UnsafePathError, open_existing
+from llamapipe.safe_files import UnsafePathError, open_existing, pid_alive
 
 LOCK_FILE = "llamapipe.lock"
 _held: dict[str, "SaveDirLock"] = {}     # realpath of the directory -> this process's lock on it
@@ -124,7 +124,7 @@ def _check_stale(save_dir: str, path: str, owner: dict, flocked: Optional[bool])
         raise ValueError(f"--save {save_dir} is locked by a run on another host ({_who(owner)}), which cannot "
                          f"be checked from here; if that run is gone, remove {path}")
     pid = owner.get("pid")
-    if flocked is None and isinstance(pid, int) and _alive(pid):    # no flock here: the pid is all we have
+    if flocked is None and isinstance(pid, int) and pid_alive(pid):    # no flock here: the pid is all we have
         raise ValueError(f"--save {save_dir} is in use by another run ({_who(owner)}; lock file {path}); "
                          "wait for it to finish or save elsewhere")
     get_logger().warning(f"taking over the lock on --save {save_dir} left by a run that is gone ({_who(owner)})")
@@ -153,16 +153,6 @@ def _who(owner: dict) -> str:
     if not owner:
         return "its details are not written yet"
     return f"host {owner.get('host', '?')}, pid {owner.get('pid', '?')}, since {owner.get('since', '?')}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def release_all() -> None:
