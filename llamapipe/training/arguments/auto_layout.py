@@ -41,8 +41,9 @@ PROFILE_FLAG = "--pipeline-profile"
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # What vocabulary parallelism costs beyond `rank_work`'s balance (the S/T synchronisation of every microbatch),
 # as a share of the busiest rank's work: at vocabulary 8192 / hidden 256 (benchmarks/bench_pipeline_gaps.py) the
-# model predicted 5.5% less work on the busiest rank and the run gained 0.3% over the layer split; at vocabulary
-# 32768, where no layer split balances the output layer, it predicts 26% and the run gains (docs/runtime.md).
+# model predicted 4.6-5.5% less work on the busiest rank (1F1B and V placements) and the run gained nothing over
+# the layer split; at vocabulary 32768, where no layer split balances the output layer, it predicts 18-26% and
+# the run gains 15-28% (docs/runtime.md, "Where a 2-rank pipeline loses time on real compute").
 VOCAB_PARALLEL_MARGIN = 0.06
 
 
