@@ -80,7 +80,9 @@ def apply_data_parallel_sharding(chunks: list[nn.Module], strategy: str, ps: Any
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     device = next(chunks[0].parameters()).device
-    mesh = DeviceMesh.from_group(ps.dp_cp_group, device.type)
+    # meta parameters (the dry run) are sharded on meta, as FSDP2's deferred initialisation does; the mesh then
+    # names the CPU, a device with a process-group backend
+    mesh = DeviceMesh.from_group(ps.dp_cp_group, "cpu" if device.type == "meta" else device.type)
     reshard = strategy == "optim_grads_params"
     for chunk in chunks:
         attrs = {name: {a: getattr(p, a) for a in _TP_ATTRS if hasattr(p, a)} for name, p in chunk.named_parameters()}
