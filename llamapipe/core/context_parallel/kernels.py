@@ -18,12 +18,15 @@ from __future__ import annotations
 import torch
 
 _ATEN = torch.ops.aten
+# where the CPU flash kernel's ops run: the CPU, and meta tensors (shapes only: the dry run), which its meta
+# implementations take in a few operations where the plain matmuls take dozens
+_FLASH_DEVICES = ("cpu", "meta")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (b, heads, sq, d) in q's dtype, lse (b, heads, sq) fp32) of one block."""
-    if q.device.type == "cpu":
+    if q.device.type in _FLASH_DEVICES:
         out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
     return attend_math(q, k, v, causal, scale)
@@ -32,7 +35,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block given the rows' global `out` and `lse` (the merged result over all blocks)."""
-    if q.device.type == "cpu":
+    if q.device.type in _FLASH_DEVICES:
         return _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
                                                                          scale=scale)
     return attend_math_backward(dout, q, k, v, out, lse, causal, scale)

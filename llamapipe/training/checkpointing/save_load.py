@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from llamapipe.training.checkpointing import io as cio
 from llamapipe.training.checkpointing.catalog import remove_stale_tmp
+from llamapipe.training.checkpointing.resume_checks import OPTIM_HINT, check_loadable, trainable
 from llamapipe.training.checkpointing.io import latest_checkpoint  # noqa: F401  (part of this module's API)
 from llamapipe.training.checkpointing.selection import choose_checkpoint, same_layout
 from llamapipe.training.checkpointing.writer import (  # noqa: F401  (finalize and the error: this module's API)
@@ -32,17 +33,6 @@ from llamapipe.core.parallel_state import AXES, ParallelState
 from llamapipe.training.checkpointing.resharding import (TensorSpec, gather_vocab_shards, named_tensors,
                                                           padded_rows_for, shard_of, spec_of, split_shard)
 from llamapipe.core.tensor_parallel.random import get_rng_tracker
-from llamapipe.model.config import LlamaConfig
-
-# Model fields a checkpoint fixes, with the flag that sets each (RoPE base and norm epsilon change the
-# function without changing any shape, so they are checked too).
-_MODEL_FIELDS = {"family": "--model (or --add-qkv-bias)", "num_layers": "--num-layers", "hidden_size": "--hidden-size",
-                 "ffn_hidden_size": "--ffn-hidden-size",
-                 "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
-                 "vocab_size": "--vocab-size (or --tokenizer-model)",
-                 "tie_word_embeddings": "--tie-embeddings-and-output-weights", "rope_theta": "--rotary-base",
-                 "norm_epsilon": "--norm-epsilon", "kv_channels": "--kv-channels", "rotary_percent": "--rotary-percent"}
-
 
 @dataclasses.dataclass(frozen=True)
 class LoadResult:
@@ -128,7 +118,7 @@ def _rank_files(model_chunks: list[nn.Module], optimizer: Any, ps: ParallelState
     if ps.rank == 0 and optim_state is not None:
         common = _cpu({k: v for k, v in optim_state.items() if k != "param_state"}, copy)
         files.append(FileJob(cio.OPTIM_COMMON, lambda path, rank: cio.torch_save(common, path, rank)))
-    rng = _rng_state()
+    rng = rng_state()
     files.append(FileJob(cio.rng_name(ps.rank), lambda path, rank: cio.torch_save(rng, path, rank)))
     return files
 
@@ -179,11 +169,10 @@ def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: 
         return None
     iteration, path = found
     reader = cio.CheckpointReader(path)
-    _check_model_config(reader.meta["model_config"], config.model, path)
     tensors = named_tensors(model_chunks)
+    check_loadable(reader.meta, path, tensors, config.model,
+                   optimizer=optimizer is not None and not (finetune or no_load_optim))
     for name, target in tensors.items():
-        if not reader.has(name):
-            raise ValueError(f"checkpoint {path} has no tensor {name}, so it was saved from a different model")
         with torch.no_grad():
             target.copy_(_local_shard(target, reader, name, "model", ps))
     if not (finetune or no_load_optim):
@@ -220,13 +209,6 @@ def _load_scheduler(scheduler: Any, state: dict, config: Config, path: str) -> N
         raise ValueError(f"checkpoint {path}: {err}") from None
 
 
-def _check_model_config(saved: dict, current: LlamaConfig, path: str) -> None:
-    for field, flag in _MODEL_FIELDS.items():
-        if field in saved and saved[field] != getattr(current, field):
-            raise ValueError(f"checkpoint {path} was saved with {field} {saved[field]} but this run has "
-                             f"{getattr(current, field)}; set {flag} {saved[field]}")
-
-
 def _local_shard(param: torch.Tensor, reader: cio.CheckpointReader, key: str, kind: str,
                  ps: ParallelState) -> torch.Tensor:
     """This rank's shard of logical tensor `key`, split like `param` (vocabulary rows re-padded)."""
@@ -242,20 +224,12 @@ def _local_shard(param: torch.Tensor, reader: cio.CheckpointReader, key: str, ki
 
 def _load_optimizer(reader: cio.CheckpointReader, optimizer: Any, tensors: dict[str, torch.Tensor],
                     ps: ParallelState) -> None:
-    hint = "pass --no-load-optim to load the model weights only"
-    if not reader.meta["has_optimizer"]:
-        raise ValueError(f"checkpoint {reader.path} has no optimizer state; {hint}")
     fields: dict[str, list[str]] = {}
     for key in reader.keys("optim"):
         name, field = key.rsplit("/", 1)
         fields.setdefault(name, []).append(field)
-    param_state, done = {}, set()
-    for name, target in tensors.items():
-        if not isinstance(target, nn.Parameter) or not target.requires_grad or id(target) in done:
-            continue
-        if name not in fields:
-            raise ValueError(f"checkpoint {reader.path} has no optimizer state for parameter {name}; {hint}")
-        done.add(id(target))
+    param_state = {}
+    for name, target in trainable(tensors).items():      # each has state: check_loadable said so
         param_state[name] = {field: _local_shard(target, reader, f"{name}/{field}", "optim", ps)
                              .to(target.device, copy=True)
                              for field in fields[name]}
@@ -263,10 +237,12 @@ def _load_optimizer(reader: cio.CheckpointReader, optimizer: Any, tensors: dict[
     try:
         optimizer.load_state_dict({"param_state": param_state, **common})
     except (KeyError, ValueError, RuntimeError) as exc:
-        raise ValueError(f"the optimizer state in {reader.path} does not fit this optimizer ({exc}); {hint}") from None
+        raise ValueError(f"the optimizer state in {reader.path} does not fit this optimizer ({exc}); "
+                         f"{OPTIM_HINT}") from None
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """This process's random states, as a checkpoint's rng file holds them."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
