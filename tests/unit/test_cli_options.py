@@ -37,7 +37,7 @@ FLAGS = """
 --rampup-batch-size --manual-gc --manual-gc-interval --no-manual-gc-eval --train-data-path --valid-data-path
 --test-data-path --log-throughput --log-params-norm --log-num-zeros-in-grad --wandb-project --wandb-exp-name
 --wandb-save-dir --use-checkpoint-args --recompute-activations --use-flash-attn
---pipeline-schedule-file --pipeline-profile
+--pipeline-schedule-file --pipeline-profile --dry-run
 """.split()
 COMPAT = [entry.flag for entry in NOTICES + REFUSED] + list(FORK_FLAGS)   # the zero-bubble fork's, pinned there
 
