@@ -90,9 +90,10 @@ class ResumeReads:
     read: int           # the logical tensors its chunks and their optimizer state are cut from
     kept: int           # its own shards of them
 
-    def text(self) -> str:
-        return (f"reads {self.files} files, {self.read / 2 ** 30:.2f} GiB, keeps {self.kept / 2 ** 30:.2f} GiB "
-                f"({(self.read - self.kept) / 2 ** 30:.2f} GiB resharded away)")
+    def text(self, size) -> str:
+        """In words, with `size` writing bytes (report.size)."""
+        return (f"reads {self.files} files, {size(self.read)}, keeps {size(self.kept)} "
+                f"({size(self.read - self.kept)} resharded away)")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from llamapipe.training.arguments.parser import build_parser as build_training_p
 from llamapipe.training.config import Config
 from llamapipe.training.dry_run.checkpoint import ResumeSource
 from llamapipe.training.dry_run.rank import RoleRun
-from llamapipe.training.dry_run.report import GIB, JobResult, over_memory, ranges, role_rows, summary
+from llamapipe.training.dry_run.report import GIB, JobResult, over_memory, ranges, role_rows, size, summary
 from llamapipe.training.dry_run.world import roles
 
 PROG = "llamapipe dry-run"
@@ -114,7 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         worst = max(over, key=lambda r: r.total)
         ranks = ranges([rank for r in over for rank in r.role.ranks])
         sys.stderr.write(f"{PROG}: error: ranks {ranks} would not fit in --gpu-memory-gb {args.gpu_memory_gb:g}: "
-                         f"{worst.role.name()} needs {worst.total / GIB:.1f} GiB\n")
+                         f"{worst.role.name()} needs {size(worst.total)}\n")
         return 1
     return 0
 

@@ -40,6 +40,11 @@ def expected_parameters(config: Config) -> int:
     return model_parameters(model, par.tp_size)
 
 
+def size(n: float) -> str:
+    """Bytes for a person: GiB, or MiB below one GiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2 ** 20:.2f} MiB"
+
+
 def ranges(ranks: list[int]) -> str:
     """[0, 1, 2, 5] -> "0-2, 5"."""
     out, ranks = [], sorted(ranks)
@@ -93,7 +98,7 @@ def summary(config: Config, result: JobResult, memory: float) -> list[str]:
     same = "= the model's" if found == expected else f"!= the model's {expected:,}"
     worst = max(result.reports, key=lambda r: r.total)
     lines = [f"parameters: {found:,} summed over the shards {same}",
-             f"memory: the most loaded rank ({worst.role.name()}) needs {worst.total / GIB:.2f} GiB of "
+             f"memory: the most loaded rank ({worst.role.name()}) needs {size(worst.total)} of "
              f"{memory / GIB:g} GiB; {worst.zero}"]
     files = [(name, size) for r in result.reports for name, size in r.files]
     dp_ranks = {r.role.rank: len(r.role.ranks) for r in result.reports}
@@ -102,9 +107,9 @@ def summary(config: Config, result: JobResult, memory: float) -> list[str]:
     total = sum(size for _, size in files) + rng
     largest = max(files, key=lambda f: f[1])
     lines.append(f"checkpoint: each save writes {len(files) + sum(n - 1 for n in dp_ranks.values())} files, "
-                 f"{total / GIB:.2f} GiB (largest {largest[0]}, {largest[1] / GIB:.2f} GiB), metadata.json aside")
+                 f"{size(total)} (largest {largest[0]}, {size(largest[1])}), metadata.json aside")
     resumes = [r for r in result.reports if r.resume is not None]
     if resumes:
         heaviest = max(resumes, key=lambda r: r.resume.read)
-        lines.append(f"resume: the heaviest rank ({heaviest.role.name()}) {heaviest.resume.text()}")
+        lines.append(f"resume: the heaviest rank ({heaviest.role.name()}) {heaviest.resume.text(size)}")
     return lines
