@@ -11,12 +11,13 @@ and `ActivationProbe` gives the same peak in the simulator's units (what `auto` 
 
 The meta device has no attention kernels of its own: scaled_dot_product_attention on meta tensors takes the
 math path, which saves the s x s scores that a flash kernel (the GPU's, or the CPU's) never stores. The step
-therefore runs the meta attention through the flash kernel's op (`FlashOnMeta`), whose meta implementation
-saves what the real kernel saves: q, k, v (the grouped keys and values unexpanded), the output and its
-log-sum-exp.
+therefore runs the meta attention through the flash kernel's op (`flash_attention_on_meta`), whose meta
+implementation saves what the real kernel saves: q, k, v (the grouped keys and values unexpanded), the output
+and its log-sum-exp.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -26,8 +27,6 @@ from typing import Iterable, Iterator
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from llamapipe.core.distributed.grad_reduce import finalize_model_grads
 from llamapipe.core.parallel_state import ParallelState
@@ -83,17 +82,23 @@ class LiveActivations(StepObserver):
         self._track([t.untyped_storage() for t in held if t.is_floating_point()])
 
 
-class FlashOnMeta(TorchFunctionMode):
-    """scaled_dot_product_attention on meta tensors as the flash kernel's op (the module docstring says why)."""
+def _flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    """scaled_dot_product_attention as the flash kernel's op (the grouped k, v taken as they are)."""
+    assert attn_mask is None and not dropout_p, "the flash kernel takes no mask and no dropout"
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)[0]
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and args[0].is_meta:
-            assert kwargs.get("attn_mask") is None and not kwargs.get("dropout_p"), "flash takes no mask or dropout"
-            q, k, v = args[:3]
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
-        return func(*args, **kwargs)
+
+@contextlib.contextmanager
+def flash_attention_on_meta() -> Iterator[None]:
+    """While open, scaled_dot_product_attention on meta tensors is the flash kernel's op (the module docstring says
+    why): a kernel for its meta autograd key, so activation recompute's second forward takes it too; closing drops
+    the registration."""
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("scaled_dot_product_attention", _flash, "AutogradMeta")
+    try:
+        yield
+    finally:
+        del library
 
 
 def meta_batches(config: Config) -> Iterator[dict]:
@@ -142,7 +147,7 @@ def run_step(config: Config, ps: ParallelState, chunks: list[torch.nn.Module], r
     if config.parallel.vocab_parallel:
         iterators.append(batches)       # the vocabulary-parallel embedding's, on every rank
     m = config.training.num_microbatches
-    with FlashOnMeta():
+    with flash_attention_on_meta():
         executor.run(plan, model_chunks=chunks, forward_step_func=step_function(ps), data_iterator=iterators,
                      parallel_state=ps, num_microbatches=m, options=options)
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
