@@ -119,3 +119,20 @@ def test_the_checkpoint_files_are_those_a_real_save_writes_with_their_sizes(tmp_
                 assert dry[name] == written[name], name
             else:           # pickled random states: the same objects, sizes within a few bytes
                 assert abs(dry[name] - written[name]) <= 64, name
+
+
+def test_the_meta_cache_answers_repeated_operations_as_torch_does():
+    from llamapipe.training.dry_run.meta_cache import MetaOpCache
+    x, w = torch.empty(4, 3, device="meta"), torch.empty(5, 3, dtype=torch.bfloat16, device="meta")
+    cache = MetaOpCache()
+
+    def ops():
+        return [x @ w.float().t(), torch.nn.functional.silu(x).t().contiguous(), x.add_(1.0)]
+    with cache:
+        first, again = ops(), ops()
+        resized = [torch.mul(x, 2, out=torch.empty(0, device="meta")) for _ in range(2)]   # out= grows: not cached
+    for a, b in zip(first, again):
+        assert (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+    assert again[1] is not first[1] and again[2] is x
+    assert [r.shape for r in resized] == [torch.Size([4, 3])] * 2
+    assert len(cache._results) >= 3

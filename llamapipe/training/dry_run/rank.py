@@ -7,7 +7,7 @@ parameters, and the step's work does not depend on it), the optimizer (`build_op
 with its Adam state made by torch's own first step on meta, and the checkpoint files this rank would write.
 Ranks of one pipeline stage that differ only in their tp or cp index hold shards of the same shapes, so their
 steps are the same on meta: the step runs once per distinct shard and the others reuse its result
-(`RoleRun.steps`).
+(`RoleRun.steps`); the steps answer repeated meta operations from one cache (`meta_cache`).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from llamapipe.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from llamapipe.training.config import Config
 from llamapipe.training.dry_run import checkpoint as ckpt
 from llamapipe.training.dry_run.messages import MessageLedger
+from llamapipe.training.dry_run.meta_cache import MetaOpCache
 from llamapipe.training.dry_run.step import StepResult, run_step, storage_bytes
 from llamapipe.training.dry_run.world import GridGroups, Role, check_groups, grid_of, role_world
 from llamapipe.training.setup import build_model_chunks, chunk_stages
@@ -68,6 +69,7 @@ class RoleRun:
 
     def __post_init__(self) -> None:
         self.grid = GridGroups(grid_of(self.config.parallel))
+        self.op_cache = MetaOpCache()           # shared by the steps: stages repeat each other's shapes
 
     def run(self, role: Role) -> RoleReport:
         config, par = self.config, self.config.parallel
@@ -77,7 +79,8 @@ class RoleRun:
             chunks, roles = build_model_chunks(stepped, config.model, ps, META)
             key = _shard_key(ps, chunks, roles)
             if key not in self.steps:
-                self.steps[key] = run_step(stepped, ps, chunks, roles, self.ledger)
+                with self.op_cache:
+                    self.steps[key] = run_step(stepped, ps, chunks, roles, self.ledger)
             step = self.steps[key]
             for chunk in chunks:
                 chunk.zero_grad(set_to_none=True)
