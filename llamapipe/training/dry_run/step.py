@@ -6,8 +6,9 @@ the overlapped gradient reduction among them) with the dry run's communicator (`
 step gradient reduction (`finalize_model_grads`). The data are meta batches with the real sample's fields and
 dtypes (`gpt_dataset.make_sample`), so nothing is read. Every action of the plan runs; what the executor keeps
 alive is followed as it goes (`LiveActivations`: the storages autograd saved behind each forward and the
-tensors each deferred weight gradient holds until its W), which gives the activations at the plan's real peak,
-and `ActivationProbe` gives the same peak in the simulator's units (what `auto` and `plan` reason in).
+tensors each deferred weight gradient holds until its W), which gives the activations at the plan's real peak;
+`ActivationProbe` gives the simulator's unit (what `auto` and `plan` reason in), the bytes one microbatch's
+forward saves on the largest chunk, to express that peak in.
 
 The meta device has no attention kernels of its own: scaled_dot_product_attention on meta tensors takes the
 math path, which saves the s x s scores that a flash kernel (the GPU's, or the CPU's) never stores. The step
@@ -35,7 +36,7 @@ from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe, 
 from llamapipe.core.pipeline_parallel.runtime import StepObserver
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.schedules import cached_plan
-from llamapipe.core.pipeline_parallel.simulator import Costs, peak_memory, verify
+from llamapipe.core.pipeline_parallel.simulator import verify
 from llamapipe.data.gpt_dataset import make_sample
 from llamapipe.training.config import Config
 from llamapipe.training.dry_run.messages import DryRunCommunicator, MessageLedger, expected_spec
@@ -46,8 +47,8 @@ from llamapipe.training.setup import build_runtime_options, params_dtype, step_f
 class StepResult:
     """What one pipeline rank's step on meta tensors measured (bytes)."""
     activations: int            # live activations at the step's peak
-    peak_units: float           # the plan's peak on this rank in the simulator's units...
-    unit_bytes: int             # ...of this many bytes (the largest forward's saved activations)
+    peak_units: float           # the same in the simulator's units: microbatches of the largest chunk...
+    unit_bytes: int             # ...whose forward saves this many bytes
     grads: int                  # the gradients the step accumulated
     actions: int                # actions of this rank's plan that ran
 
@@ -156,7 +157,6 @@ def run_step(config: Config, ps: ParallelState, chunks: list[torch.nn.Module], r
                          overlap_grad_reduce=config.parallel.overlap_grad_reduce,
                          global_tokens=config.training.global_batch_size * config.training.seq_length,
                          grad_sync=options.grad_sync)
-    unit, w_mem = probe.planning_memory()
-    units = peak_memory(plan, Costs(act_mem=1.0, w_mem=w_mem))[ps.pp_rank]
-    return StepResult(activations=live.peak, peak_units=units, unit_bytes=unit, grads=grads,
-                      actions=len(plan.actions[ps.pp_rank]))
+    unit = probe.unit_bytes
+    return StepResult(activations=live.peak, peak_units=live.peak / unit if unit else 0.0, unit_bytes=unit,
+                      grads=grads, actions=len(plan.actions[ps.pp_rank]))
