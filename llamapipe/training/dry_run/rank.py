@@ -92,11 +92,13 @@ class RoleRun:
             apply_data_parallel_sharding(chunks, par.data_parallel_sharding_strategy, ps)
             optimizer = build_optimizer(chunks, config.optimizer, ps)
             params = [local_tensor(p) for chunk in chunks for p in chunk.parameters()]
+            optim, zero = optimizer_state_bytes(optimizer, params), _zero_text(optimizer, chunks, ps)
+            if config.optimizer.optimizer_cpu_offload:      # not on the GPU: said, not counted
+                optim, zero = 0, f"{zero}; optimizer state in host memory ({optim / 2 ** 30:.2f} GiB a rank)"
             return RoleReport(
                 role=role, stages=chunk_stages(config, ps), layers=[len(c.layers) for c in chunks], own_params=own,
-                params=storage_bytes(params), grads=step.grads, optimizer=optimizer_state_bytes(optimizer, params),
-                activations=step.activations, comm=comm + _zero1_gather_bytes(optimizer, params), step=step,
-                zero=_zero_text(optimizer, chunks, ps), files=files, resume=resume)
+                params=storage_bytes(params), grads=step.grads, optimizer=optim, activations=step.activations,
+                comm=comm + _zero1_gather_bytes(optimizer, params), step=step, zero=zero, files=files, resume=resume)
 
 
 def _without_fsdp(config: Config) -> Config:
