@@ -6,9 +6,9 @@ the overlapped gradient reduction among them) with the dry run's communicator (`
 step gradient reduction (`finalize_model_grads`). The data are meta batches with the real sample's fields and
 dtypes (`gpt_dataset.make_sample`), so nothing is read. Every action of the plan runs; what the executor keeps
 alive is followed as it goes (`LiveActivations`: the storages autograd saved behind each forward and the
-tensors each deferred weight gradient holds until its W), which gives the activations at the plan's real peak;
-`ActivationProbe` gives the simulator's unit (what `auto` and `plan` reason in), the bytes one microbatch's
-forward saves on the largest chunk, to express that peak in.
+tensors each deferred weight gradient holds until its W), which gives the activations at the plan's real peak,
+and the simulator's unit to express it in (what `auto` and `plan` reason in, `ActivationProbe`'s): the bytes
+one microbatch's forward saves on the largest chunk.
 
 The meta device has no attention kernels of its own: scaled_dot_product_attention on meta tensors takes the
 math path, which saves the s x s scores that a flash kernel (the GPU's, or the CPU's) never stores. The step
@@ -32,7 +32,7 @@ import torch
 from llamapipe.core.distributed.grad_reduce import finalize_model_grads
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel import executor
-from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe, saved_storages, storage_id
+from llamapipe.core.pipeline_parallel.activation_memory import saved_storages, storage_id
 from llamapipe.core.pipeline_parallel.runtime import StepObserver
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.schedules import cached_plan
@@ -60,6 +60,7 @@ class LiveActivations(StepObserver):
     def __init__(self, chunks: Iterable[torch.nn.Module]) -> None:
         self.exclude = {storage_id(t.untyped_storage()) for c in chunks for t in [*c.parameters(), *c.buffers()]}
         self.live = self.peak = 0
+        self.unit = 0                   # the most one forward saved: the simulator's unit (ActivationProbe's)
         self.tracked: dict[int, int] = {}
 
     def _track(self, storages: Iterable[torch.UntypedStorage]) -> None:
@@ -77,7 +78,9 @@ class LiveActivations(StepObserver):
 
     def forward_done(self, key, output: torch.Tensor) -> None:
         if output.grad_fn is not None:
-            self._track(saved_storages(output, self.exclude).values())
+            saved = saved_storages(output, self.exclude).values()
+            self.unit = max(self.unit, sum(storage.nbytes() for storage in saved))
+            self._track(saved)
 
     def backward_done(self, key, split: bool, held=()) -> None:
         self._track([t.untyped_storage() for t in held if t.is_floating_point()])
@@ -139,8 +142,8 @@ def run_step(config: Config, ps: ParallelState, chunks: list[torch.nn.Module], r
              ledger: MessageLedger) -> StepResult:
     """One step of this rank's plan on its meta chunks; messages go into `ledger`."""
     plan = job_plan(config, ps)
-    live, probe = LiveActivations(chunks), ActivationProbe(chunks)
-    options = build_runtime_options(config, ps, chunks, observers=(live, probe))
+    live = LiveActivations(chunks)
+    options = build_runtime_options(config, ps, chunks, observers=(live,))
     options = dataclasses.replace(options, communicator=functools.partial(
         DryRunCommunicator, ledger=ledger, expect=functools.partial(message_spec, config, ps)))
     batches = meta_batches(config)
@@ -157,6 +160,6 @@ def run_step(config: Config, ps: ParallelState, chunks: list[torch.nn.Module], r
                          overlap_grad_reduce=config.parallel.overlap_grad_reduce,
                          global_tokens=config.training.global_batch_size * config.training.seq_length,
                          grad_sync=options.grad_sync)
-    unit = probe.unit_bytes
+    unit = live.unit
     return StepResult(activations=live.peak, peak_units=live.peak / unit if unit else 0.0, unit_bytes=unit,
                       grads=grads, actions=len(plan.actions[ps.pp_rank]))
