@@ -31,6 +31,8 @@ from llamapipe.training.dry_run.checkpoint import ResumeSource
 from llamapipe.training.dry_run.rank import RoleRun
 from llamapipe.training.dry_run.report import GIB, JobResult, over_memory, ranges, role_rows, size, summary
 from llamapipe.training.dry_run.world import roles
+from llamapipe.training.log import check_wandb
+from llamapipe.training.startup import startup_lines
 
 PROG = "llamapipe dry-run"
 
@@ -52,12 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
 def dry_run_config(args: argparse.Namespace) -> Config:
     """The job's Config through the real checks, for the GPUs it will run on: NCCL unless --distributed-backend
     gloo is given (this machine needs no CUDA for it), and the memory check against --gpu-memory-gb."""
+    if not args.gpu_memory_gb > 0:
+        raise ArgumentError(f"--gpu-memory-gb {args.gpu_memory_gb:g} must be positive")
     backend = args.distributed_backend or "nccl"
     config = config_from_args(argparse.Namespace(**{**vars(args), "distributed_backend": "gloo"}), args.world_size)
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, distributed_backend=backend))
     check_fits_memory(config.model, config.parallel, config.training, args.bf16 or args.fp16,
                       int(args.gpu_memory_gb * GIB))
-    from llamapipe.training.log import check_wandb
     check_wandb(config.logging)
     return config
 
@@ -88,7 +91,6 @@ def _progress(done: int, total: int) -> None:
 
 
 def report_lines(config: Config, result: JobResult, memory: float) -> list[str]:
-    from llamapipe.training.startup import startup_lines
     par = config.parallel
     head = (f"dry run: {par.world_size} ranks in {len(result.reports)} roles, one step of the plan on meta tensors "
             f"for each of {result.steps} distinct shards, {result.seconds:.1f} s")
@@ -101,7 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         config = dry_run_config(args)
         result = run(config, resume_source(args, config), _progress)
-    except (ArgumentError, ValueError) as err:       # what the real run refuses, with its line
+    except ValueError as err:       # what the real run refuses (ArgumentError among them), with its line
         sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
         return 2
     print("\n".join(report_lines(config, result, memory)))

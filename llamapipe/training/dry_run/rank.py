@@ -65,7 +65,7 @@ class RoleRun:
     config: Config
     ledger: MessageLedger = field(default_factory=MessageLedger)
     steps: dict[tuple, StepResult] = field(default_factory=dict)
-    resume: Optional["ckpt.ResumeSource"] = None
+    resume: Optional[ckpt.ResumeSource] = None
 
     def __post_init__(self) -> None:
         self.grid = GridGroups(grid_of(self.config.parallel))
