@@ -7,6 +7,8 @@ seq 256, micro-batch 2, global batch 16 (8 microbatches), fp32. Two groups of ca
             baseline), ZB-V with vocabulary parallelism alone and with post-validation, the layer split alone
             (--pipeline-model-parallel-layout auto), and the automatic configuration (auto schedule, auto layout,
             post-validation);
+  wide-vocab vocabulary 32768 (the output layer alone outweighs the 8 decoder layers: no layer split balances it),
+            the same cases;
   balanced  vocabulary 256 (the head is negligible), --clip-grad 100: one process without a pipeline (the ideal is
             its iteration / 2), 1F1B, ZB-V, ZB-V with post-validation.
 
@@ -45,6 +47,14 @@ GROUPS = {
         "auto-layout-auto-post-validation": (2, PP2 + ["--pipeline-schedule", "auto",
                                                        "--pipeline-model-parallel-layout", "auto"] + PV),
     }),
+    "wide-vocab": (["--vocab-size", "32768"], {
+        "zbv-even": (2, ZBV),
+        "zbv-layout-auto": (2, PP2 + ["--pipeline-schedule", "zbv", "--pipeline-model-parallel-layout", "auto"]),
+        "zbv-vocab-parallel": (2, ZBV + VP),
+        "zbv-vocab-parallel-post-validation": (2, ZBV + VP + PV),
+        "auto-layout-auto-post-validation": (2, PP2 + ["--pipeline-schedule", "auto",
+                                                       "--pipeline-model-parallel-layout", "auto"] + PV),
+    }),
     "balanced": (["--vocab-size", "256", "--clip-grad", "100"], {
         "one-process": (1, []),
         "1f1b": (2, PP2 + ["--pipeline-schedule", "1f1b"]),
@@ -52,7 +62,7 @@ GROUPS = {
         "zbv-post-validation": (2, ZBV + PV),
     }),
 }
-BASELINE = {"vocab": "zbv-even", "balanced": "one-process"}
+BASELINE = {"vocab": "zbv-even", "wide-vocab": "zbv-even", "balanced": "one-process"}
 
 
 def run(nproc: int, flags: list[str], iters: int, warmup: int) -> dict:

@@ -36,3 +36,18 @@ def test_auto_layout_trains_like_the_layout_string_it_chose(tmp_path, schedule, 
                                                                "--pipeline-model-parallel-layout", layout])
     assert "auto chose" not in explicit_log
     assert len(auto_losses) == 3 and auto_losses == explicit_losses
+
+
+def test_auto_schedule_turns_vocabulary_parallelism_on_and_trains_like_the_flag(tmp_path):
+    """issue 42: at vocabulary 8192 (the output layer outweighs every layer split of the tiny model) the auto
+    schedule with layout auto chooses vocabulary parallelism with the even split, says so, and trains the losses
+    of the run that asks for both by flag."""
+    flags = ["--vocab-size", "8192", "--pipeline-schedule", "auto"]
+    log, auto_losses = run(tmp_path, "auto", flags + ["--pipeline-model-parallel-layout", "auto"])
+    assert "vocabulary parallelism, chosen with --pipeline-schedule auto" in log, log[-3000:]
+    chosen = NOTICE.search(log)
+    assert chosen and chosen[2] == "4/4", log[-3000:]
+    explicit_log, explicit_losses = run(tmp_path, "explicit", flags + [
+        "--pipeline-model-parallel-layout", chosen[1], "--enable-vocab-parallel"])
+    assert "auto chose" not in explicit_log
+    assert len(auto_losses) == 3 and auto_losses == explicit_losses

@@ -181,3 +181,35 @@ def test_auto_split_counts_the_tokenizers_vocabulary_not_the_presets(tmp_path, l
     preset = resolve_auto_layout(args, model_config(args, []), 128, "cpu", [])
     assert want.pipeline_model_parallel_layout != preset.pipeline_model_parallel_layout
     assert config.parallel.pipeline_layout == want.pipeline_model_parallel_layout
+
+
+@pytest.mark.parametrize("vocab", [256, 512, 768, 1024, 2048, 8192])
+def test_auto_schedule_chooses_vocabulary_parallelism_where_it_beats_the_layer_split_by_the_margin(vocab):
+    """issue 42: --pipeline-schedule auto with layout auto turns vocabulary parallelism on exactly when the even
+    split with the vocabulary layers on every rank leaves the busiest rank less work than the best layer split by
+    more than VOCAB_PARALLEL_MARGIN (recomputed here from the work model); other schedules keep the user's choice."""
+    from llamapipe.core.pipeline_parallel.stage_balance import (ELEMENT_FLOPS, analytic_parts, balanced_counts,
+                                                                even_counts, rank_work)
+    from llamapipe.training.arguments.auto_layout import VOCAB_PARALLEL_MARGIN
+    parts = analytic_parts(hidden=64, ffn_hidden=128, heads=4, kv_heads=4, head_dim=16, vocab=vocab, seq_length=32,
+                           micro_batch=1, element_flops=ELEMENT_FLOPS["cpu"])
+    layers = balanced_counts(parts, 8, [0, 1])
+    ratio = max(rank_work(parts, [4, 4], [0, 1], True)) / max(rank_work(parts, layers, [0, 1]))
+    flags = ("--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "auto")
+    out, notices = resolve(*flags, "--pipeline-schedule", "auto", vocab=vocab)
+    assert out.enable_vocab_parallel == (ratio < 1 - VOCAB_PARALLEL_MARGIN), (vocab, ratio)
+    if out.enable_vocab_parallel:
+        assert out.pipeline_model_parallel_layout == "Et*4|t*4L"
+        assert "vocabulary parallelism, chosen with --pipeline-schedule auto" in notices[0]
+        assert f"best layer split {'/'.join(map(str, layers))} without it" in notices[0], notices
+    else:
+        assert layout_layer_counts(out.pipeline_model_parallel_layout, 8, 2) == layers
+    assert not resolve(*flags, "--pipeline-schedule", "1f1b", vocab=vocab)[0].enable_vocab_parallel
+    assert resolve(*flags, "--pipeline-schedule", "1f1b", "--enable-vocab-parallel", vocab=vocab)[0].enable_vocab_parallel
+
+
+def test_chosen_vocabulary_parallelism_reaches_the_parallel_config():
+    args = build_parser().parse_args(SHAPE + ["--vocab-size", "8192", "--pipeline-model-parallel-size", "2",
+                                              "--pipeline-model-parallel-layout", "auto", "--pipeline-schedule", "auto"])
+    config = config_from_args(args, 2)
+    assert config.parallel.vocab_parallel and config.parallel.pipeline_layout == "Et*4|t*4L"

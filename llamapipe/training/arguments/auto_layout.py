@@ -10,8 +10,11 @@ Resolved once, at argument-parse time, into an ordinary layout string ("Et*5|t*3
 - without a profile, the analytic FLOP model (`stage_balance.analytic_parts`, the embedding and the output layer
   with its loss counted at the vocabulary size).
 
-Vocabulary parallelism stays the user's choice (--enable-vocab-parallel); with it the two vocabulary layers'
-cost is spread over every rank, so the balanced split is the even one. The chunks per rank come from
+With --enable-vocab-parallel the two vocabulary layers' cost is spread over every rank, so the balanced split is
+the even one. With --pipeline-schedule auto and without that flag the run chooses between the two itself
+(`_vocab_parallel_pays`): vocabulary parallelism when its even split's busiest rank has less work than the best
+layer split's by more than `VOCAB_PARALLEL_MARGIN`, what its per-microbatch synchronisation costs beyond the
+work model (measured, docs/runtime.md). The chunks per rank come from
 --num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage (counted on the even split),
 else the schedule's fewest (2 for the V schedules). One notice line says which split and why.
 """
@@ -36,6 +39,11 @@ from llamapipe.training.schedule_file import load_schedule
 AUTO = "auto"
 PROFILE_FLAG = "--pipeline-profile"
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# What vocabulary parallelism costs beyond `rank_work`'s balance (the S/T synchronisation of every microbatch),
+# as a share of the busiest rank's work: at vocabulary 8192 / hidden 256 (benchmarks/bench_pipeline_gaps.py) the
+# model predicted 5.5% less work on the busiest rank and the run gained 0.3% over the layer split; at vocabulary
+# 32768, where no layer split balances the output layer, it predicts 26% and the run gains (docs/runtime.md).
+VOCAB_PARALLEL_MARGIN = 0.06
 
 
 def resolve_auto_layout(args: argparse.Namespace, model: LlamaConfig, seq_length: int, device: str,
@@ -71,12 +79,23 @@ def resolve_auto_layout(args: argparse.Namespace, model: LlamaConfig, seq_length
         source = (f"the analytic FLOP model (no {PROFILE_FLAG}; the embedding and the output layer + loss counted at "
                   f"vocabulary {model.padded_vocab_size(args.tensor_model_parallel_size)})")
     counts = balanced_counts(parts, model.num_layers, ranks, vocab_parallel)
+    chose_vocab = not vocab_parallel and args.pipeline_schedule == AUTO and _vocab_parallel_pays(parts, counts, ranks)
+    if chose_vocab:
+        vocab_parallel = out.enable_vocab_parallel = True
+        counts = balanced_counts(parts, model.num_layers, ranks, vocab_parallel)
     out.pipeline_model_parallel_layout = layout_string(counts)
     out.num_layers_per_virtual_pipeline_stage = None     # a chunk count here; the layout now gives the layers
     out.num_virtual_stages_per_pipeline_rank = vpp if vpp > 1 else args.num_virtual_stages_per_pipeline_rank
     notices.append(_notice(out.pipeline_model_parallel_layout, counts, parts, ranks, vocab_parallel, unit,
-                           "ms" if profile_path is not None else "decoder layers", source))
+                           "ms" if profile_path is not None else "decoder layers", source, chose_vocab))
     return out
+
+
+def _vocab_parallel_pays(parts: dict[str, PassCosts], layer_split: list[int], ranks: list[int]) -> bool:
+    """Whether the vocabulary layers split over every rank beat the best layer split by more than the margin."""
+    even = even_counts(sum(layer_split), len(layer_split))
+    split = max(rank_work(parts, even, ranks, vocab_parallel=True))
+    return split < (1 - VOCAB_PARALLEL_MARGIN) * max(rank_work(parts, layer_split, ranks))
 
 
 def _refuse_other_split_flags(args: argparse.Namespace) -> None:
@@ -146,12 +165,20 @@ def _profiled_parts(args: argparse.Namespace, model: LlamaConfig, seq_length: in
 
 
 def _notice(layout: str, counts: list[int], parts: dict[str, PassCosts], ranks: list[int], vocab_parallel: bool,
-            unit: float, unit_name: str, source: str) -> str:
+            unit: float, unit_name: str, source: str, chose_vocab: bool = False) -> str:
     def per_rank(split: list[int]) -> str:
         return "/".join(f"{x * unit:.1f}" for x in rank_work(parts, split, ranks, vocab_parallel))
     even = even_counts(sum(counts), len(counts))
     vocab = ", the vocabulary layers split over every rank (--enable-vocab-parallel)" if vocab_parallel else ""
+    if chose_vocab:
+        vocab = (", the vocabulary layers split over every rank (vocabulary parallelism, chosen with "
+                 f"--pipeline-schedule {AUTO}: it lowers the busiest rank's work by more than "
+                 f"{VOCAB_PARALLEL_MARGIN:.0%})")
     compare = "" if even == counts else f" (even split {'/'.join(map(str, even))}: {per_rank(even)} {unit_name})"
+    if vocab_parallel and chose_vocab:
+        layers = balanced_counts(parts, sum(counts), ranks)
+        compare = (f" (best layer split {'/'.join(map(str, layers))} without it: "
+                   f"{'/'.join(f'{x * unit:.1f}' for x in rank_work(parts, layers, ranks))} {unit_name})")
     return (f"notice: {LAYOUT_FLAG} {AUTO} chose {layout!r} (layers per virtual stage {'/'.join(map(str, counts))}) "
             f"from {source}{vocab}: F+B+W per microbatch on each pipeline rank {per_rank(counts)} "
             f"{unit_name}{compare}")
