@@ -15,7 +15,7 @@ import torch
 
 from llamapipe.core.optimizer import build_optimizer
 from llamapipe.core.parallel_state import ParallelState
-from llamapipe.core.pipeline_parallel.schedule_csv import write_csv
+from llamapipe.training.schedule_file import write_schedule_file
 from llamapipe.core.pipeline_parallel.schedule_ir import Action
 from llamapipe.core.pipeline_parallel.schedule_specs import build
 from llamapipe.training.arguments.parser import parse_args
@@ -46,7 +46,7 @@ def deadlocking_schedule(path: str) -> str:
     """1F1B on 2 ranks, but rank 1 takes microbatch 1 before microbatch 0, which rank 0 sends first."""
     plan = build("1f1b", 2, 1, 8)
     late = tuple(Action(a.kind, 0, 1 - a.microbatch if a.microbatch < 2 else a.microbatch) for a in plan.actions[1])
-    write_csv(dataclasses.replace(plan, actions=(plan.actions[0], late)), path)
+    write_schedule_file(dataclasses.replace(plan, actions=(plan.actions[0], late)), path)
     return path
 
 

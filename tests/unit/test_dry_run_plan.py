@@ -86,6 +86,6 @@ def test_the_top_rows_dry_run_command_is_printed_and_accepted(capsys):
     cmd = shlex.split(line)
     assert cmd[:4] == ["llamapipe", "dry-run", "--world-size", "16"] and "--mock-data" in cmd
     torchrun = shlex.split(out.split("Top row:")[1].strip())
-    assert cmd[6:-1] == torchrun[torchrun.index("pretrain_llama.py") + 1:]       # the same job's flags
+    assert cmd[6:] == torchrun[torchrun.index("pretrain_llama.py") + 1:]       # the same job's flags (mock data too)
     args = build_parser().parse_args(cmd[2:] + ["--train-iters", "1"])
     assert dry_run_config(args).parallel.world_size == 16
