@@ -25,6 +25,8 @@ SUBCOMMANDS = {
     "plot-trace": ("llamapipe.tools.plot_trace", "draw a --pipeline-trace beside its simulated plan, list late actions"),
     "verify-checkpoint": ("llamapipe.tools.verify_checkpoint", "check a checkpoint's files against its checksums"),
     "plan": ("llamapipe.tools.plan_parallelism", "rank the parallel layouts that fit a model on a cluster"),
+    "dry-run": ("llamapipe.training.dry_run.main",
+                "check a job of N ranks on this machine: every rank's setup and a step on meta tensors"),
     "profile": ("llamapipe.tools.profile_model",
                 "measure F/B/W time and memory per layer (and comm under torchrun) for plan --profile"),
     "flag-reference": ("llamapipe.tools.flag_reference", "write docs/flags.md from the argument parser"),

@@ -12,6 +12,10 @@ from llamapipe.training.arguments import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--dry-run" in argv:     # the job checked on fake process groups and meta tensors instead (issue 41)
+        from llamapipe.training.dry_run.main import main as dry_run
+        return dry_run(argv)
     config = parse_args(argv)  # exits 2 with one plain line on any inconsistent flag combination
     from llamapipe.training.startup import log_startup
     log_startup(config)

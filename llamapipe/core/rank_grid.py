@@ -7,6 +7,7 @@ process groups from it.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 # name -> what it splits. Megatron's default rank order is this order, fastest-varying first (tp-cp-dp-pp).
@@ -73,6 +74,11 @@ class RankGrid:
     def pp(self) -> int:
         return self.sizes["pp"]
 
+    @functools.cached_property
+    def _all_coords(self) -> list[dict[str, int]]:
+        """Every rank's coordinates, computed once: each group name walks them all."""
+        return [self.coords(rank) for rank in range(self.world_size)]
+
     def _radix(self) -> list[tuple[str, int]]:
         return [(axis, self.sizes[axis]) for axis in self.order.split("-")]
 
@@ -96,8 +102,7 @@ class RankGrid:
         """Rank lists whose members differ only along `axes`, each sorted (so a one-axis group is ordered by
         that axis: element i of a pp group holds stage i), the lists in a deterministic order."""
         found: dict[tuple, list[int]] = {}
-        for rank in range(self.world_size):
-            c = self.coords(rank)
+        for rank, c in enumerate(self._all_coords):
             found.setdefault(tuple(c[a] for a in AXES if a not in axes), []).append(rank)
         return sorted(sorted(v) for v in found.values())
 

@@ -29,13 +29,14 @@ traffic is added where it is not hidden (`context_parallel_seconds`), and gradie
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
-from llamapipe.core.pipeline_parallel.simulator import Costs, simulate
+from llamapipe.core.pipeline_parallel.simulator import Costs, run_timeline, verify
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.llama.counts import layer_matmul_parameters
 from llamapipe.model.families import flops_per_token
@@ -121,6 +122,20 @@ def _head_act_bytes(m: LlamaConfig, seq: int, mbs: int, precision: str, tp: int)
     return seq * mbs * (8 * h + 4 + 4 * vocab) / tp, seq * mbs * e * (h + vocab / tp)
 
 
+@functools.lru_cache(maxsize=None)
+def verified_plan(schedule: str, pp: int, vpp: int, m: int) -> Plan:
+    """The schedule's plan, built and verified by the simulator once: `plan` asks for the same ones many times."""
+    plan = build(schedule, pp, vpp, m)
+    verify(plan)
+    return plan
+
+
+@functools.lru_cache(maxsize=None)
+def _makespan(schedule: str, pp: int, vpp: int, m: int, costs: Costs) -> float:
+    """The simulated makespan of a verified plan (layouts that differ only in ZeRO-1 have the same costs)."""
+    return max(row[-1][1] for row in run_timeline(verified_plan(schedule, pp, vpp, m), costs) if row)
+
+
 def stage_ranks(lay: Layout) -> list[int]:
     """Pipeline rank of each virtual stage under the schedule's placement."""
     stages = lay.pp * lay.vpp
@@ -180,7 +195,7 @@ def activation_peaks(m: LlamaConfig, lay: Layout, seq: int, m_micro: int) -> lis
     per_stage = _chunk_act_bytes(m, lay, seq)
     if lay.pp == 1:
         return [per_stage[0][0]]
-    plan = build(lay.schedule, lay.pp, lay.vpp, min(m_micro, 4 * lay.pp))
+    plan = verified_plan(lay.schedule, lay.pp, lay.vpp, min(m_micro, 4 * lay.pp))
     ranks = stage_ranks(lay)
     # a rank's chunks in stage order: interleaved r, r + p, ...; V placement r, 2p - 1 - r
     chunk_bytes = [[per_stage[s] for s in range(len(ranks)) if ranks[s] == r] for r in range(lay.pp)]
@@ -233,11 +248,13 @@ def context_parallel_seconds(m: LlamaConfig, lay: Layout, seq: int, dev: Device)
 
 def _step_seconds(m: LlamaConfig, lay: Layout, seq: int, micro: int, dev: Device, params_on_rank: float) -> float:
     tokens = seq * lay.micro_batch // lay.cp                      # this CP rank's tokens of one microbatch
+    # the slowest virtual stage sets the pace: one with the most layers (an uneven layout; 1 x the mean when even)
+    slowest = max(_stage_layers(m, lay)) * lay.pp * lay.vpp / m.num_layers
     flops = flops_per_token(m, seq, lay.tp, lay.recompute == "full") * tokens / (lay.tp * lay.pp * lay.vpp)
-    chunk = flops / (dev.tflops * 1e12 * dev.efficiency)          # F + B + W of one microbatch on one chunk
+    chunk = slowest * flops / (dev.tflops * 1e12 * dev.efficiency)    # F + B + W of one microbatch on one chunk
     chunk += context_parallel_seconds(m, lay, seq, dev)
     tp_gbps = dev.link_gbps if lay.tp <= dev.gpus_per_node else dev.internode_gbps
-    tp_comm = 4 * (m.num_layers / (lay.pp * lay.vpp)) * _allreduce_s(2 * tokens * m.hidden_size, lay.tp, tp_gbps)
+    tp_comm = 4 * max(_stage_layers(m, lay)) * _allreduce_s(2 * tokens * m.hidden_size, lay.tp, tp_gbps)
     share = (0.25, 0.5, 0.25) if lay.recompute == "full" else (1 / 3, 1 / 3, 1 / 3)   # B re-runs the forward
     f, b, w = (chunk * x + tp_comm * y for x, y in zip(share, (0.5, 0.5, 0.0)))
     hop = 2 * tokens * m.hidden_size / lay.tp * 8 / (dev.internode_gbps * 1e9)
@@ -245,8 +262,7 @@ def _step_seconds(m: LlamaConfig, lay: Layout, seq: int, micro: int, dev: Device
     if lay.pp == 1:
         pipeline = micro * (f + b + w)
     else:
-        plan = build(lay.schedule, lay.pp, lay.vpp, simulated)
-        pipeline = simulate(plan, Costs(f=f, b=b, w=w, comm=hop)).makespan
+        pipeline = _makespan(lay.schedule, lay.pp, lay.vpp, simulated, Costs(f=f, b=b, w=w, comm=hop))
         pipeline += (micro - simulated) * lay.vpp * (f + b + w)
     dp_gbps = dev.link_gbps if lay.tp * lay.cp * lay.dp <= dev.gpus_per_node else dev.internode_gbps
     return pipeline + _allreduce_s(4 * params_on_rank, lay.dp * lay.cp, dp_gbps)   # gradients over dp x cp

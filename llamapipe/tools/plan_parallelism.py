@@ -3,11 +3,12 @@
     llamapipe plan --model llama2-7b --gpus 8 --gpu-memory-gb 80 --seq-length 4096 --global-batch-size 512
 
 Enumerates tp x pp x dp = gpus, model chunks per rank and schedule (every --pipeline-schedule with a fixed
-order), micro-batch size, full activation recompute or none and the distributed optimizer (selective recompute
+order, at every chunk count up to 8 it takes: an uneven layout string where the layers do not divide),
+micro-batch size, full activation recompute or none and the distributed optimizer (selective recompute
 is left out: attention runs on SDPA's flash kernels, which never store the s^2 scores, so it saves nothing); estimates each layout's memory on
 its most loaded rank and its step time (llamapipe.tools.parallel_estimate), keeps those that fit under
---headroom x the GPU memory and prints them fastest first. The top row's command line is printed ready to run;
---explain N shows the memory breakdown of row N.
+--headroom x the GPU memory and prints them fastest first. The top row's command line is printed ready to run,
+with its `llamapipe dry-run`; --explain N shows the memory breakdown of row N.
 
 With --profile PROFILE.json (written by `llamapipe profile` on the machine to plan for) the step times come
 from the measured profile instead (`profile_plan`): per-stage simulated costs, the layer split and the
@@ -30,6 +31,7 @@ from llamapipe.tools.parallel_estimate import DEVICES, GIB, Estimate, Layout, es
 
 SCHEDULES = [name for name, spec in SPECS.items() if spec.planned and not spec.profiled]
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size")
+MAX_CHUNKS = 8     # model chunks per pipeline rank that `plan` tries at most
 RECOMPUTE_FLAGS = {"none": [], "selective": ["--recompute-activations"],
                    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform"]}
 
@@ -91,23 +93,38 @@ def layouts(m: LlamaConfig, gpus: int, global_batch: int, max_mbs: int, max_cp: 
             for mbs in [b for b in (1, 2, 4, 8) if b <= max_mbs and global_batch % (b * dp) == 0]:
                 if pp > 1 and global_batch // (mbs * dp) < pp:
                     continue
-                for schedule, vpp in _schedules(m.num_layers, pp):
+                for schedule, vpp, split in _schedules(m.num_layers, pp):
                     for recompute in ("none", "full"):
                         for dist_opt in (False, True) if dp * cp > 1 else (False,):   # ZeRO-1 over dp x cp
-                            out.append(Layout(tp, pp, vpp, dp, schedule, mbs, recompute, dist_opt, cp=cp))
+                            out.append(Layout(tp, pp, vpp, dp, schedule, mbs, recompute, dist_opt,
+                                              pipeline_layout=split, cp=cp))
     return out
 
 
-def _schedules(num_layers: int, pp: int) -> list[tuple[str, int]]:
+def _schedules(num_layers: int, pp: int) -> list[tuple[str, int, Optional[str]]]:
+    """(schedule, model chunks per rank, layout string or None) to rank: every chunk count from 1 to MAX_CHUNKS
+    that the schedule takes (Megatron's interleaved layouts have up to 8 and more), split evenly where pp x chunks
+    divides the layers, else by `uneven_layout`."""
     if pp == 1:
-        return [(default_schedule(1), 1)]
+        return [(default_schedule(1), 1, None)]
     out = []
     for name in SCHEDULES:
         spec = SPECS[name]
-        vpp = spec.default_chunks
-        if num_layers % (pp * vpp) == 0:
-            out.append((name, vpp))
+        for vpp in [v for v in range(1, MAX_CHUNKS + 1) if spec.accepts(v) and pp * v <= num_layers]:
+            out.append((name, vpp, None if num_layers % (pp * vpp) == 0 else uneven_layout(num_layers, pp * vpp)))
     return out
+
+
+def uneven_layout(num_layers: int, stages: int) -> str:
+    """A --pipeline-model-parallel-layout string for layers that do not divide over the stages: each stage gets
+    layers // stages and the rest go one each to the stages nearest the middle, so the first stage (with the
+    embedding) and the last (with the output layer and the loss) are never the larger ones."""
+    base, extra = divmod(num_layers, stages)
+    by_middle = sorted(range(stages), key=lambda s: (abs(2 * s - (stages - 1)), s))
+    counts = [base + (s in by_middle[:extra]) for s in range(stages)]
+    parts = ["t" * n for n in counts]
+    parts[0], parts[-1] = "E" + parts[0], parts[-1] + "L"
+    return "|".join(parts)
 
 
 def rank(m: LlamaConfig, args: argparse.Namespace, dev) -> list[tuple[Layout, Estimate]]:
@@ -138,10 +155,19 @@ def command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig] = No
         parts.append(f"--context-parallel-size {lay.cp}")
     if lay.pp > 1:
         parts += [f"--num-virtual-stages-per-pipeline-rank {lay.vpp}", f"--pipeline-schedule {lay.schedule}"]
+    if lay.pipeline_layout is not None:
+        parts.append(f"--pipeline-model-parallel-layout '{lay.pipeline_layout}'")
     parts += [f"--micro-batch-size {lay.micro_batch}", f"--global-batch-size {args.global_batch_size}",
               f"--seq-length {args.seq_length}", "--bf16"] + (["--sequence-parallel"] if lay.tp > 1 else [])
     parts += RECOMPUTE_FLAGS[lay.recompute] + (["--use-distributed-optimizer"] if lay.dist_opt else [])
     return " ".join(parts + [profile_plan.MOCK_DATA])
+
+
+def dry_run_command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig] = None) -> str:
+    """The `llamapipe dry-run` of `command`'s job on all its ranks (docs/dry_run.md), with mock data as `command`
+    has it: the run's own --data-path and --tokenizer-model go in its place to check them too."""
+    flags = command(args, lay, m).split(" pretrain_llama.py ", 1)[1]
+    return f"llamapipe dry-run --world-size {args.gpus} --gpu-memory-gb {args.gpu_memory_gb:g} {flags}"
 
 
 def table(rows: list[tuple[Layout, Estimate]], top: int) -> str:
@@ -198,7 +224,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"time model: FLOPs at {dev.efficiency:.0%} of {args.device}'s peak (no --profile; `llamapipe profile` "
           "measures this machine)")
     print(table(rows, args.top))
-    print(f"\n{profile_plan.DATA_NOTE}\n{len(rows)} layouts fit. Top row:\n  {command(args, rows[0][0], m)}")
+    print(f"\n{profile_plan.DATA_NOTE}\n{len(rows)} layouts fit. Check the top row on this machine first (every "
+          f"rank's setup and one step on meta tensors, docs/dry_run.md):\n  {dry_run_command(args, rows[0][0], m)}")
+    print(f"Top row:\n  {command(args, rows[0][0], m)}")
     return 0
 
 

@@ -11,6 +11,7 @@ targets its S/T actions need (`VocabTargets`) instead of computing the loss.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from functools import partial
 from typing import Optional
@@ -65,12 +66,15 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
     vocab_parallel = par.vocab_parallel and ps.pp_size > 1
     for index, stage in enumerate(chunk_stages(config, ps)):
         role = (stage == 0 and not vocab_parallel, stage == num_stages - 1)   # vocab: the embedding runs apart
-        chunk = model_class(model_cfg, ps, layer_range=ranges[stage],
-                           pre_process=role[0], post_process=role[1],
-                           sequence_parallel=config.parallel.sequence_parallel,
-                           params_dtype=params_dtype(config), seed=config.training.seed,
-                           vocab_parallel=vocab_parallel, vocab_shard=vocab_parallel and index == 0,
-                           cp_comm_type=par.cp_comm_type)
+        # on meta (the dry run) the chunk is built there: its per-name initialisation allocates nothing; elsewhere
+        # it is built on the CPU, where that initialisation draws its numbers, and moved
+        with torch.device("meta") if device.type == "meta" else contextlib.nullcontext():
+            chunk = model_class(model_cfg, ps, layer_range=ranges[stage],
+                                pre_process=role[0], post_process=role[1],
+                                sequence_parallel=config.parallel.sequence_parallel,
+                                params_dtype=params_dtype(config), seed=config.training.seed,
+                                vocab_parallel=vocab_parallel, vocab_shard=vocab_parallel and index == 0,
+                                cp_comm_type=par.cp_comm_type)
         chunks.append(chunk.to(device))
         roles.append(role)
     if vocab_parallel:

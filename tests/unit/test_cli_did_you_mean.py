@@ -24,6 +24,8 @@ MISTYPED = {
     "plan": (["plan", "--model", "tiny", "--gpsu", "8"], "--gpsu", "--gpus"),
     "profile": (["profile", "--out", "p.json", "--repaets", "2"], "--repaets", "--repeats"),
     "flag-reference": (["flag-reference", "--chek"], "--chek", "--check"),
+    "dry-run": (["dry-run", "--world-size", "8", "--mock-data", "--gpu-memroy-gb", "40"], "--gpu-memroy-gb",
+                "--gpu-memory-gb"),
 }
 CASES = [pytest.param(*case, id=name) for name, case in MISTYPED.items()]
 

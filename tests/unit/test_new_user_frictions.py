@@ -57,7 +57,8 @@ def test_plan_says_its_memory_unit_and_its_top_command_runs_as_printed(capsys):
     assert command[:4] == ["torchrun", "--nproc-per-node", "2", "pretrain_llama.py"]
     config = parse(command[4:])       # as printed: nothing added
     assert config.data.mock_data and config.parallel.pp_size * config.parallel.tp_size == 2
-    assert "--data-path PREFIX --tokenizer-model TOKENIZER" in out[-3] and out[-2].endswith("Top row:")
+    note = next(i for i, line in enumerate(out) if "--data-path PREFIX --tokenizer-model TOKENIZER" in line)
+    assert out[note + 1].endswith("docs/dry_run.md):") and out[-2].endswith("Top row:")
 
 
 @pytest.mark.parametrize("train_iters, start, said", [

@@ -22,12 +22,15 @@ from typing import Optional
 import torch
 
 _ATEN = torch.ops.aten
+# where the CPU flash kernel's ops run: the CPU, and meta tensors (shapes only: the dry run), which its meta
+# implementations take in a few operations where the plain matmuls take dozens
+_FLASH_DEVICES = ("cpu", "meta")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
            allowed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (b, heads, sq, d) in q's dtype, lse (b, heads, sq) fp32) of one block."""
-    if q.device.type != "cpu":
+    if q.device.type not in _FLASH_DEVICES:
         return attend_math(q, k, v, causal, scale, allowed)
     mask = None if allowed is None else _additive(allowed, q.dtype)
     out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
@@ -42,7 +45,7 @@ def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     lse: torch.Tensor, causal: bool, scale: float,
                     allowed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block given the rows' global `out` and `lse` (the merged result over all blocks)."""
-    if q.device.type != "cpu":
+    if q.device.type not in _FLASH_DEVICES:
         return attend_math_backward(dout, q, k, v, out, lse, causal, scale, allowed)
     mask = None if allowed is None else _additive(allowed, q.dtype)
     return _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,

@@ -82,7 +82,9 @@ def apply_data_parallel_sharding(chunks: list[nn.Module], strategy: str, ps: Any
     if strategy not in FSDP_STRATEGIES or ps.dp_cp_size == 1:
         return chunks
     device = next(chunks[0].parameters()).device
-    mesh = DeviceMesh.from_group(ps.dp_cp_group, device.type)
+    # meta parameters (the dry run) are sharded on meta, as FSDP2's deferred initialisation does; the mesh then
+    # names the CPU, a device with a process-group backend
+    mesh = DeviceMesh.from_group(ps.dp_cp_group, "cpu" if device.type == "meta" else device.type)
     reshard = strategy == "optim_grads_params"
     for chunk in chunks:
         _split_shared_weights(chunk)

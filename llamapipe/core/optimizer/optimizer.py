@@ -89,7 +89,8 @@ class Optimizer:
     def _main_for(self, index: int, start: int, end: int) -> torch.Tensor:
         flat = self.params[index].detach().view(-1)[start:end]
         if self.offload:      # --optimizer-cpu-offload: fp32 masters, moments and the update on the CPU
-            return flat.to("cpu", torch.float32, copy=True)
+            # (meta parameters, the dry run's, keep meta masters: a meta tensor has nothing to copy out)
+            return flat.to("meta" if flat.is_meta else "cpu", torch.float32, copy=True)
         return flat if flat.dtype == torch.float32 else flat.to(torch.float32, copy=True)
 
     def get_loss_scale(self) -> float:

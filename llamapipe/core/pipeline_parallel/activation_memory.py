@@ -65,19 +65,25 @@ def _checkpoint_inputs(unpack_hook) -> list:
         return []
 
 
+def storage_id(storage: torch.UntypedStorage) -> int:
+    """A storage's identity: its data pointer, or on the meta device (no memory, every pointer 0: the dry run)
+    the storage object itself, which torch keeps while the storage lives."""
+    return storage.data_ptr() or id(storage)
+
+
 def _activation_storages(tensors: Iterable[torch.Tensor], exclude: set,
                          found: dict[int, torch.UntypedStorage]) -> None:
-    """Add to `found` the non-empty storages of floating-point `tensors`, by data pointer, except `exclude`d."""
+    """Add to `found` the non-empty storages of floating-point `tensors`, by `storage_id`, except `exclude`d."""
     for t in tensors:
         if t.is_floating_point():
             storage = t.untyped_storage()
-            if storage.data_ptr() not in exclude and storage.nbytes() > 0:
-                found[storage.data_ptr()] = storage
+            if storage_id(storage) not in exclude and storage.nbytes() > 0:
+                found[storage_id(storage)] = storage
 
 
 def saved_storages(root: torch.Tensor, exclude: Iterable[int] = ()) -> dict[int, torch.UntypedStorage]:
-    """Distinct floating-point storages saved for backward behind `root`, by data pointer (`exclude`d
-    pointers left out)."""
+    """Distinct floating-point storages saved for backward behind `root`, by `storage_id` (`exclude`d ids
+    left out)."""
     exclude = set(exclude)
     found: dict[int, torch.UntypedStorage] = {}
     seen, stack = set(), [root.grad_fn]
@@ -95,11 +101,11 @@ class ActivationProbe(StepObserver):
     """Saved bytes of each forward of a step, and the share of them still alive after its B."""
 
     def __init__(self, model_chunks: Iterable[nn.Module]) -> None:
-        self._exclude = {t.untyped_storage().data_ptr() for chunk in model_chunks
+        self._exclude = {storage_id(t.untyped_storage()) for chunk in model_chunks
                          for t in list(chunk.parameters()) + list(chunk.buffers())}
         self._live: dict[Hashable, int] = {}
         self._unit: dict[Hashable, int] = {}
-        self._alive: dict[Hashable, set] = {}   # data pointers of a forward's saved storages still alive
+        self._alive: dict[Hashable, set] = {}   # storage_ids of a forward's saved storages still alive
         self.overhead_s = 0.0               # spent measuring (the executor keeps it out of action times)
         self.units: list[int] = []          # saved bytes of each forward
         self.shares: list[float] = []       # share of a forward's saved bytes still alive after its B
@@ -135,7 +141,7 @@ class ActivationProbe(StepObserver):
         self.overhead_s += time.perf_counter() - start
 
     def _closure_bytes(self, held: Iterable[torch.Tensor], counted: set) -> int:
-        """Bytes of the distinct floating-point storages among `held`, beyond `counted` pointers and the
+        """Bytes of the distinct floating-point storages among `held`, beyond `counted` ids and the
         model's own parameters and buffers."""
         found: dict[int, torch.UntypedStorage] = {}
         _activation_storages(held, self._exclude | counted, found)

@@ -75,8 +75,9 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
     actions = forward_only_actions(plan, pp_rank) if forward_only else plan.actions[pp_rank]
     actions_of = (lambda r: forward_only_actions(plan, r)) if forward_only else None
     device = next(model_chunks[0].parameters()).device
-    comm = P2PCommunicator(plan, pp_rank, parallel_state.pp_ranks, parallel_state.pp_group, device=device,
-                           variable_seq_lengths=options.variable_seq_lengths, actions_of=actions_of)
+    comm = (options.communicator or P2PCommunicator)(plan, pp_rank, parallel_state.pp_ranks, parallel_state.pp_group,
+                                                     device=device, variable_seq_lengths=options.variable_seq_lengths,
+                                                     actions_of=actions_of)
     vocab = None if output is None else VocabStep(
         output, parallel_state.pp_group, plan.pp, last_rank=plan.rank_chunk_of(plan.num_stages - 1)[0] == pp_rank,
         loss_scale=loss_scale, embedding=vocab_embedding(model_chunks), first_rank=pp_rank == 0,

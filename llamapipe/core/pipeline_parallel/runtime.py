@@ -98,6 +98,8 @@ class RuntimeOptions:
     memory_limit_bytes: Optional[int] = None    # auto: a byte cap instead, turned into units once measured
     post_validation: bool = False       # auto: iterations overlap (optimizer post-validation), so plan for the
                                         # longest stage span instead of the synchronous makespan
+    communicator: Optional[Callable[..., Any]] = None   # builds each step's communicator in place of
+                                        # p2p_communication.P2PCommunicator (same arguments): the dry run's
 
     def __post_init__(self) -> None:
         assert all(isinstance(o, StepObserver) for o in self.observers), self.observers

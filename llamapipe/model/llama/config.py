@@ -103,6 +103,8 @@ PRESETS: dict[str, dict] = {
     "llama3-8b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
                       num_query_groups=8, vocab_size=128256, max_position_embeddings=8192,
                       rope_theta=500000.0),
+    "llama3-70b": dict(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                       num_query_groups=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
     "llama3.1-8b": dict(_LLAMA3, num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32),
     "llama3.1-70b": dict(_LLAMA3, num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64),
     "llama3.1-405b": dict(_LLAMA3, num_layers=126, hidden_size=16384, ffn_hidden_size=53248,

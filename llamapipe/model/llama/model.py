@@ -145,6 +145,8 @@ class LlamaModel(nn.Module):
     def reset_parameters(self, seed: int) -> None:
         """Initialise every parameter from (seed, name) on its full logical tensor, then keep this shard."""
         for name, param in self.named_parameters():
+            if param.is_meta:       # shapes without values (the dry run): nothing to draw
+                continue
             shape = list(param.shape)
             rank, size = self._shard_of(param)
             if param.tensor_model_parallel:

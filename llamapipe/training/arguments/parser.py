@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (add_parallel_flags, add_model_flags, add_training_flags, add_optimizer_flags, add_data_flags,
                 add_checkpoint_flags, add_logging_flags, add_compat_flags):
         add(p)
+    p.add_argument("--dry-run", action="store_true",
+                   help="check this job without its machines instead of training: every distinct rank's setup and "
+                        "one step on fake process groups and meta tensors, with --world-size N (llamapipe dry-run, "
+                        "docs/dry_run.md)")
     return p
 
 

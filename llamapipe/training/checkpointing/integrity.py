@@ -72,6 +72,15 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
     Tensors go in order of decreasing element size, so with the header padded to 8 bytes every tensor's
     data is aligned to its element size, as safetensors' own writer arranges it.
     """
+    order, raw = safetensors_header(tensors, metadata)
+    chunks = [len(raw).to_bytes(8, "little"), raw]
+    chunks += (_tensor_bytes(tensors[key].contiguous()) for key in order)
+    return _write(path, rank, chunks)
+
+
+def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[list[str], bytes]:
+    """(the keys in file order, the padded JSON header) of a safetensors file of `tensors`; reads only their
+    shapes and dtypes, so meta tensors give a file's size without its data (the dry run's checkpoint)."""
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
@@ -82,10 +91,7 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
         header[key] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    chunks = [len(raw).to_bytes(8, "little"), raw]
-    chunks += (_tensor_bytes(tensors[key].contiguous()) for key in order)
-    return _write(path, rank, chunks)
+    return order, raw + b" " * (-len(raw) % 8)
 
 
 def write_torch(path: str, obj: Any, rank: int = 0) -> dict:

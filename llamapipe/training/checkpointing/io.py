@@ -48,9 +48,14 @@ def write_shard_file(path: str, tensors: dict[str, torch.Tensor], specs: dict[st
             t = t.clone()
         seen.add(t.data_ptr())
         plain[key] = t
-    header = {"tp_rank": str(tp_rank), "pp_rank": str(pp_rank),
-              "specs": json.dumps({k: [specs[k].partition_dim, specs[k].vocab_padded] for k in tensors})}
-    return write_safetensors(path, plain, header, rank)
+    return write_safetensors(path, plain, shard_metadata(tensors, specs, tp_rank, pp_rank), rank)
+
+
+def shard_metadata(tensors: dict[str, torch.Tensor], specs: dict[str, TensorSpec], tp_rank: int,
+                   pp_rank: int) -> dict[str, str]:
+    """The header metadata of one shard file: its position and every key's partition spec."""
+    return {"tp_rank": str(tp_rank), "pp_rank": str(pp_rank),
+            "specs": json.dumps({k: [specs[k].partition_dim, specs[k].vocab_padded] for k in tensors})}
 
 
 def torch_save(obj: Any, path: str, rank: int = 0) -> dict:

@@ -22,12 +22,12 @@ import torch.nn as nn
 
 from llamapipe.training.checkpointing import io as cio
 from llamapipe.training.checkpointing.catalog import remove_stale_tmp
+from llamapipe.training.checkpointing.resume_checks import OPTIM_HINT, check_loadable, trainable
 from llamapipe.training.checkpointing.io import latest_checkpoint  # noqa: F401  (part of this module's API)
 from llamapipe.training.checkpointing.selection import choose_checkpoint, same_layout
 from llamapipe.training.checkpointing.tokenizer_record import check_tokenizer, tokenizer_record
 from llamapipe.training.checkpointing.writer import (  # noqa: F401  (finalize and the error: this module's API)
     CheckpointSaveError, FileJob, SaveJob, finalize_async_save, start)
-from llamapipe.training.arguments.checkpoint_args import check_saved_model
 from llamapipe.training.config import Config
 from llamapipe.training.flag_names import flag_message
 from llamapipe.core.logger import get_logger
@@ -114,7 +114,7 @@ def _rank_files(model_chunks: list[nn.Module], optimizer: Any, ps: ParallelState
     if ps.rank == 0 and optim_state is not None:
         common = _cpu({k: v for k, v in optim_state.items() if k != "param_state"}, copy)
         files.append(FileJob(cio.OPTIM_COMMON, lambda path, rank: cio.torch_save(common, path, rank)))
-    rng = _rng_state()
+    rng = rng_state()
     files.append(FileJob(cio.rng_name(ps.rank), lambda path, rank: cio.torch_save(rng, path, rank)))
     return files
 
@@ -167,13 +167,12 @@ def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: 
         return None
     iteration, path = found
     reader = cio.CheckpointReader(path)
-    check_saved_model(reader.meta["model_config"], config.model, path)
     check_tokenizer(reader.meta.get("tokenizer"), config.data, path, config.checkpoint.allow_tokenizer_change)
     tensors = named_tensors(model_chunks)
+    check_loadable(reader.meta, path, tensors, config.model,
+                   optimizer=optimizer is not None and not (finetune or no_load_optim))
     for name, target in tensors.items():
-        key = logical_name(name, target)         # a tied copy loads the embedding
-        if not reader.has(key):
-            raise ValueError(f"checkpoint {path} has no tensor {key}, so it was saved from a different model")
+        key = logical_name(name, target)         # a tied copy loads the embedding (check_loadable: it is there)
         with torch.no_grad():
             target.copy_(_local_shard(target, reader, key, "model", ps))
     if not (finetune or no_load_optim):
@@ -225,21 +224,13 @@ def _local_shard(param: torch.Tensor, reader: cio.CheckpointReader, key: str, ki
 
 def _load_optimizer(reader: cio.CheckpointReader, optimizer: Any, tensors: dict[str, torch.Tensor],
                     ps: ParallelState) -> None:
-    hint = "pass --no-load-optim to load the model weights only"
-    if not reader.meta["has_optimizer"]:
-        raise ValueError(f"checkpoint {reader.path} has no optimizer state; {hint}")
     fields: dict[str, list[str]] = {}
     for key in reader.keys("optim"):
         name, field = key.rsplit("/", 1)
         fields.setdefault(name, []).append(field)
-    param_state, done = {}, set()
-    for name, target in tensors.items():
-        if not isinstance(target, nn.Parameter) or not target.requires_grad or id(target) in done:
-            continue
+    param_state = {}
+    for name, target in trainable(tensors).items():      # each has state: check_loadable said so
         key = logical_name(name, target)
-        if key not in fields:
-            raise ValueError(f"checkpoint {reader.path} has no optimizer state for parameter {key}; {hint}")
-        done.add(id(target))
         param_state[name] = {field: _local_shard(target, reader, f"{key}/{field}", "optim", ps)
                              .to(target.device, copy=True)
                              for field in fields[key]}
@@ -247,10 +238,12 @@ def _load_optimizer(reader: cio.CheckpointReader, optimizer: Any, tensors: dict[
     try:
         optimizer.load_state_dict({"param_state": param_state, **common})
     except (KeyError, ValueError, RuntimeError) as exc:
-        raise ValueError(f"the optimizer state in {reader.path} does not fit this optimizer ({exc}); {hint}") from None
+        raise ValueError(f"the optimizer state in {reader.path} does not fit this optimizer ({exc}); "
+                         f"{OPTIM_HINT}") from None
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """This process's random states, as a checkpoint's rng file holds them."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}

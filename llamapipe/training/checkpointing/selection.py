@@ -71,18 +71,19 @@ def verify_share(ckpt_dir: str, layout: Optional[dict]) -> Optional[str]:
     return verify_files(ckpt_dir, meta["files"], {f for f, r in owner.items() if r == rank})
 
 
-def choose_checkpoint(load_dir: str, layout: Optional[dict] = None) -> Optional[tuple[int, str]]:
+def choose_checkpoint(load_dir: str, layout: Optional[dict] = None, *, verify: bool = True) -> Optional[tuple[int, str]]:
     """(iteration, path) of the newest verified checkpoint; None when `load_dir` holds no checkpoint at all.
 
     Raises ValueError when it holds checkpoints but none is usable. `layout` (the run's tp/pp/vpp/dp/order)
-    decides whether each file is verified by the rank that wrote it.
+    decides whether each file is verified by the rank that wrote it. `verify=False` (the dry run, which reads no
+    tensor data) takes the newest complete one, its files' sizes checked but not their checksums.
     """
     rank, _ = _rank_world()
     candidates = _from_rank0(scan(load_dir) if rank == 0 else None)
     skipped: list[str] = []
     for iteration, defect in candidates:
         path = catalog.iter_dir(load_dir, iteration)
-        if defect is None:
+        if defect is None and verify:
             defect = _first_defect(verify_share(path, layout))
         if defect is None:
             if skipped and rank == 0:
