@@ -1,5 +1,6 @@
 """ZeRO-2/3 on FSDP2 through the CLI (fp32, CPU, gloo): every sharded layout reproduces the single-rank losses
-(rel 1e-5) over 5 iterations, with dp 2 and 4, tp 2, pp 2 (1f1b and zbv with the B/W split), recompute and
+(rel 1e-5) over 5 iterations, with dp 2 and 4, tp 2, pp 2 (1f1b and zbv with the B/W split; zb-h2 and auto, which
+profile their first iterations), recompute and
 --overlap-grad-reduce, --optimizer-cpu-offload; checkpoints resume bit-exact and reshard between strategies.
 """
 import pytest
@@ -27,6 +28,9 @@ LAYOUTS = {
     "pp2-zbv-dp2-zero2-recompute-overlap": (4, Z2 + ZBV + ["--recompute-granularity", "full",
                                                           "--overlap-grad-reduce"]),
     "dp2-zero3-cpu-offload": (2, Z3 + ["--optimizer-cpu-offload"]),
+    # the profiled schedules: their activation probe met storages FSDP had freed (a crash before this fix)
+    "pp2-zb-h2-dp2-zero2-profiled": (4, Z2 + PP2 + ["--pipeline-schedule", "zb-h2", "--pipeline-profile-iters", "2"]),
+    "pp2-auto-dp2-zero3-profiled": (4, Z3 + PP2 + ["--pipeline-schedule", "auto", "--pipeline-profile-iters", "2"]),
 }
 
 

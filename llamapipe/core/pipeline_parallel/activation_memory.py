@@ -65,10 +65,14 @@ def _checkpoint_inputs(unpack_hook) -> list:
         return []
 
 
-def storage_id(storage: torch.UntypedStorage) -> int:
+def storage_id(storage: torch.UntypedStorage) -> Optional[int]:
     """A storage's identity: its data pointer, or on the meta device (no memory, every pointer 0: the dry run)
-    the storage object itself, which torch keeps while the storage lives."""
-    return storage.data_ptr() or id(storage)
+    the storage object itself, which torch keeps while the storage lives; None for a storage torch has
+    invalidated (FSDP frees an unsharded parameter's between uses), which holds nothing."""
+    try:
+        return storage.data_ptr() or id(storage)
+    except RuntimeError:
+        return None
 
 
 def _activation_storages(tensors: Iterable[torch.Tensor], exclude: set,
@@ -77,8 +81,9 @@ def _activation_storages(tensors: Iterable[torch.Tensor], exclude: set,
     for t in tensors:
         if t.is_floating_point():
             storage = t.untyped_storage()
-            if storage_id(storage) not in exclude and storage.nbytes() > 0:
-                found[storage_id(storage)] = storage
+            key = storage_id(storage)
+            if key is not None and key not in exclude and storage.nbytes() > 0:
+                found[key] = storage
 
 
 def saved_storages(root: torch.Tensor, exclude: Iterable[int] = ()) -> dict[int, torch.UntypedStorage]:
