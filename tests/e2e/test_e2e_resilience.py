@@ -38,12 +38,20 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _foreground_sigint() -> None:
+    """In the child: SIGINT as a terminal's foreground job has it. A suite run as a background job (`... &` in a
+    script) hands its children SIGINT ignored, which the run rightly keeps (signals.py), so Ctrl-C could not be
+    tested there."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _launch(args: list[str], extra: list[str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), *(extra or []), "pretrain_llama.py", *TINY, *args]
     # Its own session, so a test can signal the launcher's process group as SLURM does.
     return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_foreground_sigint)
 
 
 def _wait_for_iteration(jsonl: str, iteration: int, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -245,7 +253,8 @@ SINGLE = ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr-decay-sty
 def _start_single(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "pretrain_llama.py", *TINY, *args], cwd=ROOT,
                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_foreground_sigint)
 
 
 def _start(target: str, args: list[str]) -> subprocess.Popen:
