@@ -115,6 +115,22 @@ class ActivationProbe(StepObserver):
         self.units: list[int] = []          # saved bytes of each forward
         self.shares: list[float] = []       # share of a forward's saved bytes still alive after its B
         self.held_shares: list[float] = []  # that plus what the W closures hold besides, over the unit
+        self.peaks: list[int] = []          # per step: the most saved bytes on the device between actions
+        self._store = None                  # the step's offload store (PipeOffload), if it offloads
+
+    def step_begin(self, plan, pp_rank: int, forward_only: bool) -> None:
+        self.peaks.append(0)
+        self._store = None
+
+    def offload_begin(self, store) -> None:
+        self._store = store
+
+    def action_done(self, action, start: float, end: float, blocked_s: float) -> None:
+        """The device-resident saved bytes after `action`: forwards not yet backward (their saved storages still
+        alive), the offloaded ones as the store holds them on the device."""
+        if self.peaks:
+            resident = sum(self._live.values()) + (self._store.device_bytes() if self._store is not None else 0)
+            self.peaks[-1] = max(self.peaks[-1], resident)
 
     def forward_done(self, key: Hashable, output: torch.Tensor) -> None:
         """After the forward of `key` (chunk, microbatch); `output` is its output or loss."""

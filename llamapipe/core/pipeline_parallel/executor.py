@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from llamapipe.core.parallel_state import ParallelState
+from llamapipe.core.pipeline_parallel.offload_plan import offload_plan
 from llamapipe.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from llamapipe.core.pipeline_parallel.runtime import GradSyncHooks, RuntimeOptions
 from llamapipe.core.pipeline_parallel.schedule_ir import BACKWARD_KINDS, Action, Plan
@@ -66,6 +67,8 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
     output = vocab_output(model_chunks)
     if output is not None:
         plan = vocab_plan(plan)
+    if options.offload is not None and not forward_only:
+        plan = offload_plan(plan, options.offload)
     if num_microbatches != plan.num_microbatches:
         raise ValueError(f"the plan has {plan.num_microbatches} microbatches but num_microbatches is "
                          f"{num_microbatches}")
@@ -83,13 +86,15 @@ def run(plan: Plan, *, model_chunks: list[nn.Module], forward_step_func: Callabl
         loss_scale=loss_scale, embedding=vocab_embedding(model_chunks), first_rank=pp_rank == 0,
         first_rank_global=parallel_state.pp_ranks[0])
     step = RankStep(plan, pp_rank, comm, model_chunks, forward_step_func, data_iterator, forward_only, loss_scale,
-                 options.fused_bw, options.observers, vocab)
+                    options.fused_bw, options.observers, vocab, options.offload)
     for observer in options.observers:
         observer.step_begin(plan, pp_rank, forward_only)
     _run_step(step, actions, None if forward_only else options.grad_sync, _prepass_iterator(data_iterator, plan)
               if vocab is not None else None)
     step.store.assert_empty()
     assert not step.outputs and not step.local, "activations left alive at step end"
+    assert step.offload is None or step.offload.device_bytes() + step.offload.host_bytes() == 0, \
+        "offloaded activations left at step end"
     for observer in options.observers:
         observer.step_end(comm.largest_send)
     return [step.losses[mb] for mb in sorted(step.losses)]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from llamapipe.core.pipeline_parallel.offload_plan import OffloadOptions
     from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
     from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 
@@ -59,6 +60,9 @@ class StepObserver:
 
     def step_end(self, largest_send: tuple[int, torch.dtype]) -> None:
         """After the step; `largest_send` is (numel, dtype) of this rank's largest message."""
+
+    def offload_begin(self, store: Any) -> None:
+        """The step offloads activations through `store` (an `offload_store.OffloadStore`)."""
 
 
 class ForwardBackwardFunc(Protocol):
@@ -100,6 +104,7 @@ class RuntimeOptions:
                                         # longest stage span instead of the synchronous makespan
     communicator: Optional[Callable[..., Any]] = None   # builds each step's communicator in place of
                                         # p2p_communication.P2PCommunicator (same arguments): the dry run's
+    offload: Optional["OffloadOptions"] = None   # PipeOffload: O/R actions added to every plan (offload_plan)
 
     def __post_init__(self) -> None:
         assert all(isinstance(o, StepObserver) for o in self.observers), self.observers

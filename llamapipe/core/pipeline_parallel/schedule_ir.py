@@ -13,6 +13,9 @@ S is the output layer's forward on this rank's vocabulary shard for one microbat
 dependencies (`vocab_needs`) reach every rank: the last stage's hidden state goes to every S, T waits for
 the softmax statistics of every rank's S (the one collective), and the last stage's backward waits for
 every rank's T (its input-gradient partials, summed).
+Offload (PipeOffload, arXiv 2503.01328): O copies the activations the forward of (chunk, microbatch) saved for its
+backward from the device to host memory, R copies them back; neither sends a message. A builder pass
+(`offload_plan.with_offload`) places them: O right after the F, R one backward before the B.
 Placements: "interleaved" (Megatron, arXiv 2104.04473): stage v on rank v % pp, chunk v // pp.
 "v" (ZB-V, arXiv 2401.10241): chunk 0 of rank r is stage r, chunk 1 is stage 2*pp-1-r.
 """
@@ -52,10 +55,13 @@ KIND_SPECS: dict[str, KindSpec] = {spec.name: spec for spec in (
     KindSpec("BW", ("B", "W"), -1, "grad"),
     KindSpec("S", ("S",), 0, None, Dep("hidden", "F", LAST)),
     KindSpec("T", ("T",), 0, None, Dep("stats", "S", ALL)),
+    KindSpec("O", ("O",), 0, None),
+    KindSpec("R", ("R",), 0, None),
 )}
 KINDS = tuple(KIND_SPECS)
 PASSES = ("F", "B", "W")                                  # what every (chunk, microbatch) gets exactly once
 VOCAB_PASSES = ("S", "T")                                 # what every microbatch gets once per rank (vocab plans)
+OFFLOAD_PASSES = ("O", "R")                               # at most once per (chunk, microbatch): after F, before B
 BACKWARD_KINDS = tuple(k for k, spec in KIND_SPECS.items() if "B" in spec.parts)   # compute an input gradient
 PRODUCER = {"act": "F", "grad": "B"}                     # the pass whose result each payload is
 

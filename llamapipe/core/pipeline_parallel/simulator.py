@@ -9,6 +9,9 @@ The output layer with its loss costs `head_f`/`head_b` and holds `head_mem` (log
 backward: on the last stage's F/B, or in a vocabulary-parallel plan (arXiv 2411.05288) split evenly over
 the S/T actions of every rank. A collective (T's softmax statistics, the last stage's summed input
 gradient) is there `comm` after every rank's producing action ended.
+Offload (PipeOffload, arXiv 2503.01328): an O moves `offload_share` of its unit's M_B to host memory and an R
+brings it back; each takes `offload` on its rank's timeline (0: the copies overlap compute on their own
+stream, as on a GPU; on a CPU they are memcpy on the compute cores).
 
 Execution model (the executor's): each rank runs its list strictly in order; an action starts once its
 inputs have arrived; sends never block. A plan that can never finish is a deadlock. `run_timeline` takes
@@ -18,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llamapipe.core.pipeline_parallel.schedule_ir import (ALL, KIND_SPECS, KINDS, PASSES, PRODUCER, VOCAB_PASSES,
-                                                          Action, Plan, needs, sends, vocab_needs)
+from llamapipe.core.pipeline_parallel.schedule_ir import (ALL, KIND_SPECS, KINDS, OFFLOAD_PASSES, PASSES, PRODUCER,
+                                                          VOCAB_PASSES, Action, Plan, needs, sends, vocab_needs)
 
 
 class PlanError(ValueError):
@@ -38,18 +41,25 @@ class Costs:
     head_f: float = 0.0    # output layer + loss forward over the whole vocabulary (on top of the last stage's f)
     head_b: float = 0.0    # its backward (input and weight gradient)
     head_mem: float = 0.0  # its logits, held from its forward to its backward
+    offload: float = 0.0   # one O (device to host) or R (host to device) on its rank's timeline
+    offload_share: float = 1.0   # the share of M_B an O moves to host memory (what the store can take)
 
     def __post_init__(self) -> None:
-        if self.f <= 0 or self.b <= 0 or min(self.w, self.comm, self.head_f, self.head_b, self.head_mem) < 0:
+        if not 0 <= self.offload_share <= 1:
+            raise ValueError(f"offload_share {self.offload_share} must be within [0, 1]")
+        if self.f <= 0 or self.b <= 0 or min(self.w, self.comm, self.head_f, self.head_b, self.head_mem,
+                                             self.offload) < 0:
             raise ValueError(f"costs F={self.f}, B={self.b} must be positive and W={self.w}, "
                              f"COMM={self.comm} and the head's costs non-negative")
         if not 0 <= self.w_mem <= self.act_mem or self.act_mem <= 0:
             raise ValueError(f"memory model needs 0 <= w_mem ({self.w_mem}) <= act_mem ({self.act_mem}) "
                              f"and act_mem > 0")
         # lookup tables: the simulator and the greedy builder ask these for every action
-        object.__setattr__(self, "_duration", {"F": self.f, "B": self.b, "W": self.w, "BW": self.b + self.w})
+        moved = self.act_mem * self.offload_share
+        object.__setattr__(self, "_duration", {"F": self.f, "B": self.b, "W": self.w, "BW": self.b + self.w,
+                                               "O": self.offload, "R": self.offload})
         object.__setattr__(self, "_mem_delta", {"F": self.act_mem, "B": self.w_mem - self.act_mem,
-                                                "W": -self.w_mem, "BW": -self.act_mem})
+                                                "W": -self.w_mem, "BW": -self.act_mem, "O": -moved, "R": moved})
 
     def duration(self, kind: str) -> float:
         return self._duration[kind]
@@ -130,6 +140,27 @@ def _check_rank_order(plan: Plan, rank: int) -> None:
                     raise PlanError(f"rank {rank}: missing {part} for chunk {chunk} microbatch {mb}")
     if plan.vocab:
         _check_vocab_order(plan, rank)
+    _check_offload_order(plan, rank)
+
+
+def _check_offload_order(plan: Plan, rank: int) -> None:
+    """An O after its F and before its B, an R after its O and before its B, each once; every O has its R."""
+    done: dict[str, set] = {part: set() for part in ("F", "B") + OFFLOAD_PASSES}
+    for i, a in enumerate(plan.actions[rank]):
+        key, where = (a.chunk, a.microbatch), f"rank {rank} action #{i} {a}"
+        if a.kind in OFFLOAD_PASSES:
+            before = "F" if a.kind == "O" else "O"
+            if key in done[a.kind]:
+                raise PlanError(f"{where}: duplicated {a.kind} for chunk {a.chunk} microbatch {a.microbatch}")
+            if key not in done[before] or key in done["B"]:
+                raise PlanError(f"{where}: {a.kind} must come after its {before} and before its B")
+        for part in KIND_SPECS[a.kind].parts:
+            if part in done:
+                done[part].add(key)
+    missing = done["O"] - done["R"]
+    if missing:
+        chunk, mb = min(missing)
+        raise PlanError(f"rank {rank}: O of chunk {chunk} microbatch {mb} has no R before its B")
 
 
 def _check_vocab_order(plan: Plan, rank: int) -> None:

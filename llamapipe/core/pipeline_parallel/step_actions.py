@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from llamapipe.core.pipeline_parallel.offload_plan import OffloadOptions, offloaded_keys
+from llamapipe.core.pipeline_parallel.offload_store import OffloadStore
 from llamapipe.core.pipeline_parallel.p2p_communication import Message, P2PCommunicator, needs_and_sends, vocab_messages
 from llamapipe.core.pipeline_parallel.runtime import StepObserver
 from llamapipe.core.pipeline_parallel.schedule_ir import BACKWARD_KINDS, Action, Plan
@@ -46,7 +48,7 @@ class RankStep:
     def __init__(self, plan: Plan, pp_rank: int, comm: P2PCommunicator, model_chunks: list[nn.Module],
                  forward_step_func: Callable, data_iterator: Any, forward_only: bool, loss_scale: float,
                  fused_bw: bool = False, observers: tuple[StepObserver, ...] = (),
-                 vocab: Optional[VocabStep] = None) -> None:
+                 vocab: Optional[VocabStep] = None, offload: Optional[OffloadOptions] = None) -> None:
         self.plan, self.pp_rank, self.comm, self.chunks = plan, pp_rank, comm, model_chunks
         self.observers = observers           # timers, trace, action times, activation probe
         self.fused_bw = fused_bw
@@ -59,6 +61,11 @@ class RankStep:
         self.wait_s = 0.0                    # time blocked on receives, excluded from action timings
         self.store = WeightGradStore()
         self.vocab = vocab                   # S/T of a vocabulary-parallel plan
+        self.offloaded = frozenset() if forward_only else offloaded_keys(plan, pp_rank)
+        self.offload = (OffloadStore(model_chunks, offload.min_bytes if offload else 0)
+                        if self.offloaded else None)   # O/R: the offloaded forwards' saved tensors
+        for observer in observers if self.offload is not None else ():
+            observer.offload_begin(self.offload)
 
     def untimed_s(self) -> float:
         """Seconds so far blocked on receives and the vocabulary layer's collectives, or spent by observers
@@ -99,7 +106,8 @@ class RankStep:
             if not self.forward_only:
                 x.requires_grad_(True)
             chunk.set_input_tensor(x)
-        out, loss_func = self.forward_step_func(self._iterator(action.chunk), chunk)
+        with self.offload.packing(key) if key in self.offloaded else nullcontext():
+            out, loss_func = self.forward_step_func(self._iterator(action.chunk), chunk)
         if send is None and self.vocab is not None:      # the last stage: its hidden state goes to every S
             self.vocab.loss_funcs[action.microbatch] = loss_func.loss_func
             hidden, targets = out.detach(), pack_targets(loss_func)
@@ -132,6 +140,8 @@ class RankStep:
         split = action.kind == "B" or (not self.fused_bw and send is not None and send.src != send.dst)
         with self.store.capture(key) if split else nullcontext():
             _backward(out, grad)
+        if key in self.offloaded:
+            self.offload.release(key)
         if send is not None:
             assert x is not None and x.grad is not None, f"no input gradient for {action}"
             self._give(send, x.grad)
@@ -167,5 +177,9 @@ class RankStep:
             self.vocab_action(action)
         elif action.kind in BACKWARD_KINDS:
             self.backward(action)
+        elif action.kind == "O":
+            self.offload.offload((action.chunk, action.microbatch))
+        elif action.kind == "R":
+            self.offload.reload((action.chunk, action.microbatch))
         else:
             self.store.run((action.chunk, action.microbatch))

@@ -41,9 +41,10 @@ RECV_TIMERS = {"F": "forward-recv", "B": "backward-recv", "BW": "backward-recv",
                "S": "output-layer-recv", "T": "output-layer-recv"}
 SPLIT = ("compute", "communication", "idle")
 LEVEL1 = ("iteration", "forward-backward", "optimizer", *SPLIT)
+COPY_TIMERS = {"O": "activation-offload", "R": "activation-reload"}   # PipeOffload's copies: communication
 LEVEL2 = ("forward-compute", "backward-compute", "backward-weight-compute", "output-layer-compute",
           "embedding-compute", "forward-recv", "backward-recv", "output-layer-recv", "pipeline-send-recv",
-          "all-grads-sync")
+          "activation-offload", "activation-reload", "all-grads-sync")
 COMMUNICATION_REGIONS = ("all-grads-sync",)
 
 
@@ -68,7 +69,9 @@ class StepTimers(StepObserver):
             self._last = self._fb_start
 
     def action_done(self, action: "Action", start: float, end: float, blocked_s: float) -> None:
-        if self._timing:
+        if self._timing and action.kind in COPY_TIMERS:
+            self._add("communication", end - start - blocked_s, COPY_TIMERS[action.kind])
+        elif self._timing:
             self._add("compute", end - start - blocked_s, COMPUTE_TIMERS[action.kind])
             self._add(None, 0.0, RECV_TIMERS[action.kind], blocked_s)
 

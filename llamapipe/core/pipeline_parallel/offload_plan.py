@@ -1,0 +1,92 @@
+"""Offload placed by the schedule (PipeOffload, Wan et al., arXiv 2503.01328, ICML 2025): a builder pass.
+
+`with_offload(plan, chunk_num, ...)` adds, on every rank, an O (device-to-host copy of what the forward saved
+for its backward) right after each F of a local chunk below `chunk_num` (the zero-bubble fork's
+`--offload-chunk-num`: `should_offload = chunk < offload_chunk_num`), and an R (host-to-device copy) one backward
+before that microbatch's B, so the copy back has the time of one backward to finish. An activation whose
+forward-to-backward gap is too short stays on the device, as in the fork's `add_send_recv`: the gap from the end
+of the F to the start of the action the R precedes must exceed 3 x (D2H + H2D), with one copy taking
+`offload_time` x (F + B + W) of the chunk (the fork's `--offload-time`). With `offload_time` 0 every activation
+with at least one action between its F and its R is offloaded.
+
+The pass is pure (no torch): the simulator prices the O/R (`Costs.offload`, `Costs.offload_share`), the
+executor runs them (`offload_store`), `plot-schedule` and the trace draw them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+from llamapipe.core.pipeline_parallel.schedule_ir import BACKWARD_KINDS, Action, Plan
+from llamapipe.core.pipeline_parallel.simulator import Costs, run_timeline, verify
+
+SAFETY = 3.0      # the fork's margin: the gap must hold three round trips
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadOptions:
+    """What the executor needs to offload a job's activations (`runtime.RuntimeOptions.offload`)."""
+    chunk_num: int                  # local chunks below this offload (the fork's --offload-chunk-num)
+    offload_time: float = 0.0       # one copy's share of F + B + W (the fork's --offload-time)
+    min_bytes: int = 0              # smaller saved storages stay on the device (Megatron's minimum size)
+
+
+@functools.lru_cache(maxsize=64)
+def offload_plan(plan: Plan, options: OffloadOptions) -> Plan:
+    """`plan` with its O/R actions; every rank derives the same plan from the same one."""
+    return with_offload(plan, options.chunk_num, offload_time=options.offload_time)
+
+
+def with_offload(plan: Plan, chunk_num: int, costs: Optional[Costs] = None, offload_time: float = 0.0) -> Plan:
+    """`plan` with O/R actions for the chunks below `chunk_num` (see the module docstring). `costs` time the plan
+    (unit costs by default); `offload_time` is one copy's share of F + B + W."""
+    if chunk_num <= 0 or any(a.kind in ("O", "R") for acts in plan.actions for a in acts):
+        return plan
+    costs = costs or Costs()
+    verify(plan)
+    timeline = run_timeline(plan, costs)
+    copy = offload_time * (costs.f + costs.b + costs.w)
+    actions = tuple(_rank_with_offload(row, chunk_num, SAFETY * 2 * copy) for row in timeline)
+    name = plan.name if plan.name.endswith("+offload") else plan.name + "+offload"
+    return dataclasses.replace(plan, name=name, actions=actions)
+
+
+def _rank_with_offload(row: list, chunk_num: int, min_gap: float) -> tuple[Action, ...]:
+    """One rank's actions (its simulated (start, end, action) row) with O after each chosen F and R before the
+    backward that precedes its B."""
+    acts = [a for _, _, a in row]
+    where = {(a.kind, a.chunk, a.microbatch): i for i, a in enumerate(acts)}
+    before: dict[int, list[Action]] = {}
+    after: dict[int, list[Action]] = {}
+    for i, a in enumerate(acts):
+        if a.kind != "F" or a.chunk >= chunk_num:
+            continue
+        j = where.get(("B", a.chunk, a.microbatch), where.get(("BW", a.chunk, a.microbatch)))
+        if j is None:
+            continue
+        k = _reload_slot(acts, i, j)
+        if k is None or row[k][0] - row[i][1] <= min_gap:
+            continue            # too short a gap: the activation stays on the device
+        after.setdefault(i, []).append(Action("O", a.chunk, a.microbatch))
+        before.setdefault(k, []).append(Action("R", a.chunk, a.microbatch))
+    out: list[Action] = []
+    for i, a in enumerate(acts):
+        out += before.get(i, [])
+        out.append(a)
+        out += after.get(i, [])
+    return tuple(out)
+
+
+def _reload_slot(acts: list[Action], i: int, j: int) -> Optional[int]:
+    """Index of the action the R of the F at `i` (its B at `j`) goes before: the last backward between them, else
+    the action just before the B; None unless an action lies between the O and the R."""
+    for k in range(j - 1, i + 1, -1):
+        if acts[k].kind in BACKWARD_KINDS:
+            return k
+    return j - 1 if j - 1 > i + 1 else None
+
+
+def offloaded_keys(plan: Plan, pp_rank: int) -> frozenset:
+    """(chunk, microbatch) of every O on `pp_rank`: the forwards whose saved tensors go through the store."""
+    return frozenset((a.chunk, a.microbatch) for a in plan.actions[pp_rank] if a.kind == "O")

@@ -1,0 +1,172 @@
+"""Where an offloaded forward's saved activations live between its O and its R (PipeOffload, arXiv 2503.01328).
+
+During the forward of a (chunk, microbatch) that the plan offloads, `OffloadStore.packing(key)` installs
+saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`, what `torch.autograd.graph.save_on_cpu` uses):
+every activation autograd saves for the backward is recorded here by its storage, so views of one storage (the
+fused QKV output's q, k and v) are copied once and come back as views again. Parameters, the chunk's received
+input (both leaves that need a gradient) and tensors under `min_bytes` pass through untouched. The plan's O
+action moves the key's storages to host memory, its R moves them back, and the backward unpacks them; a tensor
+still on the host when the backward asks (no R yet) is copied back then.
+
+On CUDA the host copies are pinned buffers from a pool and both directions run on one copy stream with events,
+so a copy overlaps compute; the device storage is released to the allocator only after its copy is done
+(`record_stream`). On CPU both memories are the same RAM: an O copies each storage into a separate host store
+and drops the device one, an R copies it back, so every path runs (and is tested) here and `device_bytes` says
+what the device would hold.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Hashable, Iterator, Optional
+
+import torch
+from torch import nn
+
+
+class _Storage:
+    """One saved storage: on the device (`dev`) or on the host (`host`), never both once a copy is done."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.dev: Optional[torch.Tensor] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+            tensor.untyped_storage())
+        self.device, self.nbytes = tensor.device, self.dev.numel()
+        self.host: Optional[torch.Tensor] = None
+        self.ready: Optional[torch.cuda.Event] = None      # the last copy's event (CUDA)
+
+
+class _View:
+    """A saved tensor as a view of a `_Storage`: rebuilt from its dtype, offset, size and stride on unpack."""
+
+    def __init__(self, storage: _Storage, tensor: torch.Tensor) -> None:
+        self.storage, self.dtype = storage, tensor.dtype
+        self.offset, self.size, self.stride = tensor.storage_offset(), tensor.size(), tensor.stride()
+
+
+class OffloadStore:
+    """The saved activations of the offloaded forwards of one rank's step, by (chunk, microbatch)."""
+
+    def __init__(self, model_chunks: list[nn.Module], min_bytes: int = 0) -> None:
+        self.min_bytes = min_bytes
+        self._params = {p.untyped_storage().data_ptr() for c in model_chunks for p in c.parameters()}
+        self._keys: dict[Hashable, dict[int, _Storage]] = {}
+        self._kept: dict[Hashable, dict[int, int]] = {}     # bytes of the other saved storages (stay on device)
+        self._cuda = any(p.is_cuda for c in model_chunks for p in c.parameters())
+        self._stream = torch.cuda.Stream() if self._cuda else None
+        self._pool: dict[int, list[torch.Tensor]] = {}     # pinned host buffers by size (CUDA)
+        self.copied_bytes = 0                               # bytes moved either way, over the store's life
+
+    @contextmanager
+    def packing(self, key: Hashable) -> Iterator[None]:
+        """Record what the forward of `key` saves for its backward (see the module docstring)."""
+        storages, kept = self._keys.setdefault(key, {}), self._kept.setdefault(key, {})
+
+        def pack(tensor: torch.Tensor):
+            if not self._offloadable(tensor):
+                if tensor.is_floating_point() and tensor.untyped_storage().data_ptr() not in self._params:
+                    kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+                return tensor
+            ptr = tensor.untyped_storage().data_ptr()
+            if ptr not in storages:
+                storages[ptr] = _Storage(tensor)
+            return _View(storages[ptr], tensor)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            yield
+
+    def _offloadable(self, tensor: torch.Tensor) -> bool:
+        if not tensor.is_floating_point() or (tensor.requires_grad and tensor.is_leaf):
+            return False
+        base = tensor._base if tensor._base is not None else tensor
+        if isinstance(base, nn.Parameter) or tensor.untyped_storage().data_ptr() in self._params:
+            return False
+        return tensor.untyped_storage().nbytes() >= max(self.min_bytes, 1)
+
+    def _unpack(self, packed) -> torch.Tensor:
+        if not isinstance(packed, _View):
+            return packed
+        storage = packed.storage
+        if storage.dev is None:             # no R ran for it: copy it back now
+            self._to_device(storage)
+        if storage.ready is not None:
+            torch.cuda.current_stream().wait_event(storage.ready)
+        return torch.empty(0, dtype=packed.dtype, device=storage.device).set_(
+            storage.dev.untyped_storage(), packed.offset, packed.size, packed.stride)
+
+    def offload(self, key: Hashable) -> None:
+        """The O action: every storage of `key` to host memory."""
+        for storage in self._keys.get(key, {}).values():
+            if storage.dev is not None:
+                self._to_host(storage)
+
+    def reload(self, key: Hashable) -> None:
+        """The R action: every storage of `key` back to the device."""
+        for storage in self._keys.get(key, {}).values():
+            if storage.dev is None:
+                self._to_device(storage)
+
+    def release(self, key: Hashable) -> None:
+        """After `key`'s backward: forget its storages (autograd holds what its W still needs)."""
+        self._kept.pop(key, None)
+        for storage in self._keys.pop(key, {}).values():
+            self._recycle(storage)
+
+    def device_bytes(self) -> int:
+        """Bytes of what the recorded forwards saved that is now on the device (the storages they keep there
+        included: the chunk's input, tensors under `min_bytes`)."""
+        kept = sum(n for storages in self._kept.values() for n in storages.values())
+        return kept + sum(s.nbytes for storages in self._keys.values() for s in storages.values()
+                          if s.dev is not None)
+
+    def host_bytes(self) -> int:
+        """Bytes of recorded storages now in host memory."""
+        return sum(s.nbytes for storages in self._keys.values() for s in storages.values() if s.host is not None)
+
+    def _to_host(self, storage: _Storage) -> None:
+        host = self._host_buffer(storage.nbytes)
+        with self._copy_stream():
+            host.copy_(storage.dev, non_blocking=self._cuda)
+            if self._cuda:
+                storage.dev.record_stream(self._stream)
+                storage.ready = _event(self._stream)
+        storage.host, storage.dev = host, None
+        self.copied_bytes += storage.nbytes
+
+    def _to_device(self, storage: _Storage) -> None:
+        dev = torch.empty(storage.nbytes, dtype=torch.uint8, device=storage.device)
+        with self._copy_stream():
+            dev.copy_(storage.host, non_blocking=self._cuda)
+            if self._cuda:
+                dev.record_stream(self._stream)
+                storage.ready = _event(self._stream)
+        self._recycle(storage)
+        storage.dev = dev
+        self.copied_bytes += storage.nbytes
+
+    def _recycle(self, storage: _Storage) -> None:
+        """Give a pinned host buffer back to the pool once its copy is done."""
+        if storage.host is not None and self._cuda:
+            if storage.ready is not None:
+                storage.ready.synchronize()
+            self._pool.setdefault(storage.nbytes, []).append(storage.host)
+        storage.host = None
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        free = self._pool.get(nbytes)
+        if free:
+            return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+
+    @contextmanager
+    def _copy_stream(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            yield
+
+
+def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
