@@ -52,6 +52,8 @@ class ParallelConfig:
     data_parallel_sharding_strategy: str = "no_shard"   # one of SHARDING_STRATEGIES; optim is ZeRO-1
     overlap_grad_reduce: bool = False
     vocab_parallel: bool = False                    # --enable-vocab-parallel: output layer split over pp (S/T)
+    offload_chunk_num: int = 0                      # --cpu-offload: local chunks below this offload (PipeOffload)
+    offload_time: Optional[float] = None            # --offload-time (one copy / (F + B + W)); None: measured
     ddp_bucket_size: int = 25_000_000               # elements per DP all-reduce bucket
 
     @property

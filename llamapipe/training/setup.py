@@ -23,11 +23,13 @@ from llamapipe.core.logger import get_logger
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions, StepObserver
+from llamapipe.core.pipeline_parallel.offload_plan import OffloadOptions
 from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
 from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
 from llamapipe.core.tensor_parallel.vocab_pipeline import VocabTargets
 from llamapipe.model.llama import LlamaConfig
+from llamapipe.training.arguments.offload_args import measured_offload_time
 
 log = get_logger()
 
@@ -116,7 +118,26 @@ def build_runtime_options(config: Config, ps: ParallelState, chunks: list[torch.
     return RuntimeOptions(grad_sync=grad_sync, observers=observers, profile_iters=config.training.profile_iters,
                           memory_limit=config.parallel.pipeline_memory_limit,
                           memory_limit_bytes=config.parallel.pipeline_memory_limit_bytes,
-                          post_validation=config.training.post_validation)
+                          post_validation=config.training.post_validation, offload=offload_options(config, chunks))
+
+
+def offload_options(config: Config, chunks: list[torch.nn.Module]) -> Optional[OffloadOptions]:
+    """--cpu-offload's options; --auto-offload-time measures one copy against one chunk's F + B + W here."""
+    par = config.parallel
+    if not par.offload_chunk_num:
+        return None
+    share = par.offload_time
+    if share is None:
+        from llamapipe.model.families import flops_per_token
+        from llamapipe.tools.parallel_estimate import layer_act_bytes
+        m, cfg = config.model, config.training
+        layers = m.num_layers / (par.pp_size * par.vpp_size)
+        saved, _ = layer_act_bytes(m, cfg.seq_length, cfg.micro_batch_size, m.recompute_granularity or "none",
+                                   tp=par.tp_size)
+        tokens = cfg.seq_length * cfg.micro_batch_size
+        flops = flops_per_token(m, cfg.seq_length, par.tp_size) / m.num_layers * layers * tokens / par.tp_size
+        share = measured_offload_time(saved * layers, flops, next(chunks[0].parameters()).device)
+    return OffloadOptions(par.offload_chunk_num, share)
 
 
 def build_forward_backward_func(config: Config, ps: ParallelState, options: RuntimeOptions = RuntimeOptions()):

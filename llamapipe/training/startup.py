@@ -38,6 +38,10 @@ def _schedule(config: Config) -> str:
     if par.pp_size == 1:
         return f"no pipeline schedule (one pipeline stage runs its microbatches in turn), {per_step}"
     line = f"schedule {par.pipeline_schedule}, {per_step}"
+    if par.offload_chunk_num:
+        copy = ("measured at start-up" if par.offload_time is None else f"{par.offload_time:g} of F + B + W")
+        line += (f"; activations of model chunk{'s' if par.offload_chunk_num > 1 else ''} 0-{par.offload_chunk_num - 1} "
+                 f"offloaded to host memory between forward and backward (--cpu-offload; copy time {copy})")
     if SPECS[par.pipeline_schedule].profiled:
         line += (f"; the first {cfg.profile_iters} iterations run profiled 1F1B (--pipeline-profile-iters), "
                  f"then the {par.pipeline_schedule} plan fitted to the measured costs")

@@ -120,10 +120,13 @@ class ActivationProbe(StepObserver):
 
     def step_begin(self, plan, pp_rank: int, forward_only: bool) -> None:
         self.peaks.append(0)
-        self._store = None
 
     def offload_begin(self, store) -> None:
+        """Called before `step_begin` of a step that offloads; the store is forgotten at its end."""
         self._store = store
+
+    def step_end(self, largest_send) -> None:
+        self._store = None
 
     def action_done(self, action, start: float, end: float, blocked_s: float) -> None:
         """The device-resident saved bytes after `action`: forwards not yet backward (their saved storages still

@@ -22,6 +22,8 @@ from typing import Hashable, Iterator, Optional
 import torch
 from torch import nn
 
+from llamapipe.core.pipeline_parallel.activation_memory import storage_id
+
 
 class _Storage:
     """One saved storage: on the device (`dev`) or on the host (`host`), never both once a copy is done."""
@@ -47,7 +49,8 @@ class OffloadStore:
 
     def __init__(self, model_chunks: list[nn.Module], min_bytes: int = 0) -> None:
         self.min_bytes = min_bytes
-        self._params = {p.untyped_storage().data_ptr() for c in model_chunks for p in c.parameters()}
+        self._params = {storage_id(t.untyped_storage()) for c in model_chunks     # and buffers (RoPE tables);
+                        for t in list(c.parameters()) + list(c.buffers())}     # None: a storage FSDP freed
         self._keys: dict[Hashable, dict[int, _Storage]] = {}
         self._kept: dict[Hashable, dict[int, int]] = {}     # bytes of the other saved storages (stay on device)
         self._cuda = any(p.is_cuda for c in model_chunks for p in c.parameters())

@@ -14,6 +14,7 @@ from llamapipe.core.config import ArgumentError
 from llamapipe.training.arguments.compat_table import CompatFlag, add_table, dest_of, said
 from llamapipe.training.arguments.schedule_file_args import (add_schedule_file_flag, check_schedule_file,
                                                          schedule_file_lines)
+from llamapipe.training.arguments.offload_args import add_offload_flags
 from llamapipe.training.arguments.zb_fork_flags import add_fork_flags, check_fork_flags
 
 _FUSION = "a switch of Megatron's fused CUDA kernels; llamapipe has none (torch picks its kernels)"
@@ -109,6 +110,7 @@ def add_compat_flags(p: argparse.ArgumentParser) -> None:
               "no effect: ")
     add_table(p.add_argument_group("Megatron-LM flags refused (the run stops with the reason)"), REFUSED, "refused: ")
     add_fork_flags(p)
+    add_offload_flags(p)
     add_schedule_file_flag(p)
 
 

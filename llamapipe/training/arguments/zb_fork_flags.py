@@ -28,9 +28,8 @@ V_SCHEDULES = {"zb": "zbv", "half": "v-half", "min": "v-min"}   # --zero-bubble-
 TIMERS_END_DEFAULT = 110          # the fork's defaults: timers on from iteration 100 to 110
 TIMERS_START_DEFAULT = 100
 ADAPTIVE = "auto"                 # --zero-bubble-max-pending-backward's adaptive cap (not a schedule name)
-_OFFLOAD = ("PipeOffload's activation offloading to host memory is not implemented; for less activation memory "
-            "use --zero-bubble-v-schedule-mem-setup half or min (V-Half, V-Min) or --recompute-granularity")
-_OFFLOAD_ONLY = "it tunes --cpu-offload (PipeOffload), which is not implemented here"
+_OFFLOAD_ONLY = ("it tunes the fork's CUDA copy runtime for --cpu-offload; here each copy is an action of the plan on "
+                 "one copy stream (training/arguments/offload_args.py)")
 
 NOTICES: tuple[CompatFlag, ...] = (
     CompatFlag("--enable-zb-runtime", "one executor runs every schedule here, as the fork's unified runtime does"),
@@ -40,9 +39,6 @@ NOTICES: tuple[CompatFlag, ...] = (
                "measured as its idle time"),
     CompatFlag("--no-pre-communication-optimization", "receives are posted ahead of time; there is no "
                "pre-communication to turn off"),
-    CompatFlag("--offload-time", _OFFLOAD_ONLY, float),
-    CompatFlag("--auto-offload-time", _OFFLOAD_ONLY),
-    CompatFlag("--offload-overlap-sr", _OFFLOAD_ONLY),
     CompatFlag("--offload-continuous-buffers", _OFFLOAD_ONLY),
     CompatFlag("--no-paired-barrier", _OFFLOAD_ONLY),
 )
@@ -53,8 +49,6 @@ REFUSED: tuple[CompatFlag, ...] = (
                "interleaved"),
     CompatFlag("--interleave-group-size", "the fork's grouped interleaved 1F1B is not built here; use "
                "--pipeline-schedule interleaved with --num-virtual-stages-per-pipeline-rank", int, off=(0,)),
-    CompatFlag("--cpu-offload", _OFFLOAD),
-    CompatFlag("--offload-chunk-num", _OFFLOAD, int, off=(0,)),
     CompatFlag("--recompute-lgd", "recomputing only the norms, activations and dropout is not implemented; use "
                "--recompute-granularity selective or full"),
     CompatFlag("--num-seq-splits", "Seq1F1B's pipelining of sequence pieces is not implemented; use more, smaller "

@@ -1,0 +1,89 @@
+"""Activation offload flags (PipeOffload, arXiv 2503.01328) with the zero-bubble fork's names and meaning.
+
+The fork (sail-sg/zero-bubble-pipeline-parallelism, megatron/core/zbpp_utils.py) offloads the activations of the
+model chunks below `--offload-chunk-num` (`should_offload = chunk < offload_chunk_num`) under `--cpu-offload`,
+and places the copies from `--offload-time`, one copy's time as a share of F + B + W (its default 1.0), or
+`--auto-offload-time`. Here the placement is a pass over any schedule's plan (`core.pipeline_parallel.
+offload_plan`), so offload works with every --pipeline-schedule, not only the fork's grouped interleave.
+Defaults that differ: `--offload-chunk-num` is 1 when `--cpu-offload` is given alone (the fork asserts it is set),
+and without `--offload-time` the copies are assumed to overlap compute (time 0: every activation with an action
+between its forward and its reload is offloaded), which is what `--auto-offload-time` measures on a GPU's copy
+engine; `--auto-offload-time` here times this device's copy and matmul speeds at start-up.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Optional
+
+import torch
+
+from llamapipe.core.config import ArgumentError
+
+DEFAULT_OFFLOAD_TIME = 0.0
+
+
+def add_offload_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("activation offload (PipeOffload; the zero-bubble fork's flags)",
+                             "Offload and reload are actions of the pipeline plan: D2H right after a forward, H2D "
+                             "one backward before its backward; an activation whose gap is too short stays.")
+    g.add_argument("--cpu-offload", action="store_true",
+                   help="offload the activations of the model chunks below --offload-chunk-num to host memory")
+    g.add_argument("--offload-chunk-num", type=int, default=None,
+                   help="with --cpu-offload: local model chunks 0..N-1 of every rank offload (default 1)")
+    g.add_argument("--offload-time", type=float, default=None,
+                   help="one copy's time as a share of F + B + W: an activation stays unless its gap holds 3 round "
+                        "trips (default 0: copies overlap compute)")
+    g.add_argument("--auto-offload-time", action="store_true",
+                   help="set --offload-time from this device's measured copy and matmul speeds")
+    g.add_argument("--offload-overlap-sr", action="store_true",
+                   help="no effect: on CUDA the copies always run on their own stream")
+
+
+def check_offload(args: argparse.Namespace, pp: int, vpp: int) -> tuple[int, Optional[float]]:
+    """(local chunks that offload, --offload-time or None for auto) from the flags; (0, None) without offload.
+    Raises ArgumentError naming the flag for what cannot run."""
+    given = [f for f, v in (("--offload-chunk-num", args.offload_chunk_num), ("--offload-time", args.offload_time),
+                            ("--auto-offload-time", args.auto_offload_time)) if v not in (None, False)]
+    if not args.cpu_offload:
+        if given:
+            raise ArgumentError(f"{given[0]} tunes --cpu-offload, which is not given; add --cpu-offload")
+        return 0, None
+    if pp < 2:
+        raise ArgumentError(f"--cpu-offload places its copies in the pipeline schedule and needs "
+                            f"--pipeline-model-parallel-size > 1, got {pp}; for one stage use --recompute-granularity")
+    chunks = 1 if args.offload_chunk_num is None else args.offload_chunk_num
+    if not 1 <= chunks <= vpp:
+        raise ArgumentError(f"--offload-chunk-num {chunks} must be between 1 and the {vpp} model chunk"
+                            f"{'s' if vpp > 1 else ''} per pipeline rank")
+    if args.offload_time is not None and args.auto_offload_time:
+        raise ArgumentError(f"--offload-time {args.offload_time:g} and --auto-offload-time both set the copy time; "
+                            "give one")
+    if args.offload_time is not None and not (math.isfinite(args.offload_time) and args.offload_time >= 0):
+        raise ArgumentError(f"--offload-time {args.offload_time} must be a non-negative share of F + B + W")
+    if args.auto_offload_time:
+        return chunks, None
+    return chunks, DEFAULT_OFFLOAD_TIME if args.offload_time is None else args.offload_time
+
+
+def measured_offload_time(unit_bytes: float, unit_flops: float, device: torch.device) -> float:
+    """One copy of `unit_bytes` over F + B + W of `unit_flops`, both timed on `device` (a copy to host memory and a
+    square matmul, each the median of 5): the fork's --auto-offload-time, from this machine's own speeds."""
+    src = torch.empty(min(int(unit_bytes), 64 << 20) or 1, dtype=torch.uint8, device=device)
+    dst = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    a = torch.randn(512, 512, device=device)
+    copy_s = _median_seconds(lambda: dst.copy_(src), device) * unit_bytes / src.numel()
+    gemm_s = _median_seconds(lambda: a @ a, device) * unit_flops / (2 * 512 ** 3)
+    return copy_s / gemm_s if gemm_s > 0 else 0.0
+
+
+def _median_seconds(fn, device: torch.device) -> float:
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[2]

@@ -1,0 +1,128 @@
+"""PipeOffload in one process: the plan pass (offload_plan), the simulator's checks and memory, the store's copies
+(offload_store, against autograd without hooks) and the flags (training/arguments/offload_args.py)."""
+import pytest
+import torch
+
+from llamapipe.core.pipeline_parallel.offload_plan import offloaded_keys, with_offload
+from llamapipe.core.pipeline_parallel.offload_store import OffloadStore
+from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
+from llamapipe.core.pipeline_parallel.schedule_specs import build
+from llamapipe.core.pipeline_parallel.simulator import Costs, PlanError, simulate, verify
+from llamapipe.training.arguments.parser import ArgumentError, build_parser, config_from_args
+
+SCHEDULES = [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 4), ("zbv", 2), ("v-half", 2),
+             ("dualpipev", 2)]
+
+
+@pytest.mark.parametrize("schedule,vpp", SCHEDULES)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_offload_plan_verifies_and_lowers_the_peak(schedule, vpp, pp):
+    m = 4 * pp
+    plan = build(schedule, pp, vpp, m)
+    off = with_offload(plan, vpp)
+    verify(off)
+    without, with_ = simulate(plan).peak_memory, simulate(off).peak_memory
+    assert max(with_) <= max(without), (schedule, without, with_)
+    if vpp > 1 or pp > 2:     # at pp 2 with one chunk every gap is too short (1F1B: a B right after each F)
+        assert max(with_) < max(without), (schedule, without, with_)
+    for rank in range(pp):        # same compute actions in the same order; each O right after its F
+        assert [a for a in off.actions[rank] if a.kind not in "OR"] == list(plan.actions[rank])
+        acts = off.actions[rank]
+        for i, a in enumerate(acts):
+            if a.kind == "O":
+                assert acts[i - 1] == Action("F", a.chunk, a.microbatch)
+    assert simulate(off).makespan == simulate(plan).makespan      # copies cost 0 on the timeline by default
+
+
+def test_offload_chunk_num_picks_the_chunks_below_it():
+    plan = build("interleaved", 2, 4, 8)
+    for chunk_num in (1, 2, 3):
+        keys = offloaded_keys(with_offload(plan, chunk_num), 0)
+        assert keys and {chunk for chunk, _ in keys} <= set(range(chunk_num))
+
+
+def test_a_gap_too_short_keeps_the_activation():
+    plan = build("1f1b", 2, 1, 8)
+    off = with_offload(plan, 1)
+    last = off.actions[1]        # the last stage runs each B right after its F in steady state: nothing to gain
+    assert not [a for a in last if a.kind == "O"]
+    slow = with_offload(plan, 1, offload_time=10.0)       # copies slower than any gap: nothing offloads
+    assert not any(a.kind == "O" for acts in slow.actions for a in acts)
+
+
+def test_simulator_refuses_misplaced_offload():
+    f, b = Action("F", 0, 0), Action("BW", 0, 0)
+    bad = [(Action("O", 0, 0), f, b), (f, Action("O", 0, 0), b), (f, Action("O", 0, 0), b, Action("R", 0, 0)),
+           (f, Action("O", 0, 0), Action("O", 0, 0), Action("R", 0, 0), b)]
+    for acts in bad:
+        with pytest.raises(PlanError):
+            verify(Plan("x", 1, 1, 1, "interleaved", (acts,)))
+    verify(Plan("x", 1, 1, 1, "interleaved", ((f, Action("O", 0, 0), Action("R", 0, 0), b),)))
+
+
+def test_simulated_memory_moves_the_offloaded_share():
+    f, o, r, b = (lambda mb, kind=kind: Action(kind, 0, mb) for kind in ("F", "O", "R", "BW"))
+    acts = (f(0), o(0), f(1), o(1), r(0), b(0), r(1), b(1))
+    plan = Plan("x", 1, 1, 2, "interleaved", (acts,))
+    # levels: 1, 0.25, 1.25, 0.5, 1.25 (R0), 0.25, 1.0, 0 -- without offload F0 + F1 = 2
+    assert simulate(plan, Costs(offload_share=0.75)).peak_memory == [1.25]
+    assert simulate(plan, Costs(offload=0.5)).makespan == simulate(plan).makespan + 2.0
+
+
+def _tiny_step(hooks: bool):
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 16, requires_grad=True), torch.randn(16, 4, requires_grad=True)
+    x = torch.randn(5, 8)
+    store = OffloadStore([torch.nn.Linear(1, 1)])
+    with store.packing("k") if hooks else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        h = torch.relu(x @ w1)
+        q, k = h.split(8, dim=1)           # two views of one storage: copied once
+        y = ((q * k).sum(1, keepdim=True) * (h @ w2)).sum()
+    before = store.device_bytes()
+    store.offload("k")
+    moved = store.host_bytes(), store.device_bytes()
+    y.backward()
+    store.release("k")
+    return w1.grad, w2.grad, before, moved
+
+
+def test_store_round_trip_gives_autograds_gradients():
+    g1, g2, before, (host, device) = _tiny_step(hooks=True)
+    r1, r2, _, _ = _tiny_step(hooks=False)
+    assert torch.equal(g1, r1) and torch.equal(g2, r2)
+    assert before > 0 and host > 0 and device < before      # the relu output and its views went to the host
+
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters",
+        "3", "--mock-data", "--vocab-size", "256"]
+
+
+def _config(*flags, world=2):
+    return config_from_args(build_parser().parse_args(BASE + list(flags)), world)
+
+
+def test_offload_flags_become_the_config():
+    par = _config("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                  "--cpu-offload", "--offload-chunk-num", "2", "--offload-time", "0.2").parallel
+    assert (par.offload_chunk_num, par.offload_time) == (2, 0.2)
+    par = _config("--pipeline-model-parallel-size", "2", "--cpu-offload", "--auto-offload-time").parallel
+    assert (par.offload_chunk_num, par.offload_time) == (1, None)
+    assert _config("--pipeline-model-parallel-size", "2").parallel.offload_chunk_num == 0
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--pipeline-model-parallel-size", "2", "--cpu-offload", "--offload-chunk-num", "2"],
+     "--offload-chunk-num 2 must be between 1 and the 1 model chunk per pipeline rank"),
+    (["--cpu-offload"], "--cpu-offload places its copies in the pipeline schedule and needs "
+                        "--pipeline-model-parallel-size > 1, got 1"),
+    (["--pipeline-model-parallel-size", "2", "--offload-chunk-num", "1"], "--offload-chunk-num tunes --cpu-offload"),
+    (["--pipeline-model-parallel-size", "2", "--cpu-offload", "--offload-time", "-1"], "--offload-time -1.0 must"),
+    (["--pipeline-model-parallel-size", "2", "--cpu-offload", "--offload-time", "1", "--auto-offload-time"],
+     "give one"),
+])
+def test_offload_flag_mistakes_are_one_line(flags, words):
+    world = 2 if "2" in flags else 1
+    with pytest.raises(ArgumentError, match=None) as err:
+        _config(*flags, world=world)
+    assert words in str(err.value) and "\n" not in str(err.value)
