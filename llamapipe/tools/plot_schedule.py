@@ -26,6 +26,7 @@ import sys
 from llamapipe.training.flag_parser import FlagParser
 from llamapipe.core.pipeline_parallel.schedule_specs import SCHEDULES, SPECS, build
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
+from llamapipe.core.pipeline_parallel.offload_plan import with_offload
 from llamapipe.core.pipeline_parallel.simulator import Costs, Result, simulate
 from llamapipe.core.pipeline_parallel.simulator_iterations import IterationsResult, simulate_iterations
 from llamapipe.core.pipeline_parallel.vocab_parallel import vocab_costs
@@ -70,6 +71,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--optimizer-step", type=float, default=0.0, help="time of one optimizer step (default 0)")
     p.add_argument("--out", default=None, help="picture to write, .png or .svg (default runs/schedule_SCHEDULE.png)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
+    p.add_argument("--offload-chunk-num", type=int, default=0, metavar="N",
+                   help="PipeOffload: add O/R actions for the local chunks below N (as --cpu-offload does)")
+    p.add_argument("--offload-time", type=float, default=0.0,
+                   help="with --offload-chunk-num: one copy's time as a share of F + B + W (default 0: overlapped)")
     p.add_argument("--vocab-parallel", action="store_true",
                    help="split the output layer over every rank: its S/T actions (arXiv 2411.05288) in the plan")
     p.add_argument("--head-costs", default=None, help="HF,HB: the output layer's forward and backward time over "
@@ -112,6 +117,8 @@ def _build(args: argparse.Namespace, costs: Costs):
     if args.export_csv is not None:
         check_target(args.export_csv)   # a planted link is refused, not written through
         write_schedule_file(plan, args.export_csv)
+    if args.offload_chunk_num:          # torch's format has no offload action: the file holds the compute plan
+        plan = with_offload(plan, args.offload_chunk_num, costs, args.offload_time)
     return plan
 
 

@@ -122,11 +122,12 @@ def build_runtime_options(config: Config, ps: ParallelState, chunks: list[torch.
 
 
 def offload_options(config: Config, chunks: list[torch.nn.Module]) -> Optional[OffloadOptions]:
-    """--cpu-offload's options; --auto-offload-time measures one copy against one chunk's F + B + W here."""
+    """--cpu-offload's options; --auto-offload-time measures one copy against one chunk's F + B + W here. Copies
+    overlap compute on a GPU (the reload one backward ahead), not on a CPU (the reload right before its B)."""
     par = config.parallel
     if not par.offload_chunk_num:
         return None
-    share = par.offload_time
+    share, device = par.offload_time, next(chunks[0].parameters()).device
     if share is None:
         from llamapipe.model.families import flops_per_token
         from llamapipe.tools.parallel_estimate import layer_act_bytes
@@ -136,8 +137,8 @@ def offload_options(config: Config, chunks: list[torch.nn.Module]) -> Optional[O
                                    tp=par.tp_size)
         tokens = cfg.seq_length * cfg.micro_batch_size
         flops = flops_per_token(m, cfg.seq_length, par.tp_size) / m.num_layers * layers * tokens / par.tp_size
-        share = measured_offload_time(saved * layers, flops, next(chunks[0].parameters()).device)
-    return OffloadOptions(par.offload_chunk_num, share)
+        share = measured_offload_time(saved * layers, flops, device)
+    return OffloadOptions(par.offload_chunk_num, share, reload_lead=1 if device.type == "cuda" else 0)
 
 
 def build_forward_backward_func(config: Config, ps: ParallelState, options: RuntimeOptions = RuntimeOptions()):

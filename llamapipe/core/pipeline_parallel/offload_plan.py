@@ -2,12 +2,13 @@
 
 `with_offload(plan, chunk_num, ...)` adds, on every rank, an O (device-to-host copy of what the forward saved
 for its backward) right after each F of a local chunk below `chunk_num` (the zero-bubble fork's
-`--offload-chunk-num`: `should_offload = chunk < offload_chunk_num`), and an R (host-to-device copy) one backward
-before that microbatch's B, so the copy back has the time of one backward to finish. An activation whose
-forward-to-backward gap is too short stays on the device, as in the fork's `add_send_recv`: the gap from the end
-of the F to the start of the action the R precedes must exceed 3 x (D2H + H2D), with one copy taking
-`offload_time` x (F + B + W) of the chunk (the fork's `--offload-time`). With `offload_time` 0 every activation
-with at least one action between its F and its R is offloaded.
+`--offload-chunk-num`: `should_offload = chunk < offload_chunk_num`), and an R (host-to-device copy) `reload_lead`
+backwards before that microbatch's B: 1 (the fork's, on a GPU, where the copy back runs on its own stream and has
+the time of one backward to finish) or 0 (right before the B: where copies are synchronous, as on a CPU, a lead
+only holds the reloaded activations longer). An activation whose forward-to-backward gap is too short stays on the
+device, as in the fork's `add_send_recv`: there must be an action between its O and its R, and the gap from the
+end of the F to the start of the action the R precedes must exceed 3 x (D2H + H2D), with one copy taking
+`offload_time` x (F + B + W) of the chunk (the fork's `--offload-time`).
 
 The pass is pure (no torch): the simulator prices the O/R (`Costs.offload`, `Costs.offload_share`), the
 executor runs them (`offload_store`), `plot-schedule` and the trace draw them.
@@ -30,31 +31,34 @@ class OffloadOptions:
     chunk_num: int                  # local chunks below this offload (the fork's --offload-chunk-num)
     offload_time: float = 0.0       # one copy's share of F + B + W (the fork's --offload-time)
     min_bytes: int = 0              # smaller saved storages stay on the device (Megatron's minimum size)
+    reload_lead: int = 1            # backwards between an R and its B (1: copies overlap, 0: synchronous copies)
 
 
 @functools.lru_cache(maxsize=64)
 def offload_plan(plan: Plan, options: OffloadOptions) -> Plan:
     """`plan` with its O/R actions; every rank derives the same plan from the same one."""
-    return with_offload(plan, options.chunk_num, offload_time=options.offload_time)
+    return with_offload(plan, options.chunk_num, offload_time=options.offload_time, reload_lead=options.reload_lead)
 
 
-def with_offload(plan: Plan, chunk_num: int, costs: Optional[Costs] = None, offload_time: float = 0.0) -> Plan:
+def with_offload(plan: Plan, chunk_num: int, costs: Optional[Costs] = None, offload_time: float = 0.0,
+                 reload_lead: int = 1) -> Plan:
     """`plan` with O/R actions for the chunks below `chunk_num` (see the module docstring). `costs` time the plan
-    (unit costs by default); `offload_time` is one copy's share of F + B + W."""
+    (unit costs by default); `offload_time` is one copy's share of F + B + W; `reload_lead` 1 or 0 backwards."""
+    assert reload_lead in (0, 1), reload_lead
     if chunk_num <= 0 or any(a.kind in ("O", "R") for acts in plan.actions for a in acts):
         return plan
     costs = costs or Costs()
     verify(plan)
     timeline = run_timeline(plan, costs)
     copy = offload_time * (costs.f + costs.b + costs.w)
-    actions = tuple(_rank_with_offload(row, chunk_num, SAFETY * 2 * copy) for row in timeline)
+    actions = tuple(_rank_with_offload(row, chunk_num, SAFETY * 2 * copy, reload_lead) for row in timeline)
     name = plan.name if plan.name.endswith("+offload") else plan.name + "+offload"
     return dataclasses.replace(plan, name=name, actions=actions)
 
 
-def _rank_with_offload(row: list, chunk_num: int, min_gap: float) -> tuple[Action, ...]:
-    """One rank's actions (its simulated (start, end, action) row) with O after each chosen F and R before the
-    backward that precedes its B."""
+def _rank_with_offload(row: list, chunk_num: int, min_gap: float, lead: int) -> tuple[Action, ...]:
+    """One rank's actions (its simulated (start, end, action) row) with O after each chosen F and R before its B
+    (`lead` 0) or the backward that precedes it (`lead` 1)."""
     acts = [a for _, _, a in row]
     where = {(a.kind, a.chunk, a.microbatch): i for i, a in enumerate(acts)}
     before: dict[int, list[Action]] = {}
@@ -65,7 +69,7 @@ def _rank_with_offload(row: list, chunk_num: int, min_gap: float) -> tuple[Actio
         j = where.get(("B", a.chunk, a.microbatch), where.get(("BW", a.chunk, a.microbatch)))
         if j is None:
             continue
-        k = _reload_slot(acts, i, j)
+        k = _reload_slot(acts, i, j) if lead else (j if j > i + 1 else None)
         if k is None or row[k][0] - row[i][1] <= min_gap:
             continue            # too short a gap: the activation stays on the device
         after.setdefault(i, []).append(Action("O", a.chunk, a.microbatch))

@@ -34,7 +34,10 @@ _COLOURS = {
     "BW": ("#99d8c9", "#41ae76", "#238b45", "#005824"),
     "S": ("#9e9ac8",) * 4,    # vocabulary-parallel output layer: forward purple, backward pink (chunk 0 only)
     "T": ("#e377c2",) * 4,
+    "O": ("#636363",) * 4,    # offload (device to host) dark grey, reload light grey: thin marks when overlapped
+    "R": ("#bdbdbd",) * 4,
 }
+_MARK = 0.08          # drawn width of an O/R that takes no time on the rank's timeline (copies overlap compute)
 _OPTIMIZER = "#fec44f"
 _HATCH = "////"
 _STRIP_TOP = 0.12     # odd iterations: the hatched strip spans y in [rank + 0.12, rank + 0.4] (lower part)
@@ -119,6 +122,8 @@ def _draw_boxes(ax, groups: dict[tuple, list], edge: float) -> None:
     only, so the hatch never runs through the microbatch number above it."""
     from matplotlib.collections import PolyCollection
     for (kind, shade, odd), boxes in groups.items():
+        if kind in ("O", "R"):
+            boxes = [(r, s, max(e, s + _MARK), a) for r, s, e, a in boxes]
         ax.add_collection(PolyCollection([_box(r, s, e) for r, s, e, _ in boxes], facecolors=_COLOURS[kind][shade],
                                          edgecolors="black", linewidths=edge), autolim=False)
         if odd:
