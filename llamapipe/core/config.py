@@ -54,6 +54,10 @@ class ParallelConfig:
     vocab_parallel: bool = False                    # --enable-vocab-parallel: output layer split over pp (S/T)
     offload_chunk_num: int = 0                      # --cpu-offload: local chunks below this offload (PipeOffload)
     offload_time: Optional[float] = None            # --offload-time (one copy / (F + B + W)); None: measured
+    offload_modules: tuple = ()                     # --offload-modules (Megatron's names); (): every saved tensor
+    offload_fraction: float = 1.0                   # --activation-offload-fraction
+    offload_min_numel: int = 0                      # --min-offloaded-tensor-size (fine-grained offloading)
+    offload_rank_delta_bytes: int = 0               # --delta-offload-bytes-across-pp-ranks
     ddp_bucket_size: int = 25_000_000               # elements per DP all-reduce bucket
 
     @property

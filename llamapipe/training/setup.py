@@ -29,6 +29,7 @@ from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
 from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
 from llamapipe.core.tensor_parallel.vocab_pipeline import VocabTargets
 from llamapipe.model.llama import LlamaConfig
+from llamapipe.model.offload_modules import module_paths
 from llamapipe.training.arguments.offload_args import measured_offload_time
 
 log = get_logger()
@@ -138,7 +139,9 @@ def offload_options(config: Config, chunks: list[torch.nn.Module]) -> Optional[O
         tokens = cfg.seq_length * cfg.micro_batch_size
         flops = flops_per_token(m, cfg.seq_length, par.tp_size) / m.num_layers * layers * tokens / par.tp_size
         share = measured_offload_time(saved * layers, flops, device)
-    return OffloadOptions(par.offload_chunk_num, share, reload_lead=1 if device.type == "cuda" else 0)
+    return OffloadOptions(par.offload_chunk_num, share, reload_lead=1 if device.type == "cuda" else 0,
+                          modules=module_paths(par.offload_modules), fraction=par.offload_fraction,
+                          min_numel=par.offload_min_numel, rank_delta_bytes=par.offload_rank_delta_bytes)
 
 
 def build_forward_backward_func(config: Config, ps: ParallelState, options: RuntimeOptions = RuntimeOptions()):

@@ -22,6 +22,11 @@ LAYOUTS = {
     "cp2-pp2-interleaved": (4, PP2 + V2 + ["--context-parallel-size", "2"] + OFF),
     "pp2-dp2-zero3-zbv": (4, PP2 + V2 + ["--pipeline-schedule", "zbv", "--data-parallel-sharding-strategy",
                                          "optim_grads_params"] + OFF),
+    "pp2-zbv-megatron-fine-grained": (2, PP2 + V2 + ["--pipeline-schedule", "zbv",
+                                                     "--fine-grained-activation-offloading", "--offload-modules",
+                                                     "core_attn", "attn_proj", "mlp_norm", "--min-offloaded-tensor-size",
+                                                     "0", "--activation-offload-fraction", "0.5",
+                                                     "--delta-offload-bytes-across-pp-ranks", "1024"]),
     "pp4-interleaved-auto-time": (4, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage",
                                       "1"] + OFF + ["--auto-offload-time"]),
 }

@@ -118,6 +118,33 @@ def test_offload_flags_become_the_config():
     par = _config("--pipeline-model-parallel-size", "2", "--cpu-offload", "--auto-offload-time").parallel
     assert (par.offload_chunk_num, par.offload_time) == (1, None)
     assert _config("--pipeline-model-parallel-size", "2").parallel.offload_chunk_num == 0
+    par = _config("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                  "--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj").parallel
+    assert (par.offload_chunk_num, par.offload_modules, par.offload_min_numel) == (2, ("core_attn", "attn_proj"),
+                                                                                   1024 * 1024)
+
+
+def test_megatron_module_filter_and_fraction_in_the_store():
+    """Only what the named submodules save is recorded; a fraction moves that share of its bytes."""
+    from llamapipe.core.pipeline_parallel.offload_plan import OffloadOptions
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    for modules, fraction in ((("0",), 1.0), (("1",), 1.0), ((), 0.5)):
+        store = OffloadStore([model], OffloadOptions(1, modules=modules, fraction=fraction))
+        with store.packing("k"):
+            y = model(x).sum()
+        total = store.device_bytes()
+        store.offload("k")
+        recorded = sum(s.nbytes for s in store._keys["k"].values())
+        if modules == ("0",):      # the first linear saves its input x: a leaf that needs no gradient
+            assert recorded == x.numel() * 4
+        if modules == ("1",):      # tanh saves its output
+            assert recorded == x.numel() * 4
+        if fraction == 0.5:
+            assert 0 < store.host_bytes() <= 0.5 * recorded
+        y.backward()
+        store.release("k")
+        assert total > 0
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -129,6 +156,16 @@ def test_offload_flags_become_the_config():
     (["--pipeline-model-parallel-size", "2", "--cpu-offload", "--offload-time", "-1"], "--offload-time -1.0 must"),
     (["--pipeline-model-parallel-size", "2", "--cpu-offload", "--offload-time", "1", "--auto-offload-time"],
      "give one"),
+    (["--fine-grained-activation-offloading"], "--fine-grained-activation-offloading places its copies in the "
+                                               "pipeline schedule and needs --pipeline-model-parallel-size > 1, got 1"),
+    (["--pipeline-model-parallel-size", "2", "--fine-grained-activation-offloading", "--offload-modules", "moe_act"],
+     "--offload-modules moe_act applies to mixture-of-experts layers"),
+    (["--pipeline-model-parallel-size", "2", "--fine-grained-activation-offloading", "--offload-modules", "mlp"],
+     "--offload-modules mlp is not a module Megatron offloads; use attn_norm, qkv_linear, core_attn"),
+    (["--pipeline-model-parallel-size", "2", "--fine-grained-activation-offloading", "--activation-offload-fraction",
+      "1.5"], "--activation-offload-fraction 1.5 must be within [0, 1]"),
+    (["--pipeline-model-parallel-size", "2", "--activation-offload-fraction", "0.5"],
+     "--activation-offload-fraction tunes --fine-grained-activation-offloading"),
 ])
 def test_offload_flag_mistakes_are_one_line(flags, words):
     world = 2 if "2" in flags else 1

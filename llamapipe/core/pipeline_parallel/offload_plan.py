@@ -30,8 +30,11 @@ class OffloadOptions:
     """What the executor needs to offload a job's activations (`runtime.RuntimeOptions.offload`)."""
     chunk_num: int                  # local chunks below this offload (the fork's --offload-chunk-num)
     offload_time: float = 0.0       # one copy's share of F + B + W (the fork's --offload-time)
-    min_bytes: int = 0              # smaller saved storages stay on the device (Megatron's minimum size)
+    min_numel: int = 0              # smaller saved tensors stay on the device (Megatron's minimum size)
     reload_lead: int = 1            # backwards between an R and its B (1: copies overlap, 0: synchronous copies)
+    modules: tuple[str, ...] = ()   # only what these submodules save (paths ending so: "attention.core"); () all
+    fraction: float = 1.0           # share of each forward's offloadable bytes an O moves (Megatron's fraction)
+    rank_delta_bytes: int = 0       # pipeline rank r's Os move r x this many bytes fewer per step (Megatron's)
 
 
 @functools.lru_cache(maxsize=64)

@@ -4,9 +4,12 @@ During the forward of a (chunk, microbatch) that the plan offloads, `OffloadStor
 saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`, what `torch.autograd.graph.save_on_cpu` uses):
 every activation autograd saves for the backward is recorded here by its storage, so views of one storage (the
 fused QKV output's q, k and v) are copied once and come back as views again. Parameters, the chunk's received
-input (both leaves that need a gradient) and tensors under `min_bytes` pass through untouched. The plan's O
-action moves the key's storages to host memory, its R moves them back, and the backward unpacks them; a tensor
-still on the host when the backward asks (no R yet) is copied back then.
+input (both leaves that need a gradient) and tensors under `min_numel` elements pass through untouched; with
+`modules` (Megatron's --offload-modules) only what those submodules save during their forward is recorded. The
+plan's O action moves the key's storages to host memory (up to `fraction` of their bytes, less `rank_delta_bytes`
+x pipeline rank spread over the step's offloaded forwards: Megatron's --activation-offload-fraction and
+--delta-offload-bytes-across-pp-ranks), its R moves them back, and the backward unpacks them; a tensor still on the
+host when the backward asks (no R yet) is copied back then.
 
 On CUDA the host copies are pinned buffers from a pool and both directions run on one copy stream with events,
 so a copy overlaps compute; the device storage is released to the allocator only after its copy is done
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 from llamapipe.core.pipeline_parallel.activation_memory import storage_id
+from llamapipe.core.pipeline_parallel.offload_plan import OffloadOptions
 
 
 class _Storage:
@@ -47,8 +51,14 @@ class _View:
 class OffloadStore:
     """The saved activations of the offloaded forwards of one rank's step, by (chunk, microbatch)."""
 
-    def __init__(self, model_chunks: list[nn.Module], min_bytes: int = 0) -> None:
-        self.min_bytes = min_bytes
+    def __init__(self, model_chunks: list[nn.Module], options: Optional["OffloadOptions"] = None, pp_rank: int = 0,
+                 forwards: int = 1) -> None:
+        options = options or OffloadOptions(chunk_num=len(model_chunks))
+        self.min_numel, self.fraction = options.min_numel, options.fraction
+        self.delta = options.rank_delta_bytes * pp_rank / max(forwards, 1)    # bytes fewer per offloaded forward
+        self._modules = [m for c in model_chunks for name, m in c.named_modules()
+                         if options.modules and name.endswith(options.modules)]
+        self._inside = 0 if options.modules else 1      # > 0 while a selected module runs its forward
         self._params = {storage_id(t.untyped_storage()) for c in model_chunks     # and buffers (RoPE tables);
                         for t in list(c.parameters()) + list(c.buffers())}     # None: a storage FSDP freed
         self._keys: dict[Hashable, dict[int, _Storage]] = {}
@@ -73,16 +83,30 @@ class OffloadStore:
                 storages[ptr] = _Storage(tensor)
             return _View(storages[ptr], tensor)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-            yield
+        handles = [h for m in self._modules for h in (m.register_forward_pre_hook(self._enter),
+                                                       m.register_forward_hook(self._leave))]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _enter(self, module: nn.Module, args) -> None:
+        self._inside += 1
+
+    def _leave(self, module: nn.Module, args, output) -> None:
+        self._inside -= 1
 
     def _offloadable(self, tensor: torch.Tensor) -> bool:
+        if self._inside <= 0 or tensor.numel() < self.min_numel:
+            return False
         if not tensor.is_floating_point() or (tensor.requires_grad and tensor.is_leaf):
             return False
         base = tensor._base if tensor._base is not None else tensor
         if isinstance(base, nn.Parameter) or tensor.untyped_storage().data_ptr() in self._params:
             return False
-        return tensor.untyped_storage().nbytes() >= max(self.min_bytes, 1)
+        return tensor.untyped_storage().nbytes() > 0
 
     def _unpack(self, packed) -> torch.Tensor:
         if not isinstance(packed, _View):
@@ -96,9 +120,12 @@ class OffloadStore:
             storage.dev.untyped_storage(), packed.offset, packed.size, packed.stride)
 
     def offload(self, key: Hashable) -> None:
-        """The O action: every storage of `key` to host memory."""
-        for storage in self._keys.get(key, {}).values():
-            if storage.dev is not None:
+        """The O action: `key`'s storages to host memory, in the order the forward saved them, up to the budget."""
+        storages = list(self._keys.get(key, {}).values())
+        budget = self.fraction * sum(s.nbytes for s in storages) - self.delta
+        for storage in storages:
+            if storage.dev is not None and storage.nbytes <= budget:
+                budget -= storage.nbytes
                 self._to_host(storage)
 
     def reload(self, key: Hashable) -> None:

@@ -62,7 +62,7 @@ class RankStep:
         self.store = WeightGradStore()
         self.vocab = vocab                   # S/T of a vocabulary-parallel plan
         self.offloaded = frozenset() if forward_only else offloaded_keys(plan, pp_rank)
-        self.offload = (OffloadStore(model_chunks, offload.min_bytes if offload else 0)
+        self.offload = (OffloadStore(model_chunks, offload, pp_rank, len(self.offloaded))
                         if self.offloaded else None)   # O/R: the offloaded forwards' saved tensors
         for observer in observers if self.offload is not None else ():
             observer.offload_begin(self.offload)

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from llamapipe.core.config import ArgumentError
+from llamapipe.model.offload_modules import MODULE_PATHS, MOE_MODULES
 
 DEFAULT_OFFLOAD_TIME = 0.0
 
@@ -39,11 +40,28 @@ def add_offload_flags(p: argparse.ArgumentParser) -> None:
                    help="set --offload-time from this device's measured copy and matmul speeds")
     g.add_argument("--offload-overlap-sr", action="store_true",
                    help="no effect: on CUDA the copies always run on their own stream")
+    g.add_argument("--fine-grained-activation-offloading", action="store_true",
+                   help="Megatron's: offload what --offload-modules save, on every model chunk of a pipeline rank")
+    g.add_argument("--offload-modules", nargs="+", default=None, metavar="NAME",
+                   help=f"Megatron's module names: {', '.join(MODULE_PATHS)} (default: all of them)")
+    g.add_argument("--activation-offload-fraction", type=float, default=1.0,
+                   help="share of each forward's offloadable bytes that is offloaded, in [0, 1] (Megatron's)")
+    g.add_argument("--min-offloaded-tensor-size", type=int, default=1024 * 1024,
+                   help="saved tensors with fewer elements stay on the device (Megatron's default 1048576)")
+    g.add_argument("--delta-offload-bytes-across-pp-ranks", type=int, default=0,
+                   help="pipeline rank r offloads r x this many bytes fewer per step (Megatron's)")
 
 
 def check_offload(args: argparse.Namespace, pp: int, vpp: int) -> tuple[int, Optional[float]]:
     """(local chunks that offload, --offload-time or None for auto) from the flags; (0, None) without offload.
+    Megatron's --fine-grained-activation-offloading offloads every chunk (its modules: `check_offload_modules`).
     Raises ArgumentError naming the flag for what cannot run."""
+    if args.fine_grained_activation_offloading and not args.cpu_offload:
+        if pp < 2:
+            raise ArgumentError("--fine-grained-activation-offloading places its copies in the pipeline schedule and "
+                                f"needs --pipeline-model-parallel-size > 1, got {pp}; for one stage use "
+                                "--recompute-granularity")
+        return vpp, DEFAULT_OFFLOAD_TIME if args.offload_time is None else args.offload_time
     given = [f for f, v in (("--offload-chunk-num", args.offload_chunk_num), ("--offload-time", args.offload_time),
                             ("--auto-offload-time", args.auto_offload_time)) if v not in (None, False)]
     if not args.cpu_offload:
@@ -65,6 +83,36 @@ def check_offload(args: argparse.Namespace, pp: int, vpp: int) -> tuple[int, Opt
     if args.auto_offload_time:
         return chunks, None
     return chunks, DEFAULT_OFFLOAD_TIME if args.offload_time is None else args.offload_time
+
+
+def check_offload_modules(args: argparse.Namespace) -> tuple[tuple[str, ...], float, int, int]:
+    """(Megatron's module names, fraction, minimum elements, bytes fewer per rank) for the offload store; without
+    --fine-grained-activation-offloading: every saved tensor, all of it, no minimum (the fork's --cpu-offload)."""
+    fine = args.fine_grained_activation_offloading
+    megatron = {"--offload-modules": args.offload_modules is not None,
+                "--activation-offload-fraction": args.activation_offload_fraction != 1.0,
+                "--delta-offload-bytes-across-pp-ranks": args.delta_offload_bytes_across_pp_ranks != 0}
+    if not fine and any(megatron.values()):
+        flag = next(f for f, given in megatron.items() if given)
+        raise ArgumentError(f"{flag} tunes --fine-grained-activation-offloading, which is not given; add it")
+    fraction = args.activation_offload_fraction
+    if not (math.isfinite(fraction) and 0 <= fraction <= 1):
+        raise ArgumentError(f"--activation-offload-fraction {fraction:g} must be within [0, 1]")
+    if args.min_offloaded_tensor_size < 0 or args.delta_offload_bytes_across_pp_ranks < 0:
+        raise ArgumentError("--min-offloaded-tensor-size and --delta-offload-bytes-across-pp-ranks must be "
+                            f"non-negative, got {args.min_offloaded_tensor_size} and "
+                            f"{args.delta_offload_bytes_across_pp_ranks}")
+    names = tuple(args.offload_modules or MODULE_PATHS)
+    for name in names:
+        if name in MOE_MODULES:
+            raise ArgumentError(f"--offload-modules {name} applies to mixture-of-experts layers; this model is dense "
+                                f"(use {', '.join(MODULE_PATHS)})")
+        if name not in MODULE_PATHS:
+            raise ArgumentError(f"--offload-modules {name} is not a module Megatron offloads; use "
+                                f"{', '.join(MODULE_PATHS)}")
+    if not fine:
+        return (), 1.0, 0, 0
+    return names, fraction, args.min_offloaded_tensor_size, args.delta_offload_bytes_across_pp_ranks
 
 
 def measured_offload_time(unit_bytes: float, unit_flops: float, device: torch.device) -> float:

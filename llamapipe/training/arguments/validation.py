@@ -16,7 +16,7 @@ import torch
 from llamapipe.core.config import FSDP_STRATEGIES, ArgumentError, ParallelConfig
 from llamapipe.core.context_parallel import COMM_TYPES
 from llamapipe.core.parallel_state import AXES, DEFAULT_ORDER, full_order
-from llamapipe.training.arguments.offload_args import check_offload
+from llamapipe.training.arguments.offload_args import check_offload, check_offload_modules
 from llamapipe.training.arguments.memory_limit import MemoryBytes
 from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule
 from llamapipe.training.arguments.pipeline import schedule_chunks, vpp_size
@@ -98,6 +98,7 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
         raise ArgumentError(f"--ddp-bucket-size must be a positive number of elements, got {args.ddp_bucket_size}")
     strategy = data_parallel_sharding_strategy(args)
     offload_chunks, offload_time = check_offload(args, pp, vpp)
+    modules, fraction, min_numel, delta = check_offload_modules(args)
     limit = args.pipeline_memory_limit
     return ParallelConfig(world_size=world_size, tp_size=tp, pp_size=pp, vpp_size=vpp,
                           dp_size=world_size // (tp * cp * pp), cp_size=cp, cp_comm_type=cp_comm_type, order=order,
@@ -113,7 +114,8 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
                           data_parallel_sharding_strategy=strategy,
                           overlap_grad_reduce=args.overlap_grad_reduce,
                           vocab_parallel=args.enable_vocab_parallel and pp > 1,   # pp 1: a notice (noop.py)
-                          offload_chunk_num=offload_chunks, offload_time=offload_time,
+                          offload_chunk_num=offload_chunks, offload_time=offload_time, offload_modules=modules,
+                          offload_fraction=fraction, offload_min_numel=min_numel, offload_rank_delta_bytes=delta,
                           ddp_bucket_size=args.ddp_bucket_size or ParallelConfig.ddp_bucket_size)
 
 
