@@ -11,7 +11,8 @@ x pipeline rank spread over the step's offloaded forwards: Megatron's --activati
 --delta-offload-bytes-across-pp-ranks), its R moves them back, and the backward unpacks them; a tensor still on the
 host when the backward asks (no R yet) is copied back then.
 
-On CUDA the host copies are pinned buffers from a pool and both directions run on one copy stream with events,
+On CUDA the host copies are pinned buffers from a pool (kept across steps, as on a CPU) and both directions run
+on one copy stream with events,
 so a copy overlaps compute; the device storage is released to the allocator only after its copy is done
 (`record_stream`). On CPU both memories are the same RAM: an O copies each storage into a separate host store
 and drops the device one, an R copies it back, so every path runs (and is tested) here and `device_bytes` says
@@ -27,6 +28,11 @@ from torch import nn
 
 from llamapipe.core.pipeline_parallel.activation_memory import storage_id
 from llamapipe.core.pipeline_parallel.offload_plan import OffloadOptions
+
+
+# Host buffers by (pinned, bytes), kept across steps: every step offloads the same shapes, so after the first one
+# no O allocates (pinning memory is slow on CUDA; on a CPU a fresh block costs its page faults every step).
+_HOST_POOL: dict[tuple[bool, int], list[torch.Tensor]] = {}
 
 
 class _Storage:
@@ -65,7 +71,6 @@ class OffloadStore:
         self._kept: dict[Hashable, dict[int, int]] = {}     # bytes of the other saved storages (stay on device)
         self._cuda = any(p.is_cuda for c in model_chunks for p in c.parameters())
         self._stream = torch.cuda.Stream() if self._cuda else None
-        self._pool: dict[int, list[torch.Tensor]] = {}     # pinned host buffers by size (CUDA)
         self.copied_bytes = 0                               # bytes moved either way, over the store's life
 
     @contextmanager
@@ -173,15 +178,15 @@ class OffloadStore:
         self.copied_bytes += storage.nbytes
 
     def _recycle(self, storage: _Storage) -> None:
-        """Give a pinned host buffer back to the pool once its copy is done."""
-        if storage.host is not None and self._cuda:
+        """Give a host buffer back to the pool once its copy is done."""
+        if storage.host is not None:
             if storage.ready is not None:
                 storage.ready.synchronize()
-            self._pool.setdefault(storage.nbytes, []).append(storage.host)
+            _HOST_POOL.setdefault((self._cuda, storage.nbytes), []).append(storage.host)
         storage.host = None
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        free = self._pool.get(nbytes)
+        free = _HOST_POOL.get((self._cuda, nbytes))
         if free:
             return free.pop()
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
