@@ -41,6 +41,9 @@ FLAGS = """
 --reset-position-ids --reset-attention-mask --eod-mask-loss
 --use-rope-scaling --rope-scaling-factor
 --decoupled-lr --decoupled-min-lr
+--cpu-offload --offload-chunk-num --offload-time --auto-offload-time --offload-overlap-sr
+--fine-grained-activation-offloading --offload-modules --activation-offload-fraction --min-offloaded-tensor-size
+--delta-offload-bytes-across-pp-ranks --use-tp-pp-dp-mapping
 """.split()
 COMPAT = [entry.flag for entry in NOTICES + REFUSED] + list(FORK_FLAGS)   # the zero-bubble fork's, pinned there
 

@@ -57,6 +57,8 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parallel-order", default="tp-cp-dp-pp",
                    help="rank order, fastest-varying first (Megatron's); an order without cp, e.g. tp-dp-pp, places "
                         "it right after tp")
+    g.add_argument("--use-tp-pp-dp-mapping", dest="parallel_order", action="store_const", const="tp-cp-pp-dp",
+                   help="Megatron's switch for the rank order tp-cp-pp-dp (pipeline before data parallel)")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="None: nccl when CUDA is available, else gloo (Megatron's default is nccl)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,

@@ -40,6 +40,9 @@ NOTICES: tuple[CompatFlag, ...] = (
     CompatFlag("--no-pre-communication-optimization", "receives are posted ahead of time; there is no "
                "pre-communication to turn off"),
     CompatFlag("--offload-continuous-buffers", _OFFLOAD_ONLY),
+    CompatFlag("--measure-activation-memory", "the activation probe measures every rank's saved bytes where a "
+               "schedule needs them (--pipeline-schedule auto, --pipeline-memory-limit in bytes); the step's log "
+               "line has max memory"),
     CompatFlag("--no-paired-barrier", _OFFLOAD_ONLY),
 )
 
