@@ -129,6 +129,8 @@ def offload_options(config: Config, chunks: list[torch.nn.Module]) -> Optional[O
     if not par.offload_chunk_num:
         return None
     share, device = par.offload_time, next(chunks[0].parameters()).device
+    if share is None and device.type == "meta":      # the dry run: nothing to time, the copies are counted
+        share = 0.0
     if share is None:
         from llamapipe.model.families import flops_per_token
         from llamapipe.tools.parallel_estimate import layer_act_bytes

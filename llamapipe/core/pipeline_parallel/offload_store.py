@@ -80,10 +80,11 @@ class OffloadStore:
 
         def pack(tensor: torch.Tensor):
             if not self._offloadable(tensor):
-                if tensor.is_floating_point() and tensor.untyped_storage().data_ptr() not in self._params:
-                    kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+                key = storage_id(tensor.untyped_storage())
+                if tensor.is_floating_point() and key is not None and key not in self._params:
+                    kept[key] = tensor.untyped_storage().nbytes()
                 return tensor
-            ptr = tensor.untyped_storage().data_ptr()
+            ptr = storage_id(tensor.untyped_storage())
             if ptr not in storages:
                 storages[ptr] = _Storage(tensor)
             return _View(storages[ptr], tensor)
@@ -109,7 +110,7 @@ class OffloadStore:
         if not tensor.is_floating_point() or (tensor.requires_grad and tensor.is_leaf):
             return False
         base = tensor._base if tensor._base is not None else tensor
-        if isinstance(base, nn.Parameter) or tensor.untyped_storage().data_ptr() in self._params:
+        if isinstance(base, nn.Parameter) or storage_id(tensor.untyped_storage()) in self._params:
             return False
         return tensor.untyped_storage().nbytes() > 0
 
@@ -145,6 +146,10 @@ class OffloadStore:
         for storage in self._keys.pop(key, {}).values():
             self._recycle(storage)
 
+    def recorded_bytes(self, key: Hashable) -> int:
+        """What the forward of `key` saved, wherever it is now (its unit, as the probe counts an unhooked one)."""
+        return sum(self._kept.get(key, {}).values()) + sum(s.nbytes for s in self._keys.get(key, {}).values())
+
     def device_bytes(self) -> int:
         """Bytes of what the recorded forwards saved that is now on the device (the storages they keep there
         included: the chunk's input, tensors under `min_bytes`)."""
@@ -157,7 +162,7 @@ class OffloadStore:
         return sum(s.nbytes for storages in self._keys.values() for s in storages.values() if s.host is not None)
 
     def _to_host(self, storage: _Storage) -> None:
-        host = self._host_buffer(storage.nbytes)
+        host = self._host_buffer(storage.nbytes, storage.device)
         with self._copy_stream():
             host.copy_(storage.dev, non_blocking=self._cuda)
             if self._cuda:
@@ -179,13 +184,15 @@ class OffloadStore:
 
     def _recycle(self, storage: _Storage) -> None:
         """Give a host buffer back to the pool once its copy is done."""
-        if storage.host is not None:
+        if storage.host is not None and storage.host.device.type != "meta":
             if storage.ready is not None:
                 storage.ready.synchronize()
             _HOST_POOL.setdefault((self._cuda, storage.nbytes), []).append(storage.host)
         storage.host = None
 
-    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+    def _host_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if device.type == "meta":       # the dry run: the host copy is counted, not made
+            return torch.empty(nbytes, dtype=torch.uint8, device="meta")
         free = _HOST_POOL.get((self._cuda, nbytes))
         if free:
             return free.pop()

@@ -46,7 +46,8 @@ from llamapipe.training.setup import build_runtime_options, forward_step, params
 @dataclass(frozen=True)
 class StepResult:
     """What one pipeline rank's step on meta tensors measured (bytes)."""
-    activations: int            # live activations at the step's peak
+    activations: int            # live activations at the step's peak (on the device)
+    offloaded: int              # the most activations held in host memory (--cpu-offload), else 0
     peak_units: float           # the same in the simulator's units: microbatches of the largest chunk...
     unit_bytes: int             # ...whose forward saves this many bytes
     grads: int                  # the gradients the step accumulated
@@ -60,6 +61,8 @@ class LiveActivations(StepObserver):
     def __init__(self, chunks: Iterable[torch.nn.Module]) -> None:
         self.exclude = {storage_id(t.untyped_storage()) for c in chunks for t in [*c.parameters(), *c.buffers()]}
         self.live = self.peak = 0
+        self.store = None               # the step's offload store (--cpu-offload): what it holds on the device
+        self.host_peak = 0              # the most it held in host memory
         self.unit = 0                   # the most one forward saved: the simulator's unit (ActivationProbe's)
         self.tracked: dict[int, int] = {}
 
@@ -76,10 +79,19 @@ class LiveActivations(StepObserver):
     def _free(self, key: int) -> None:
         self.live -= self.tracked.pop(key, 0)
 
+    def offload_begin(self, store) -> None:
+        self.store = store
+
+    def action_done(self, action, start: float, end: float, blocked_s: float) -> None:
+        if self.store is not None:      # offloaded forwards' saved tensors are behind the store's hooks
+            self.peak = max(self.peak, self.live + self.store.device_bytes())
+            self.host_peak = max(self.host_peak, self.store.host_bytes())
+
     def forward_done(self, key, output: torch.Tensor) -> None:
         if output.grad_fn is not None:
             saved = saved_storages(output, self.exclude).values()
-            self.unit = max(self.unit, sum(storage.nbytes() for storage in saved))
+            hooked = self.store.recorded_bytes(key) if self.store is not None else 0
+            self.unit = max(self.unit, sum(storage.nbytes() for storage in saved) + hooked)
             self._track(saved)
 
     def backward_done(self, key, split: bool, held=()) -> None:
@@ -162,5 +174,6 @@ def run_step(config: Config, ps: ParallelState, chunks: list[torch.nn.Module], r
                          global_tokens=config.training.global_batch_size * config.training.seq_length,
                          grad_sync=options.grad_sync)
     unit = live.unit
-    return StepResult(activations=live.peak, peak_units=live.peak / unit if unit else 0.0, unit_bytes=unit,
+    return StepResult(activations=live.peak, offloaded=live.host_peak,
+                      peak_units=live.peak / unit if unit else 0.0, unit_bytes=unit,
                       grads=grads, actions=len(plan.actions[ps.pp_rank]))
