@@ -112,7 +112,9 @@ def layer_act_bytes(m: LlamaConfig, seq: int, mbs: int, recompute: str, precisio
     hd, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
     tokens = seq * mbs
     saved = e * h / tp if recompute == "full" else (16 * h + e * (2 * hd + 2 * kv + 4 * f) + 8) / tp
-    held = e * (4 * h + (2 * hd + 2 * kv + 3 * f) / tp) if tp > 1 else e * (4 * h + 2 * hd + 2 * kv + 3 * f)
+    # W holds, per token: the inputs of q/k/v and gate/up (sequence shards under sequence parallelism: W gathers
+    # them again), the o and down inputs and every linear's output gradient (o's and down's gathered: 2h)
+    held = e * (2 * h + (2 * h + 2 * hd + 2 * kv + 3 * f) / tp)
     return tokens * saved, tokens * held
 
 

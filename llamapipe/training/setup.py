@@ -124,7 +124,8 @@ def build_runtime_options(config: Config, ps: ParallelState, chunks: list[torch.
 
 def offload_options(config: Config, chunks: list[torch.nn.Module]) -> Optional[OffloadOptions]:
     """--cpu-offload's options; --auto-offload-time measures one copy against one chunk's F + B + W here. Copies
-    overlap compute on a GPU (the reload one backward ahead), not on a CPU (the reload right before its B)."""
+    overlap compute on a GPU (the reload one backward ahead; the dry run plans for one), not on a CPU (the reload
+    right before its B)."""
     par = config.parallel
     if not par.offload_chunk_num:
         return None
@@ -133,15 +134,14 @@ def offload_options(config: Config, chunks: list[torch.nn.Module]) -> Optional[O
         share = 0.0
     if share is None:
         from llamapipe.model.families import flops_per_token
-        from llamapipe.tools.parallel_estimate import layer_act_bytes
         m, cfg = config.model, config.training
         layers = m.num_layers / (par.pp_size * par.vpp_size)
-        saved, _ = layer_act_bytes(m, cfg.seq_length, cfg.micro_batch_size, m.recompute_granularity or "none",
-                                   tp=par.tp_size)
         tokens = cfg.seq_length * cfg.micro_batch_size
+        # one chunk's saved bytes by Korthikanti et al. 2022 (arXiv 2205.05198): 34 s b h per layer over tp
+        saved = 34 * tokens * m.hidden_size / par.tp_size
         flops = flops_per_token(m, cfg.seq_length, par.tp_size) / m.num_layers * layers * tokens / par.tp_size
         share = measured_offload_time(saved * layers, flops, device)
-    return OffloadOptions(par.offload_chunk_num, share, reload_lead=1 if device.type == "cuda" else 0,
+    return OffloadOptions(par.offload_chunk_num, share, reload_lead=0 if device.type == "cpu" else 1,
                           modules=module_paths(par.offload_modules), fraction=par.offload_fraction,
                           min_numel=par.offload_min_numel, rank_delta_bytes=par.offload_rank_delta_bytes)
 

@@ -165,3 +165,36 @@ def test_cross_entropy_inplace_matches_out_of_place():
     torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
     assert torch.all(results[1][1][..., VOCAB - 3:] == 0)
+
+
+def _deferred_w_worker(rank: int, world_size: int) -> dict:
+    """tp 2 with sequence parallelism: a column-parallel linear's backward under a capturing store keeps the
+    sequence shard of its input for W (not the gathered input) and W's gradient equals the immediate one."""
+    import torch.distributed as dist
+    from llamapipe.core.tensor_parallel.layers import ColumnParallelLinear
+    from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
+    group = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(16, 8, group, sequence_parallel=True)
+    x = _data(rank + 1, 6, 2, 16).requires_grad_(True)          # (s/tp, b, h): this rank's sequence shard
+    out = {}
+    for deferred in (False, True):
+        layer.weight.grad = None
+        store = WeightGradStore()
+        with store.active():
+            y = layer(x)
+        with store.capture("k") if deferred else store.active():
+            y.sum().backward()
+        if deferred:
+            held = [t for t in store.held_tensors("k") if t.dim() == 3 and t.shape[-1] == 16]
+            out["held_rows"] = sorted(t.shape[0] for t in held)
+            store.run("k")
+        out[deferred] = layer.weight.grad.clone()
+    return {"held_rows": out["held_rows"], "equal": bool(torch.equal(out[False], out[True]))}
+
+
+@pytest.mark.slow
+def test_deferred_weight_gradient_keeps_the_sequence_shard():
+    for r in run_distributed(_deferred_w_worker, 2, timeout=120):
+        assert r["equal"], "the deferred weight gradient differs from the immediate one"
+        assert r["held_rows"] == [6], f"W holds inputs of {r['held_rows']} rows; the shard has 6, gathered 12"

@@ -66,6 +66,9 @@ MEGATRON_DEFAULTS = {
     "--async-save": False, "--log-interval": 100, "--profile-step-start": 10, "--profile-step-end": 12, "--timing-log-level": 0, "--timing-log-option": "minmax", "--log-throughput": False, "--log-params-norm": False,
     "--log-num-zeros-in-grad": False, "--tensorboard-dir": None, "--wandb-project": None,
     "--wandb-exp-name": None, "--wandb-save-dir": None,
+    "--fine-grained-activation-offloading": False, "--offload-modules": None, "--activation-offload-fraction": 1.0,
+    "--min-offloaded-tensor-size": 1024 * 1024, "--delta-offload-bytes-across-pp-ranks": 0,
+    "--use-tp-pp-dp-mapping": None,      # store_const into --parallel-order's destination: unset unless given
 }
 # Megatron's parser default is None (not given) here; the value it then uses, and where ours ends up
 # (read from the config of BASE plus a flag where the value matters only with it).
@@ -93,6 +96,9 @@ DIVERGENCES = {
 }
 # Megatron adds biases unless --disable-bias-linear is given; the model here has none but --add-qkv-bias's.
 ALWAYS_ON = ("--disable-bias-linear",)
+# The zero-bubble fork's activation offload flags, implemented with the fork's defaults (offload_args.py) except
+# --offload-chunk-num (None: 1 under --cpu-offload; the fork's 0 is an assertion) and --offload-time (None: 0).
+FORK_OFFLOAD = ("--cpu-offload", "--offload-chunk-num", "--offload-time", "--auto-offload-time", "--offload-overlap-sr")
 LLAMAPIPE_ONLY = ("--model", "--parallel-order", "--pipeline-trace", "--pipeline-schedule", "--pipeline-memory-limit",
                   "--pipeline-profile-iters", "--release-host-memory", "--skip-nonfinite-steps", "--keep-last-n",
                   "--metrics-jsonl", "--tie-embeddings-and-output-weights", "--compile",
@@ -133,7 +139,7 @@ def test_defaults_match_megatron():
 
 def test_every_flag_is_pinned_classified_or_in_a_compatibility_table():
     classified = (set(MEGATRON_DEFAULTS) | set(MEGATRON_EFFECTIVE) | set(DIVERGENCES) | set(ALWAYS_ON)
-                  | set(LLAMAPIPE_ONLY) | {e.flag for e in NOTICES + REFUSED} | set(FORK_FLAGS))
+                  | set(LLAMAPIPE_ONLY) | {e.flag for e in NOTICES + REFUSED} | set(FORK_FLAGS) | set(FORK_OFFLOAD))
     flags = {a.option_strings[0] for a in build_parser()._actions if a.option_strings[0] != "-h"}
     assert flags == classified
 

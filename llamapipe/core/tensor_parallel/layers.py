@@ -66,8 +66,11 @@ class LinearWithDeferredWeightGrad(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         (x,) = ctx.saved_tensors
         weights, tp_group, mode = ctx.weights, ctx.tp_group, ctx.input_mode
-        # Megatron re-gathers instead of keeping the gathered input alive between F and B.
-        total = mappings.all_gather(x, tp_group, 0) if mode == INPUT_GATHER else x
+        # Megatron re-gathers instead of keeping the gathered input alive between F and B; a weight gradient
+        # deferred to W keeps the sequence shard and gathers there, not the tp-times larger gathered input.
+        deferred = ctx.store is not None and ctx.store.capturing
+        total = mappings.all_gather(x, tp_group, 0) if mode == INPUT_GATHER and not deferred else x
+        gather_at_w = mode == INPUT_GATHER and deferred
         grad_input = torch.matmul(grads[0], weights[0])  # (s, b, in)
         flat_grad_input = grad_input.view(-1, grad_input.shape[-1])
         for g, w in zip(grads[1:], weights[1:]):
@@ -78,7 +81,8 @@ class LinearWithDeferredWeightGrad(torch.autograd.Function):
             grad_input = mappings.reduce_scatter(grad_input, tp_group)
 
         def weight_grad() -> None:
-            flat_input = total.reshape(-1, total.shape[-1])  # (s*b, in)
+            full = mappings.all_gather(total, tp_group, 0) if gather_at_w else total
+            flat_input = full.reshape(-1, full.shape[-1])  # (s*b, in)
             for g, w in zip(grads, weights):
                 flat_grad = g.reshape(-1, g.shape[-1]).t()  # (out, s*b)
                 if w.grad is None:

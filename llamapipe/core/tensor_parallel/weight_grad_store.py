@@ -52,6 +52,11 @@ class WeightGradStore:
         for p in params:
             self._queued[id(p)] = self._queued.get(id(p), 0) + 1
 
+    @property
+    def capturing(self) -> bool:
+        """Whether a closure scheduled now is queued for a later W (inside `capture` / `begin`)."""
+        return self._capturing is not None
+
     def queued(self, param: torch.Tensor) -> int:
         """How many queued closures will still write `param.grad`."""
         return self._queued.get(id(param), 0)
