@@ -172,3 +172,31 @@ def test_offload_flag_mistakes_are_one_line(flags, words):
     with pytest.raises(ArgumentError, match=None) as err:
         _config(*flags, world=world)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_dry_run_counts_offloaded_activations_and_the_plans_peak():
+    """The dry run with --cpu-offload on ZB-V (pp 2): each rank's device activations fall and match the simulator's
+    offload plan in the dry run's own units (within 5%), and the report says what a node needs in host memory."""
+    from llamapipe.core.pipeline_parallel.offload_plan import with_offload
+    from llamapipe.training.dry_run.main import build_parser as dry_parser, dry_run_config, run
+    from llamapipe.training.dry_run.report import offload_lines
+    from tests.cli import TINY
+
+    def result(*flags):
+        args = ["--world-size", "2"] + TINY + ["--train-iters", "4", "--global-batch-size", "8", "--seq-length", "64",
+                                               "--max-position-embeddings", "64", "--pipeline-model-parallel-size",
+                                               "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                                               "--pipeline-schedule", "zbv", *flags]
+        return run(dry_run_config(dry_parser().parse_args(args)))
+    base, off = result(), result("--cpu-offload")
+    plan = build("zbv", 2, 2, 8)      # the plan the dry run ran: reload one backward ahead, as on a GPU
+    sim_before = simulate(plan, Costs(w_mem=0.5)).peak_memory
+    sim_after = simulate(with_offload(plan, 1), Costs(w_mem=0.5)).peak_memory
+    for rank in range(2):
+        before = next(r for r in base.reports if r.role.coords["pp"] == rank)
+        after = next(r for r in off.reports if r.role.coords["pp"] == rank)
+        ratio, planned = after.activations / before.activations, sim_after[rank] / sim_before[rank]
+        assert abs(ratio - planned) <= 0.05, f"rank {rank}: {ratio:.3f} of the activations, the plan {planned:.3f}"
+        assert after.step.offloaded > 0
+    assert offload_lines(off) and not offload_lines(base)
+    assert "node 0 (8 ranks) needs" in offload_lines(off)[0]

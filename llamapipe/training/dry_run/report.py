@@ -87,6 +87,24 @@ def role_rows(result: JobResult) -> list[str]:
     return lines
 
 
+RANKS_PER_NODE = 8      # a node as torchrun starts it with --nproc-per-node 8 (rank // 8)
+
+
+def offload_lines(result: JobResult) -> list[str]:
+    """With --cpu-offload: the most activations a rank holds in host memory, and what the fullest node needs."""
+    per_rank = {rank: r.step.offloaded for r in result.reports for rank in r.role.ranks}
+    if not any(per_rank.values()):
+        return []
+    nodes: dict[int, int] = {}
+    for rank, nbytes in per_rank.items():
+        nodes[rank // RANKS_PER_NODE] = nodes.get(rank // RANKS_PER_NODE, 0) + nbytes
+    node, most = max(nodes.items(), key=lambda kv: (kv[1], -kv[0]))
+    worst = max(result.reports, key=lambda r: r.step.offloaded)
+    return [f"offload: {worst.role.name()} holds up to {size(worst.step.offloaded)} of activations in host memory "
+            f"(the 'activ' column is what stays on the GPU); node {node} ({RANKS_PER_NODE} ranks) needs "
+            f"{size(most)} of host memory for them"]
+
+
 def over_memory(result: JobResult, memory: float) -> list[RoleReport]:
     """The roles whose ranks need more than `memory` bytes."""
     return [r for r in result.reports if r.total > memory]
@@ -108,6 +126,7 @@ def summary(config: Config, result: JobResult, memory: float) -> list[str]:
     largest = max(files, key=lambda f: f[1])
     lines.append(f"checkpoint: each save writes {len(files) + sum(n - 1 for n in dp_ranks.values())} files, "
                  f"{size(total)} (largest {largest[0]}, {size(largest[1])}), metadata.json aside")
+    lines += offload_lines(result)
     resumes = [r for r in result.reports if r.resume is not None]
     if resumes:
         heaviest = max(resumes, key=lambda r: r.resume.read)
