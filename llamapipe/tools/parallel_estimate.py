@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
+from llamapipe.core.pipeline_parallel.offload_plan import with_offload
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, run_timeline, verify
@@ -62,6 +63,7 @@ class Layout:
     vocab_parallel: bool = False            # output layer split over the pipeline ranks (--enable-vocab-parallel)
     cp: int = 1                             # --context-parallel-size: ranks splitting each sequence
     cp_comm: str = "p2p"                    # --cp-comm-type: ring (overlapped) or all-gather of K/V
+    offload: int = 0                        # --cpu-offload --offload-chunk-num N: chunks 0..N-1 offload (PipeOffload)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class Device:
     internode_gbps: float = 400.0
     gpus_per_node: int = 8
     efficiency: float = 0.6     # share of the peak that the GEMMs reach
+    host_gbps: float = 400.0    # device-host copies per GPU and direction (PCIe Gen5 x16: about 50 GB/s)
 
 
 DEVICES = {"h100": Device(989.0, 3600.0), "h200": Device(989.0, 3600.0), "a100": Device(312.0, 2400.0)}
@@ -133,6 +136,14 @@ def verified_plan(schedule: str, pp: int, vpp: int, m: int) -> Plan:
 
 
 @functools.lru_cache(maxsize=None)
+def offload_plan(schedule: str, pp: int, vpp: int, m: int, offload: int) -> Plan:
+    """The verified plan with the O/R of `offload` chunks per rank, as the executor places them on a GPU (the reload
+    one backward ahead); the plan itself when `offload` is 0."""
+    plan = verified_plan(schedule, pp, vpp, m)
+    return with_offload(plan, offload, reload_lead=1) if offload else plan
+
+
+@functools.lru_cache(maxsize=None)
 def _makespan(schedule: str, pp: int, vpp: int, m: int, costs: Costs) -> float:
     """The simulated makespan of a verified plan (layouts that differ only in ZeRO-1 have the same costs)."""
     return max(row[-1][1] for row in run_timeline(verified_plan(schedule, pp, vpp, m), costs) if row)
@@ -177,7 +188,7 @@ def plan_peaks(plan: Plan, chunk_bytes: list[list[tuple[float, float]]]) -> list
     """Peak activation bytes of each rank over `plan`: F adds the chunk's M_B, B keeps its M_W instead, W frees
     M_W, BW frees M_B (`chunk_bytes[rank][chunk]`: (M_B, M_W)). A BW that sends to another rank runs as B, send,
     W in the executor, so it holds M_W for a moment: more than M_B under full recompute, whose B re-creates the
-    inputs W needs."""
+    inputs W needs. An O (offload) moves the M_B to host memory and its R brings it back."""
     peaks = []
     for rank, actions in enumerate(plan.actions):
         level = peak = 0.0
@@ -186,7 +197,7 @@ def plan_peaks(plan: Plan, chunk_bytes: list[list[tuple[float, float]]]) -> list
             stage = plan.stage_of(rank, a.chunk)
             if a.kind == "BW" and stage > 0 and plan.rank_chunk_of(stage - 1)[0] != rank:
                 peak = max(peak, level - m_b + m_w)
-            level += {"F": m_b, "B": m_w - m_b, "W": -m_w, "BW": -m_b}[a.kind]
+            level += {"F": m_b, "B": m_w - m_b, "W": -m_w, "BW": -m_b, "O": -m_b, "R": m_b}[a.kind]
             peak = max(peak, level)
         peaks.append(peak)
     return peaks
@@ -197,7 +208,7 @@ def activation_peaks(m: LlamaConfig, lay: Layout, seq: int, m_micro: int) -> lis
     per_stage = _chunk_act_bytes(m, lay, seq)
     if lay.pp == 1:
         return [per_stage[0][0]]
-    plan = verified_plan(lay.schedule, lay.pp, lay.vpp, min(m_micro, 4 * lay.pp))
+    plan = offload_plan(lay.schedule, lay.pp, lay.vpp, min(m_micro, 4 * lay.pp), lay.offload)
     ranks = stage_ranks(lay)
     # a rank's chunks in stage order: interleaved r, r + p, ...; V placement r, 2p - 1 - r
     chunk_bytes = [[per_stage[s] for s in range(len(ranks)) if ranks[s] == r] for r in range(lay.pp)]
@@ -266,5 +277,9 @@ def _step_seconds(m: LlamaConfig, lay: Layout, seq: int, micro: int, dev: Device
     else:
         pipeline = _makespan(lay.schedule, lay.pp, lay.vpp, simulated, Costs(f=f, b=b, w=w, comm=hop))
         pipeline += (micro - simulated) * lay.vpp * (f + b + w)
+    if lay.offload:     # the copies overlap compute while they fit in it (PipeOffload); past that the step waits
+        m_b = max(saved for saved, _ in _chunk_act_bytes(m, lay, seq))
+        copy_s = 2 * m_b * 8 / (dev.host_gbps * 1e9)                # D2H after F, H2D before B
+        pipeline += micro * lay.offload * max(0.0, copy_s - (f + b + w))
     dp_gbps = dev.link_gbps if lay.tp * lay.cp * lay.dp <= dev.gpus_per_node else dev.internode_gbps
     return pipeline + _allreduce_s(4 * params_on_rank, lay.dp * lay.cp, dp_gbps)   # gradients over dp x cp

@@ -133,10 +133,31 @@ def rank(m: LlamaConfig, args: argparse.Namespace, dev) -> list[tuple[Layout, Es
     for lay in layouts(m, args.gpus, args.global_batch_size, args.max_micro_batch_size,
                        args.max_context_parallel_size, args.seq_length):
         est = estimate(m, lay, args.seq_length, args.global_batch_size, dev)
-        if est.total <= budget:
+        if est.total > budget:      # a pipeline that does not fit may with its activations offloaded
+            lay, est = _with_offload(m, lay, args, dev, budget)
+        if est is not None and est.total <= budget:
             rows.append((lay, est))
     rows.sort(key=lambda row: (row[1].step_s, row[1].total))
     return rows
+
+
+def _with_offload(m: LlamaConfig, lay: Layout, args: argparse.Namespace, dev,
+                  budget: float) -> tuple[Layout, Optional[Estimate]]:
+    """The fewest chunks per rank whose offload (PipeOffload, --cpu-offload) makes `lay` fit, or (lay, None);
+    only without recompute: offload is the lever that costs no FLOPs."""
+    if lay.pp == 1 or lay.recompute != "none":
+        return lay, None
+    found: tuple[Layout, Optional[Estimate]] = (lay, None)
+    low, high = 1, lay.vpp          # more chunks offloaded never hold more: search the fewest that fit
+    while low <= high:
+        chunks = (low + high) // 2
+        offloaded = dataclasses.replace(lay, offload=chunks)
+        est = estimate(m, offloaded, args.seq_length, args.global_batch_size, dev)
+        if est.total <= budget:
+            found, high = (offloaded, est), chunks - 1
+        else:
+            low = chunks + 1
+    return found
 
 
 def command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig] = None) -> str:
@@ -160,6 +181,7 @@ def command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig] = No
     parts += [f"--micro-batch-size {lay.micro_batch}", f"--global-batch-size {args.global_batch_size}",
               f"--seq-length {args.seq_length}", "--bf16"] + (["--sequence-parallel"] if lay.tp > 1 else [])
     parts += RECOMPUTE_FLAGS[lay.recompute] + (["--use-distributed-optimizer"] if lay.dist_opt else [])
+    parts += [f"--cpu-offload --offload-chunk-num {lay.offload}"] if lay.offload else []
     return " ".join(parts + [profile_plan.MOCK_DATA])
 
 
@@ -172,19 +194,26 @@ def dry_run_command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConf
 
 def table(rows: list[tuple[Layout, Estimate]], top: int) -> str:
     head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<11} {'mbs':>3} {'recompute':<9} "
-            f"{'distopt':<7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} {'step s':>8} {'MFU':>6}")
+            f"{'offload':<7} {'distopt':<7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} {'step s':>8} {'MFU':>6}")
     memory = head.index("params") - 1         # the unit of the five memory columns, over them
     lines = [" " * memory + "GiB on the most loaded GPU".center(len(head) - memory - 16).rstrip(), head,
              "-" * len(head)]
     for i, (lay, e) in enumerate(rows[:top], 1):
         gib = [x / GIB for x in (e.params, e.grads, e.optimizer, e.activations, e.total)]
         lines.append(f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>3} {lay.schedule:<11} {lay.micro_batch:>3} "
-                     f"{lay.recompute:<9} {'yes' if lay.dist_opt else 'no':<7} "
+                     f"{lay.recompute:<9} {_offload_text(lay):<7} {'yes' if lay.dist_opt else 'no':<7} "
                      + " ".join(f"{x:>7.1f}" for x in gib) + f" {e.step_s:>8.2f} {e.mfu:>6.1%}")
     return "\n".join(lines)
 
 
+def _offload_text(lay: Layout) -> str:
+    return f"{lay.offload} of {lay.vpp}" if lay.offload else "-"
+
+
 def explain(lay: Layout, e: Estimate) -> str:
+    offload = ([f"  offload: the activations of chunk{'s' if lay.offload > 1 else ''} 0-{lay.offload - 1} of every "
+                f"rank go to host memory between forward and backward (--cpu-offload, PipeOffload): without it "
+                f"this layout does not fit"] if lay.offload else [])
     return "\n".join([
         f"layout: tp {lay.tp}, cp {lay.cp}, pp {lay.pp}, {lay.vpp} chunk(s) per rank, dp {lay.dp}, --pipeline-schedule "
         f"{lay.schedule}, micro-batch {lay.micro_batch}, recompute {lay.recompute}, distributed optimizer "
@@ -195,7 +224,7 @@ def explain(lay: Layout, e: Estimate) -> str:
         f"  activations (peak of the plan, {e.peak_units:.2f} x the largest chunk's microbatch) "
         f"{e.activations / GIB:8.2f} GiB",
         f"  total on the most loaded rank        {e.total / GIB:8.2f} GiB",
-        f"  step {e.step_s:.3f} s, MFU {e.mfu:.1%}"])
+        f"  step {e.step_s:.3f} s, MFU {e.mfu:.1%}", *offload])
 
 
 def main(argv: Optional[list[str]] = None) -> int:

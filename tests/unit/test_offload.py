@@ -200,3 +200,34 @@ def test_dry_run_counts_offloaded_activations_and_the_plans_peak():
         assert after.step.offloaded > 0
     assert offload_lines(off) and not offload_lines(base)
     assert "node 0 (8 ranks) needs" in offload_lines(off)[0]
+
+
+def test_planner_counts_offload_in_the_plans_peak():
+    """plan_peaks walks the O/R of an offload plan: the offloaded chunk's M_B leaves between its O and its R."""
+    from llamapipe.tools.parallel_estimate import plan_peaks
+    plan = build("interleaved", 2, 2, 8)
+    bytes_ = [[(10.0, 10.0), (10.0, 10.0)]] * 2
+    assert plan_peaks(with_offload(plan, 1), bytes_) == [10 * p for p in simulate(with_offload(plan, 1)).peak_memory]
+    assert max(plan_peaks(with_offload(plan, 1), bytes_)) < max(plan_peaks(plan, bytes_))
+
+
+@pytest.mark.slow      # the planner ranks 6,000 layouts of a 1,024-GPU job: 40 s here
+def test_plan_lists_405b_on_1024_h100_only_with_offload_and_says_why():
+    """LLaMA-3.1-405B, 1,024 x 80 GB, sequence 8192: the top row fits only with its activations offloaded; the same
+    layout without offload is over the budget; its command is one the trainer takes; --explain says why."""
+    import dataclasses
+    import shlex
+    from llamapipe.tools.parallel_estimate import DEVICES, estimate
+    from llamapipe.tools.plan_parallelism import build_parser as plan_parser, command, explain, model_from_args, rank
+    args = plan_parser().parse_args(["--model", "llama3.1-405b", "--gpus", "1024", "--gpu-memory-gb", "80",
+                                     "--seq-length", "8192", "--global-batch-size", "1024"])
+    model = model_from_args(args)
+    rows = rank(model, args, DEVICES["h100"])
+    lay, est = rows[0]
+    assert lay.offload >= 1 and est.total <= 0.9 * 80 * 2 ** 30
+    without = estimate(model, dataclasses.replace(lay, offload=0), 8192, 1024, DEVICES["h100"]).total
+    assert without > 0.9 * 80 * 2 ** 30, "the top row would fit without offload"
+    assert "without it this layout does not fit" in explain(lay, est)
+    cmd = shlex.split(command(args, lay, model))
+    config = config_from_args(build_parser().parse_args(cmd[cmd.index("pretrain_llama.py") + 1:]), 1024)
+    assert config.parallel.offload_chunk_num == lay.offload

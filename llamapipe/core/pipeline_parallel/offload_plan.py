@@ -20,7 +20,7 @@ import functools
 from typing import Optional
 
 from llamapipe.core.pipeline_parallel.schedule_ir import BACKWARD_KINDS, Action, Plan
-from llamapipe.core.pipeline_parallel.simulator import Costs, run_timeline, verify
+from llamapipe.core.pipeline_parallel.simulator import Costs, run_timeline
 
 SAFETY = 3.0      # the fork's margin: the gap must hold three round trips
 
@@ -51,8 +51,7 @@ def with_offload(plan: Plan, chunk_num: int, costs: Optional[Costs] = None, offl
     if chunk_num <= 0 or any(a.kind in ("O", "R") for acts in plan.actions for a in acts):
         return plan
     costs = costs or Costs()
-    verify(plan)
-    timeline = run_timeline(plan, costs)
+    timeline = run_timeline(plan, costs)        # a plan that deadlocks raises here (PlanError)
     copy = offload_time * (costs.f + costs.b + costs.w)
     actions = tuple(_rank_with_offload(row, chunk_num, SAFETY * 2 * copy, reload_lead) for row in timeline)
     name = plan.name if plan.name.endswith("+offload") else plan.name + "+offload"
