@@ -51,6 +51,20 @@ def test_offload_layout_matches_single_process(name, reference, tmp_path):
         assert math.isclose(g, w, rel_tol=1e-5), f"{name} iteration {it}: {g} vs single-process {w}"
 
 
+def test_auto_under_a_tight_memory_limit_offloads_and_keeps_the_losses(reference, tmp_path):
+    """--pipeline-schedule auto at pp 4 with --pipeline-memory-limit 2 (units) takes its offload plan (the log says
+    so) and trains the single-process losses."""
+    from tests.cli import torchrun, read_metrics
+    jsonl = str(tmp_path / "m.jsonl")
+    proc = torchrun(4, TINY + ITERS + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "auto",
+                                       "--pipeline-profile-iters", "2", "--pipeline-memory-limit", "2",
+                                       "--metrics-jsonl", jsonl])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "-> auto+offload: simulated bubble" in proc.stdout + proc.stderr
+    for it, (g, w) in enumerate(zip(_losses(read_metrics(jsonl)), reference), 1):
+        assert math.isclose(g, w, rel_tol=1e-5), f"iteration {it}: {g} vs single-process {w}"
+
+
 def test_offload_checkpoint_resumes_in_another_layout(reference, tmp_path):
     """Saved at iteration 3 by pp 2 ZB-V with offload, resumed by pp 2 interleaved without it: iterations 4-5
     equal the uninterrupted single-process run's."""

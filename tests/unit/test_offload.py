@@ -231,3 +231,19 @@ def test_plan_lists_405b_on_1024_h100_only_with_offload_and_says_why():
     cmd = shlex.split(command(args, lay, model))
     config = config_from_args(build_parser().parse_args(cmd[cmd.index("pretrain_llama.py") + 1:]), 1024)
     assert config.parallel.offload_chunk_num == lay.offload
+
+
+def test_auto_offloads_only_when_the_cap_forces_a_slow_plan():
+    """`auto` under a tight cap (pp 4, 2 units) takes a plan with every activation offloaded, which verifies, keeps the
+    cap and is faster; under its default cap (2p) and where offload does not fit the cap, it offloads nothing."""
+    from llamapipe.core.pipeline_parallel.auto_plan import plan_auto
+    costs = Costs(f=1.0, b=1.2, w=0.8, comm=0.05)
+    tight = plan_auto(4, 1, 12, costs, 2)
+    plain = plan_auto(4, 1, 12, costs, 1)           # a cap offload cannot meet: the plan without it
+    assert tight.name == "auto+offload" and any(a.kind == "O" for acts in tight.actions for a in acts)
+    verify(tight)
+    result = simulate(tight, costs)
+    assert max(result.peak_memory) <= 2 and result.makespan < simulate(plain, costs).makespan
+    for cap in (None, 1):
+        plan = plan_auto(4, 1, 12, costs, cap)
+        assert plan.name == "auto" and not any(a.kind == "O" for acts in plan.actions for a in acts)

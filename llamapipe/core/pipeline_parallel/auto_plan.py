@@ -9,6 +9,10 @@ objective of the paper's heuristic and ILP (appendix G, eq. 3) and the `cost` of
 of builders_zb, and the fixed plans that fit the cap (ZB-H1, 1F1B, ZB-H2 unit-cost and fitted for one
 chunk; ZB-V for two), so `auto` is never worse than any of them at the same memory. `zb-h2` fitted to
 measured costs (`zb_h2_fitted`) chooses among some of the same candidates, under ZB-H2's own cap.
+When the cap forces a slow plan, the same candidates planned under the default cap (2p) with every chunk's
+activations offloaded (PipeOffload, `offload_plan.with_offload`) are tried too, within the real cap; one is taken
+only when it beats the best plan without offload by `OFFLOAD_MARGIN` (the copies cost no time in the simulator, and
+on a GPU they overlap compute, but not quite for free).
 """
 from __future__ import annotations
 
@@ -16,11 +20,13 @@ import dataclasses
 
 from llamapipe.core.pipeline_parallel import builders
 from llamapipe.core.pipeline_parallel.builders_zb import greedy_plan
+from llamapipe.core.pipeline_parallel.offload_plan import with_offload
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs, Result, simulate
 from llamapipe.core.pipeline_parallel.zb_heuristic import heuristic_plans
 
 _EPS = 1e-9
+OFFLOAD_MARGIN = 1.05       # an offload plan must be this much faster (objective) than the best plan without
 
 
 def objective(result: Result, post_validation: bool) -> tuple[float, float]:
@@ -53,9 +59,21 @@ def plan_auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: 
     `objective`: makespan for a synchronous step, longest stage span with post-validation."""
     costs = costs or Costs()
     limit = 2 * pp if mem_limit is None else mem_limit
+    best = _best(candidates(pp, vpp, m, costs, limit), costs, limit, post_validation)
+    assert best is not None, "the list scheduler always keeps within the cap"
+    if limit < 2 * pp:
+        offloaded = [with_offload(plan, vpp, costs) for plan in candidates(pp, vpp, m, costs, 2 * pp)]
+        best_off = _best(offloaded, costs, limit, post_validation)
+        if best_off is not None and best_off[0][0] * OFFLOAD_MARGIN < best[0][0]:
+            return dataclasses.replace(best_off[1], name="auto+offload")
+    return dataclasses.replace(best[1], name="auto")
+
+
+def _best(plans: list[Plan], costs: Costs, limit: float, post_validation: bool) -> tuple | None:
+    """(objective, plan) of the plan within `limit` with the smallest `objective`, or None when none fits."""
     best: tuple | None = None
     seen: list[tuple] = []
-    for plan in candidates(pp, vpp, m, costs, limit):
+    for plan in plans:
         if plan.actions in seen:
             continue
         seen.append(plan.actions)
@@ -65,8 +83,7 @@ def plan_auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: 
         score = objective(result, post_validation)
         if best is None or _better(score, best[0]):
             best = (score, plan)
-    assert best is not None, "the list scheduler always keeps within the cap"
-    return dataclasses.replace(best[1], name="auto")
+    return best
 
 
 def _fastest(name: str, candidates: list[Plan], costs: Costs, limit: float) -> Plan:
