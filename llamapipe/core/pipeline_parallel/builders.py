@@ -59,7 +59,8 @@ def interleaved(pp: int, vpp: int, m: int, group: int | None = None) -> Plan:
     backwards walk the same table with chunks reversed. The order needs m % group == 0 (a short last
     group deadlocks), so other m are built for the next multiple of the group and the phantom microbatches
     dropped: removing whole microbatches keeps a plan's dependency graph acyclic and its streams in order.
-    A group below pp deadlocks (a chunk would wait for its own later forward), so it is refused.
+    A group below pp deadlocks for most sizes (pp 4 with groups of 1 or 2: a forward waits on a rank that waits
+    on it), so it is refused.
     """
     check_sizes("interleaved", pp, vpp, m)
     group = pp if group is None else group

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 
 from llamapipe.core.config import ArgumentError
+from llamapipe.core.pipeline_parallel.schedule_specs import grouped_name
 from llamapipe.training.arguments.memory_limit import memory_limit
 from llamapipe.training.arguments.compat_table import CompatFlag, add_table, dest_of, said
 
@@ -48,11 +49,6 @@ NOTICES: tuple[CompatFlag, ...] = (
 )
 
 REFUSED: tuple[CompatFlag, ...] = (
-    CompatFlag("--enable-1f1b-v", "1F1B on the V placement is not built here; for its memory with a split backward "
-               "use --zero-bubble-v-schedule --zero-bubble-v-schedule-mem-setup half, or --pipeline-schedule "
-               "interleaved"),
-    CompatFlag("--interleave-group-size", "the fork's grouped interleaved 1F1B is not built here; use "
-               "--pipeline-schedule interleaved with --num-virtual-stages-per-pipeline-rank", int, off=(0,)),
     CompatFlag("--cpu-offload", _OFFLOAD),
     CompatFlag("--offload-chunk-num", _OFFLOAD, int, off=(0,)),
     CompatFlag("--recompute-lgd", "recomputing only the norms, activations and dropout is not implemented; use "
@@ -80,6 +76,9 @@ TRANSLATED = (
     ("--zero-bubble-pipeline-timers-end-iter", {"default": TIMERS_END_DEFAULT, "type": int},
      "with --enable-zero-bubble: the last profiled iteration, after which the fitted plan runs "
      "(--pipeline-profile-iters END)"),
+    ("--enable-1f1b-v", _SWITCH, "1F1B on the V placement with two model chunks per rank: --pipeline-schedule 1f1b-v"),
+    ("--interleave-group-size", {"default": 0, "type": int}, "N > 0: the fork's grouped interleaved 1F1B with groups "
+     "of N microbatches: --pipeline-schedule group-interleaved:N (model chunks from the virtual-stage flags)"),
     ("--allow-padding-num-layers", _SWITCH, "allow --num-layers not divisible by the pipeline size, the first and "
      "last stages holding fewer layers (refused with the equivalent --pipeline-model-parallel-layout)"),
 )
@@ -88,6 +87,10 @@ FLAGS = tuple(entry.flag for entry in NOTICES + REFUSED) + tuple(flag for flag, 
 
 def wanted(ns: argparse.Namespace) -> dict:
     """llamapipe's flags (by dest) as the fork's flags in `ns` set them."""
+    if getattr(ns, "enable_1f1b_v", False):
+        return {"pipeline_schedule": "1f1b-v", "num_virtual_stages_per_pipeline_rank": 2}
+    if getattr(ns, "interleave_group_size", 0) > 0:
+        return {"pipeline_schedule": grouped_name("group-interleaved", ns.interleave_group_size)}
     if getattr(ns, "zero_bubble_v_schedule", False):
         return {"pipeline_schedule": V_SCHEDULES[ns.zero_bubble_v_schedule_mem_setup],
                 "num_virtual_stages_per_pipeline_rank": 2}
@@ -208,6 +211,12 @@ def _check_translated(args: argparse.Namespace) -> None:
     if zb and not v and chunks is not None:
         raise ArgumentError("--enable-zero-bubble without --zero-bubble-v-schedule runs one model chunk per rank; "
                             "add --zero-bubble-v-schedule or drop the virtual-stage flag")
+    if args.enable_1f1b_v and (v or zb):
+        raise ArgumentError("--enable-1f1b-v runs a fused backward; it cannot be combined with "
+                            f"{'--zero-bubble-v-schedule' if v else '--enable-zero-bubble'} (as in the fork)")
+    if args.interleave_group_size < 0:
+        raise ArgumentError(f"--interleave-group-size {args.interleave_group_size} must be a positive number of "
+                            "microbatches, or 0 for none")
     pending = args.zero_bubble_max_pending_backward
     if pending != ADAPTIVE and not _positive(pending):
         raise ArgumentError(f"--zero-bubble-max-pending-backward {pending} must be a positive number of microbatches "
