@@ -65,8 +65,8 @@ def interleaved(pp: int, vpp: int, m: int, group: int | None = None) -> Plan:
     check_sizes("interleaved", pp, vpp, m)
     group = pp if group is None else group
     if group < pp:
-        raise ConfigError(f"--microbatch-group-size-per-virtual-pipeline-stage {group} must be at least "
-                          f"--pipeline-model-parallel-size {pp}", "pipeline_schedule")
+        raise ConfigError(f"pipeline_schedule interleaved needs microbatch groups of at least the pipeline size "
+                          f"{pp}, got {group}", "pipeline_schedule")
     padded = -(-m // group) * group
     table = _interleaved_table(vpp, padded, group)
     total = len(table)

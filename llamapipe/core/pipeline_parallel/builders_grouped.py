@@ -35,10 +35,11 @@ def fork_min_group(pp: int) -> int:
     return (pp + 1) // 2
 
 
-def check_group(flag: str, group: int, pp: int) -> None:
-    """One sentence naming `flag` when a group size cannot be built."""
-    if group < 1:
-        raise ConfigError(f"{flag} {group} must be at least 1 microbatch (pipeline size {pp})", "pipeline_schedule")
+def check_group(name: str, group: int, least: int) -> None:
+    """One sentence naming the schedule when a microbatch group size cannot be built."""
+    if group < least:
+        raise ConfigError(f"pipeline_schedule {name} needs microbatch groups of at least {least}, got {group}",
+                          "pipeline_schedule")
 
 
 def _group_slots(pp: int, vpp: int, group: int, rank: int) -> list[tuple[int, str, int, int]]:
@@ -59,7 +60,7 @@ def group_interleaved(pp: int, vpp: int, m: int, group: int) -> Plan:
     """The fork's grouped interleaved 1F1B (--interleave-group-size `group`), BW fused; the fork caps the
     group at the pipeline size."""
     check_sizes("group-interleaved", pp, vpp, m)
-    check_group("--interleave-group-size", group, pp)
+    check_group("group-interleaved", group, 1)
     group = min(group, pp)
     block = 3 * group * vpp                     # slots of one group's F, B and W on every chunk
     actions = []
