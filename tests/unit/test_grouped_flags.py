@@ -52,3 +52,9 @@ def test_bad_values_are_one_line(flags, message):
 def test_the_fork_flags_contradicting_a_schedule_stop_the_parser():
     with pytest.raises(SystemExit):
         build_parser().parse_args(BASE + ["--pipeline-schedule", "zbv", "--enable-1f1b-v"])
+
+
+def test_the_zero_bubble_schedules_take_precedence_over_the_group_as_in_the_fork():
+    args = build_parser().parse_args(BASE + ["--interleave-group-size", "2", "--zero-bubble-v-schedule"])
+    cfg = config_from_args(args, 4)
+    assert (cfg.parallel.pipeline_schedule, cfg.parallel.vpp_size) == ("zbv", 2)

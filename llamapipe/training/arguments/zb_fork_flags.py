@@ -9,6 +9,9 @@ accepted with one notice line where it has no meaning here, or refused in one li
 The fork's rules (megatron/core/zbpp_utils.py and its zero-bubble runtime):
 - `--zero-bubble-v-schedule` implies `--enable-zero-bubble` and two model chunks per rank on the V placement;
   `--zero-bubble-v-schedule-mem-setup` zb/half/min picks ZB-V, V-Half or V-Min (here zbv, v-half, v-min).
+- `--enable-1f1b-v` is 1F1B on the V placement (here 1f1b-v, two chunks per rank; not with the zero-bubble flags);
+  `--interleave-group-size N` (N > 0, with virtual stages) is the grouped interleaved 1F1B, here
+  group-interleaved:N; the zero-bubble schedules take precedence over it, as in the fork's runtime.
 - `--enable-zero-bubble` alone profiles F/B/W until `--zero-bubble-pipeline-timers-end-iter` and then runs
   the zero-bubble heuristic under `--zero-bubble-max-pending-backward` microbatches of activations (p: like
   ZB-1p, 2p: like ZB-2p): here `--pipeline-schedule auto` with `--pipeline-memory-limit N` and
@@ -89,13 +92,12 @@ def wanted(ns: argparse.Namespace) -> dict:
     """llamapipe's flags (by dest) as the fork's flags in `ns` set them."""
     if getattr(ns, "enable_1f1b_v", False):
         return {"pipeline_schedule": "1f1b-v", "num_virtual_stages_per_pipeline_rank": 2}
-    if getattr(ns, "interleave_group_size", 0) > 0:
-        return {"pipeline_schedule": grouped_name("group-interleaved", ns.interleave_group_size)}
     if getattr(ns, "zero_bubble_v_schedule", False):
         return {"pipeline_schedule": V_SCHEDULES[ns.zero_bubble_v_schedule_mem_setup],
                 "num_virtual_stages_per_pipeline_rank": 2}
-    if not getattr(ns, "enable_zero_bubble", False):
-        return {}
+    if not getattr(ns, "enable_zero_bubble", False):        # the fork's zero-bubble schedules come first
+        group = getattr(ns, "interleave_group_size", 0)
+        return {"pipeline_schedule": grouped_name("group-interleaved", group)} if group > 0 else {}
     out = {"pipeline_schedule": "auto", "pipeline_profile_iters": ns.zero_bubble_pipeline_timers_end_iter}
     if _positive(ns.zero_bubble_max_pending_backward):
         out["pipeline_memory_limit"] = memory_limit(ns.zero_bubble_max_pending_backward)
@@ -177,6 +179,8 @@ def _translated_notices(args: argparse.Namespace) -> list[str]:
                 "zero_bubble_pipeline_timers_start_iter": TIMERS_START_DEFAULT,
                 "zero_bubble_pipeline_timers_end_iter": TIMERS_END_DEFAULT}
     changed = [d for d in tuning if given[d] != defaults[d]]
+    if args.interleave_group_size > 0 and (v or zb):
+        lines.append(f"--interleave-group-size has no effect here: {args.pipeline_schedule} runs instead, as in the fork")
     if given["zero_bubble_v_schedule_mem_setup"] != "zb" and not v:
         lines.append("--zero-bubble-v-schedule-mem-setup has no effect here: it needs --zero-bubble-v-schedule")
     if v:
