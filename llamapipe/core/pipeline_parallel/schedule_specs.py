@@ -142,6 +142,14 @@ def grouped_name(base: str, group: int) -> str:
     return f"{base}:{group}"
 
 
+def megatron_grouped(schedule: str, group: int, pp: int) -> Optional[str]:
+    """`schedule` with Megatron's microbatch groups of `group` (--microbatch-group-size-per-virtual-pipeline-stage):
+    interleaved:N, or interleaved itself at Megatron's default N = pp; None for a schedule without such groups."""
+    if schedule != "interleaved":
+        return None
+    return schedule if group == pp else grouped_name(schedule, group)
+
+
 def _grouped_spec(name: str) -> Optional[ScheduleSpec]:
     """The spec of "NAME:N" for a grouped schedule NAME, else None."""
     base, _, group = name.partition(":") if isinstance(name, str) else ("", "", "")
