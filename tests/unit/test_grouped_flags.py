@@ -58,3 +58,11 @@ def test_the_zero_bubble_schedules_take_precedence_over_the_group_as_in_the_fork
     args = build_parser().parse_args(BASE + ["--interleave-group-size", "2", "--zero-bubble-v-schedule"])
     cfg = config_from_args(args, 4)
     assert (cfg.parallel.pipeline_schedule, cfg.parallel.vpp_size) == ("zbv", 2)
+
+
+def test_a_group_above_the_pipeline_size_is_capped_with_a_notice_as_the_fork_resets_it():
+    from llamapipe.training.arguments.zb_fork_flags import check_fork_flags
+    args = build_parser().parse_args(BASE + ["--interleave-group-size", "6", "--num-virtual-stages-per-pipeline-rank",
+                                             "2"])
+    assert check_fork_flags(args) == ["notice: --interleave-group-size 6 is more than --pipeline-model-parallel-size "
+                                      "4: groups of 4 are built, as the fork resets it"]

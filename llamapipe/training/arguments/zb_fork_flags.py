@@ -179,8 +179,12 @@ def _translated_notices(args: argparse.Namespace) -> list[str]:
                 "zero_bubble_pipeline_timers_start_iter": TIMERS_START_DEFAULT,
                 "zero_bubble_pipeline_timers_end_iter": TIMERS_END_DEFAULT}
     changed = [d for d in tuning if given[d] != defaults[d]]
-    if args.interleave_group_size > 0 and (v or zb):
+    group, pp = args.interleave_group_size, args.pipeline_model_parallel_size
+    if group > 0 and (v or zb):
         lines.append(f"--interleave-group-size has no effect here: {args.pipeline_schedule} runs instead, as in the fork")
+    elif group > pp:
+        lines.append(f"--interleave-group-size {group} is more than --pipeline-model-parallel-size {pp}: groups of {pp} "
+                     "are built, as the fork resets it")
     if given["zero_bubble_v_schedule_mem_setup"] != "zb" and not v:
         lines.append("--zero-bubble-v-schedule-mem-setup has no effect here: it needs --zero-bubble-v-schedule")
     if v:
