@@ -14,8 +14,8 @@ as `--interleave-group-size N` and `--enable-1f1b-v`.
   squeeze move whole rows or close gaps, which keeps each rank's order), which respects every dependency.
 - 1F1B-V (scheduler/v1f1b.py): the V placement with the fork's 6-slot block pattern (`create_whole_pattern`:
   chunk-0 F's one slot apart down the ranks, chunk-1 F's back up, then BW's of chunk 1 and chunk 0), B and W
-  fused. The fork's warmup pass (moving warmup forwards earlier without raising the peak) is not applied:
-  the executor runs the order eagerly, which closes the warmup gaps.
+  fused, and the fork's warmup squeeze (forwards moved earlier without raising the block's peak); the orders
+  equal the fork's `schedule_by_pattern` (checked against its code for p = 2..8).
 Short last groups are built as phantom microbatches and dropped, which keeps a plan acyclic (builders.py).
 """
 from __future__ import annotations
@@ -93,12 +93,82 @@ def v1f1b_pattern(pp: int) -> list[list[int]]:
     return pattern
 
 
+# where the k-th F/B of a kind on a rank may go, after the k-th of (rank offset, kind) (the fork's dependencies; at the
+# V's turn, the same rank's kind); B and b wait for the fused W of the stage before them
+_AFTER = {"F": ((-1, "F"), None), "f": ((1, "f"), "F"), "B": ((-1, "W"), "f"), "b": ((1, "w"), "W"),
+          "W": (None, "B"), "w": (None, "b")}
+
+
+def _grid(pp: int, m: int) -> list[list[str]]:
+    """The fork's repeated block after `clear_invalid_index`: per rank a row of slots holding F f B b W w (F and B
+    of chunk 0 and 1: F f, b B; W w the W right after B b), m copies each, microbatch 0 at 6 + its block slot."""
+    rows = [[" "] * (6 * (4 * pp + m + 2)) for _ in range(pp)]
+    for rank, slots in enumerate(v1f1b_pattern(pp)):
+        for char, slot in zip("FfBbWw", slots):
+            for mb in range(m):
+                rows[rank][6 + slot + 6 * mb] = char
+    return rows
+
+
+def _earliest(rows: list[list[str]], loc: dict, rank: int, char: str, k: int) -> int:
+    """The first slot (before the current one) where the k-th `char` of `rank` may run: after its own previous one
+    and the action it depends on, on a free slot (two free slots for a B, which its W follows)."""
+    pos = loc.get((rank, char, k - 1), -1)
+    other, same = _AFTER[char]
+    pp = len(rows)
+    if other is not None and 0 <= rank + other[0] < pp:
+        pos = max(pos, loc.get((rank + other[0], other[1], k), -1))
+    elif same is not None:
+        pos = max(pos, loc.get((rank, same, k), -1))
+    return pos + 1
+
+
+def _squeeze_warmup(rows: list[list[str]]) -> None:
+    """The fork's `process_warmup_without_increasing_peak_mem`: column by column, move each B/W to the first free
+    slot its dependencies allow, and each F as early as that without raising any rank above the block's peak."""
+    mem = [[0] * len(row) for row in rows]
+    for row, held in zip(rows, mem):
+        cur = 0
+        for i, char in enumerate(row):
+            cur += (char in "Ff") - (char in "Ww")
+            held[i] = cur
+    peak, loc, count = max(max(held) for held in mem), {}, {}
+    for i in range(len(rows[0])):
+        for rank, row in enumerate(rows):
+            char = row[i]
+            if char == " ":
+                continue
+            k = count[rank, char] = count.get((rank, char), -1) + 1
+            pos = _earliest(rows, loc, rank, char, k)
+            while pos < i and (row[pos] != " " or (char in "Bb" and row[pos + 1] != " ")):
+                pos += 1
+            if pos < i and char in "Ff":
+                place = i
+                while place > pos and mem[rank][place - 1] < peak:
+                    place -= 1
+                while place < i and row[place] != " ":
+                    place += 1
+                pos = place
+            if pos < i:
+                row[pos], row[i] = char, " "
+                for j in range(pos, i):
+                    mem[rank][j] += (char in "Ff") - (char in "Ww")
+            loc[rank, char, k] = pos
+
+
 def one_f_one_b_v(pp: int, m: int) -> Plan:
-    """1F1B-V: two chunks per rank on the V placement, fused BW, the fork's block order."""
+    """1F1B-V: two chunks per rank on the V placement, fused BW, the fork's block order with its warmup squeeze."""
     check_sizes("1f1b-v", pp, 2, m)
-    kinds = (("F", 0), ("F", 1), ("BW", 1), ("BW", 0))
+    rows = _grid(pp, m)
+    _squeeze_warmup(rows)
+    kinds = {"F": ("F", 0), "f": ("F", 1), "B": ("BW", 1), "b": ("BW", 0)}
     actions = []
-    for slots in v1f1b_pattern(pp):
-        timed = sorted((slot + 6 * mb, kind, chunk, mb) for mb in range(m) for slot, (kind, chunk) in zip(slots, kinds))
-        actions.append(tuple(Action(kind, chunk, mb) for _, kind, chunk, mb in timed))
+    for row in rows:
+        done: dict = {}
+        acts = []
+        for char in row:
+            if char in kinds:
+                acts.append(Action(*kinds[char], done.get(char, 0)))
+                done[char] = done.get(char, 0) + 1
+        actions.append(tuple(acts))
     return Plan("1f1b-v", pp, 2, m, "v", tuple(actions))
