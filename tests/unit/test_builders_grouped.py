@@ -3,7 +3,9 @@
 
 References: Megatron-LM's get_schedule_table and warmup count (megatron/core/pipeline_parallel/schedules.py), the
 interleaved builder as it was before groups (copied below), and the building-block memory rule of Qi et al.
-(arXiv 2405.15362): a repeated block's peak is its lifespan over its period, rounded up. Memory is counted in
+(arXiv 2405.15362): a repeated block's peak is its live intervals at the busiest slot; numbers of the fork's own
+orders (its scheduler code run once outside the tests: our orders equal its orders for p = 2..8, v = 2..4, every
+group, m = p..4p). Memory is counted in
 whole-stage microbatches (a chunk unit is 1/vpp of a stage) with M_W = 0, as a fused BW frees everything.
 """
 import pytest
@@ -111,6 +113,19 @@ def test_fork_group_order_at_full_group_is_megatrons_table(pp):
         assert plan.actions == group_interleaved(pp, vpp, 4 * pp, pp).actions
         for acts in plan.actions:
             assert [(a.microbatch, a.chunk) for a in acts if a.kind == "F"] == _megatron_table(4 * pp, vpp, pp)
+
+
+# (makespan, peak in chunk units) of the fork's own order (GroupBuildingBlockScheduler of
+# sail-sg/zero-bubble-pipeline-parallelism at its unit-cost minimum group, W dropped into BW; run once outside the
+# tests, simulated here) at a whole rank's F = B = W = 1: key (p, v, m, N)
+FORK_GROUPED = {(4, 2, 16, 1): (52.5, 7.0), (4, 2, 16, 2): (52.0, 6.0), (4, 2, 16, 4): (51.0, 8.0),
+                (4, 4, 16, 2): (51.0, 10.0), (8, 2, 32, 4): (105.0, 12.0), (8, 2, 32, 8): (103.0, 16.0)}
+
+
+@pytest.mark.parametrize("pp, vpp, m, group", list(FORK_GROUPED))
+def test_fork_group_interleaved_numbers_are_the_forks(pp, vpp, m, group):
+    result = simulate(group_interleaved(pp, vpp, m, group), Costs(f=1 / vpp, b=1 / vpp, w=1 / vpp, w_mem=0.0))
+    assert (result.makespan, max(result.peak_memory)) == pytest.approx(FORK_GROUPED[pp, vpp, m, group], abs=1e-9)
 
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 5, 6, 8, 9])

@@ -11,7 +11,8 @@ as `--interleave-group-size N` and `--enable-1f1b-v`.
   after B (fused here into BW). Chunk c of a group starts 3*k*N slots after chunk c-1, where
   k = ceil(ceil(p/2) / N) groups (its unit-cost minimum group ceil(p/2)); a larger N delays B less and keeps
   fewer forwards in flight per chunk. A rank's order is its actions sorted by slot (the fork's shift and
-  squeeze move whole rows or close gaps, which keeps each rank's order), which respects every dependency.
+  squeeze move whole rows or close gaps, which keeps each rank's order), which respects every dependency; the
+  orders equal the fork's (checked against its code for p = 2..8, v = 2..4, every group).
 - 1F1B-V (scheduler/v1f1b.py): the V placement with the fork's 6-slot block pattern (`create_whole_pattern`:
   chunk-0 F's one slot apart down the ranks, chunk-1 F's back up, then BW's of chunk 1 and chunk 0), B and W
   fused, and the fork's warmup squeeze (forwards moved earlier without raising the block's peak); the orders
