@@ -193,14 +193,15 @@ def dry_run_command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConf
 
 
 def table(rows: list[tuple[Layout, Estimate]], top: int) -> str:
-    head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<11} {'mbs':>3} {'recompute':<9} "
+    width = max([11] + [len(lay.schedule) for lay, _ in rows[:top]])     # group-interleaved is longer
+    head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<{width}} {'mbs':>3} {'recompute':<9} "
             f"{'offload':<7} {'distopt':<7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} {'step s':>8} {'MFU':>6}")
     memory = head.index("params") - 1         # the unit of the five memory columns, over them
     lines = [" " * memory + "GiB on the most loaded GPU".center(len(head) - memory - 16).rstrip(), head,
              "-" * len(head)]
     for i, (lay, e) in enumerate(rows[:top], 1):
         gib = [x / GIB for x in (e.params, e.grads, e.optimizer, e.activations, e.total)]
-        lines.append(f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>3} {lay.schedule:<11} {lay.micro_batch:>3} "
+        lines.append(f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>3} {lay.schedule:<{width}} {lay.micro_batch:>3} "
                      f"{lay.recompute:<9} {_offload_text(lay):<7} {'yes' if lay.dist_opt else 'no':<7} "
                      + " ".join(f"{x:>7.1f}" for x in gib) + f" {e.step_s:>8.2f} {e.mfu:>6.1%}")
     return "\n".join(lines)

@@ -49,10 +49,21 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _schedule_name(text: str) -> str:
+    """A schedule of the table, or a grouped one with its group size (interleaved:8)."""
+    try:
+        return SPECS[text].name
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{text} is not a schedule; choose one of {', '.join(SCHEDULES)}, or "
+                                         "interleaved:N / group-interleaved:N") from None
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = FlagParser(prog=PROG, description="Simulate and draw a pipeline schedule.")
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--schedule", choices=SCHEDULES)
+    which.add_argument("--schedule", type=_schedule_name, metavar="NAME",
+                       help=f"one of {', '.join(SCHEDULES)}; interleaved:N or group-interleaved:N with microbatch "
+                            "groups of N")
     which.add_argument("--schedule-file", default=None,
                        help="a torch.distributed.pipelining CSV schedule to verify and draw (sets pp, chunks, m)")
     p.add_argument("--export-csv", default=None, metavar="FILE",

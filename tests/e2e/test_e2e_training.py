@@ -34,6 +34,12 @@ LAYOUTS = {
                         "--num-layers-per-virtual-pipeline-stage", "2", "--pipeline-schedule", "zbv"]),
     "pp2-dp2-zbh1": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]),
     "pp4-interleaved": (4, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    "pp2-vpp2-interleaved-group4": (2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
+                                        "2", "--microbatch-group-size-per-virtual-pipeline-stage", "4"]),
+    "pp2-vpp2-group-interleaved": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                                       "2", "--interleave-group-size", "1"]),     # the fork's flags
+    "pp2-1f1bv": (2, ["--pipeline-model-parallel-size", "2", "--enable-1f1b-v"]),
+    "pp4-1f1bv": (4, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "1f1b-v"]),
 }
 
 

@@ -37,7 +37,7 @@ MEGATRON_DEFAULTS = {
     "--num-layers-per-virtual-pipeline-stage": None, "--num-virtual-stages-per-pipeline-rank": None,
     "--decoder-first-pipeline-num-layers": None, "--decoder-last-pipeline-num-layers": None,
     "--account-for-embedding-in-pipeline-split": False, "--account-for-loss-in-pipeline-split": False,
-    "--pipeline-model-parallel-layout": None,
+    "--pipeline-model-parallel-layout": None, "--microbatch-group-size-per-virtual-pipeline-stage": None,
     "--sequence-parallel": False, "--distributed-timeout-minutes": 10, "--use-distributed-optimizer": False,
     "--overlap-grad-reduce": False, "--ddp-bucket-size": None, "--data-parallel-sharding-strategy": "no_shard",
     "--use-torch-fsdp2": False, "--optimizer-cpu-offload": False,

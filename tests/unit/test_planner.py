@@ -124,3 +124,17 @@ def test_context_parallel_layouts_split_the_sequence_and_print_a_command_the_tra
                               16)
     par = config.parallel
     assert par.cp_size > 1 and par.tp_size * par.cp_size * par.pp_size * par.dp_size == 16
+
+
+def test_grouped_schedules_are_ranked_by_their_plans():
+    """`plan` ranks group-interleaved and 1f1b-v from their plans: the fork's groups of p keep interleaved's step
+    time with 1F1B's activations (interleaved holds (2(p-1) + (v-1)p + 1)/v stages), 1F1B-V about 2/3 of 1F1B's."""
+    from llamapipe.tools.plan_parallelism import SCHEDULES
+    assert {"group-interleaved", "1f1b-v"} <= set(SCHEDULES)
+    model = LlamaConfig(**PRESETS["llama2-7b"])
+    est = {(s, v): estimate(model, Layout(1, 8, v, 1, s, 1, "selective", False), 4096, 64, DEVICES["h100"])
+           for s, v in (("1f1b", 1), ("interleaved", 2), ("group-interleaved", 2), ("1f1b-v", 2))}
+    grouped, inter, one = est["group-interleaved", 2], est["interleaved", 2], est["1f1b", 1]
+    assert grouped.step_s == pytest.approx(inter.step_s, rel=1e-9)
+    assert grouped.activations < inter.activations and grouped.activations <= 1.05 * one.activations
+    assert est["1f1b-v", 2].activations <= 0.8 * one.activations

@@ -55,7 +55,8 @@ def test_torchs_own_schedules_written_by_torch_are_ours(tmp_path, cls, ours, pp)
 
 
 @pytest.mark.parametrize("name, vpp", [("v-half", 2), ("v-min", 2), ("dualpipev", 2), ("interleaved", 2),
-                                       ("zb-h1", 1), ("zb-h2", 1), ("1f1b", 1)])
+                                       ("zb-h1", 1), ("zb-h2", 1), ("1f1b", 1), ("interleaved:8", 2),
+                                       ("group-interleaved", 2), ("group-interleaved:2", 3), ("1f1b-v", 2)])
 def test_our_plans_pass_torchs_validation_and_dry_run(name, vpp):
     pp, m = 4, 8
     plan = build(name, pp, vpp, m)

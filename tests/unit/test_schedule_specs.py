@@ -23,7 +23,7 @@ def _chunk_counts(spec) -> list[int]:
 
 def test_the_flag_choices_are_the_table():
     assert SCHEDULES == tuple(SPECS) == ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-h2", "zbv", "v-half", "v-min", "dualpipev",
-                                             "auto")
+                                             "group-interleaved", "1f1b-v", "auto")
     assert all(name == spec.name for name, spec in SPECS.items())
 
 

@@ -111,7 +111,7 @@ def test_script_writes_under_runs_by_default(tmp_path, monkeypatch, capsys):
     (["--schedule", "auto", "--pp", "4", "--microbatches", "8", "--costs", "1,x,1"], "--costs 1,x,1"),
     (["--schedule", "auto", "--pp", "4", "--microbatches", "8", "--mem-limit", "0.5"], "memory-limit 0.5"),
     (["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--out", "t.gif"], ".png or .svg"),
-    (["--schedule", "nope", "--pp", "4", "--microbatches", "8"], "invalid choice"),
+    (["--schedule", "nope", "--pp", "4", "--microbatches", "8"], "nope is not a schedule; choose one of"),
 ])
 def test_script_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -119,7 +119,7 @@ def test_script_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path
         sys.exit(plot_schedule.main(argv))
     assert exc.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    from_argparse = message == "invalid choice"   # argparse's errors come after the one-line usage
+    from_argparse = "is not a schedule" in message   # argparse's errors come after the one-line usage
     assert len(lines) == 1 + from_argparse and message in lines[-1], lines
     assert not from_argparse or lines[0].startswith("usage: llamapipe plot-schedule [flags]")
 
@@ -245,3 +245,15 @@ def test_table_covers_every_drawn_iteration(name, extra, tmp_path, capsys):
     second_end = float(text.split("iterations end at ")[1].split()[1])
     assert [rows[str(r)][4] for r in range(4)] == [second_end] * 4
     assert name != "1f1b" or second_end == 60.0
+
+
+@pytest.mark.parametrize("name", ["group-interleaved:2", "interleaved:8", "1f1b-v"])
+def test_script_draws_the_grouped_schedules(name, capsys, tmp_path):
+    """plot-schedule takes NAME:N; its numbers are the simulator's for the builder's plan."""
+    assert plot_schedule.main(["--schedule", name, "--pp", "4", "--microbatches", "8", "--json",
+                               "--out", str(tmp_path / "s.png")]) == 0
+    got = json.loads(capsys.readouterr().out)
+    plan = build(name, 4, 2, 8)
+    result = simulate(plan, Costs())
+    assert (got["schedule"], got["vpp"], got["makespan"]) == (name, 2, result.makespan)
+    assert got["peak_activation_memory"] == result.peak_memory

@@ -44,29 +44,37 @@ def one_f_one_b(pp: int, m: int) -> Plan:
     return Plan("1f1b", pp, 1, m, "interleaved", tuple(actions))
 
 
-def _interleaved_table(pp: int, vpp: int, m: int) -> list[tuple[int, int]]:
-    """(microbatch, chunk) of the k-th forward on every rank: groups of pp microbatches run through
-    chunk 0, then chunk 1, ..."""
-    return [(first + i, chunk) for first in range(0, m, pp) for chunk in range(vpp) for i in range(pp)]
+def _interleaved_table(vpp: int, m: int, group: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of the k-th forward on every rank: groups of `group` microbatches run through
+    chunk 0, then chunk 1, ... (Megatron's get_schedule_table)."""
+    return [(first + i, chunk) for first in range(0, m, group) for chunk in range(vpp) for i in range(group)]
 
 
-def interleaved(pp: int, vpp: int, m: int) -> Plan:
-    """Megatron's interleaved 1F1B over vpp model chunks per rank (placement: stage v on rank v % pp).
+def interleaved(pp: int, vpp: int, m: int, group: int | None = None) -> Plan:
+    """Megatron's interleaved 1F1B over vpp model chunks per rank (placement: stage v on rank v % pp), its
+    microbatches in groups of `group` per virtual stage (--microbatch-group-size-per-virtual-pipeline-stage,
+    default pp).
 
-    Warmup on rank r is 2*(pp-r-1) + (vpp-1)*pp forwards, then F/BW pairs, then the remaining BWs;
-    backwards walk the same table with chunks reversed. The order needs m % pp == 0 (a short last
-    group deadlocks), so other m are built for the next multiple of pp and the phantom microbatches
+    Warmup on rank r is 2*(pp-r-1) + (vpp-1)*group forwards, then F/BW pairs, then the remaining BWs;
+    backwards walk the same table with chunks reversed. The order needs m % group == 0 (a short last
+    group deadlocks), so other m are built for the next multiple of the group and the phantom microbatches
     dropped: removing whole microbatches keeps a plan's dependency graph acyclic and its streams in order.
+    A group below pp deadlocks for most sizes (pp 4 with groups of 1 or 2: a forward waits on a rank that waits
+    on it), so it is refused.
     """
     check_sizes("interleaved", pp, vpp, m)
-    padded = -(-m // pp) * pp
-    table = _interleaved_table(pp, vpp, padded)
+    group = pp if group is None else group
+    if group < pp:
+        raise ConfigError(f"pipeline_schedule interleaved needs microbatch groups of at least the pipeline size "
+                          f"{pp}, got {group}", "pipeline_schedule")
+    padded = -(-m // group) * group
+    table = _interleaved_table(vpp, padded, group)
     total = len(table)
     fwd = [Action("F", chunk, mb) for mb, chunk in table]
     bwd = [Action("BW", vpp - 1 - chunk, mb) for mb, chunk in table]
     actions = []
     for rank in range(pp):
-        warmup = min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+        warmup = min(2 * (pp - rank - 1) + (vpp - 1) * group, total)
         acts = fwd[:warmup]
         for k in range(total - warmup):
             acts += [fwd[warmup + k], bwd[k]]

@@ -6,7 +6,9 @@ profiler, plot-schedule and the benchmarks all ask these questions of a schedule
 answer here instead of spelling out its own list of names. `build` is the only dispatch on the name.
 Papers: 1F1B and interleaved (arXiv 2104.04473), GPipe (arXiv 1811.06965), ZB-H1/H2 and the cost-fitted
 `auto` (arXiv 2401.10241), ZB-V, V-Half and V-Min (arXiv 2405.15362), DualPipeV (DualPipe of arXiv
-2412.19437 on the V placement, as torch.distributed.pipelining's ScheduleDualPipeV). A schedule can also be a
+2412.19437 on the V placement, as torch.distributed.pipelining's ScheduleDualPipeV), the zero-bubble fork's grouped
+interleaved 1F1B and 1F1B-V (PipeOffload, arXiv 2503.01328; `builders_grouped`). A grouped schedule also answers
+"NAME:N", its microbatch group size N (`grouped_name`): Megatron's interleaved groups and the fork's. A schedule can also be a
 file, "file:PATH" (torch's CSV action format, `schedule_csv`): once the application has read the file and added
 its plan (`add_file_plan`), that name has a spec made from the plan.
 """
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from llamapipe.core.config import ConfigError
-from llamapipe.core.pipeline_parallel import auto_plan, builders, builders_dualpipe, builders_v
+from llamapipe.core.pipeline_parallel import auto_plan, builders, builders_dualpipe, builders_grouped, builders_v
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs
 from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
@@ -106,7 +108,10 @@ class _Table(dict):
     def __missing__(self, name: str) -> ScheduleSpec:
         if name in _FILES:
             return _FILES[name][1]
-        raise KeyError(name)
+        spec = _grouped_spec(name)
+        if spec is None:
+            raise KeyError(name)
+        return spec
 
 
 SPECS: dict[str, ScheduleSpec] = _Table({spec.name: spec for spec in (
@@ -119,9 +124,39 @@ SPECS: dict[str, ScheduleSpec] = _Table({spec.name: spec for spec in (
     ScheduleSpec("v-half", _one_chunk(builders_v.v_half), 2, 2, 2, v_placement=True, zero_bubble=True),
     ScheduleSpec("v-min", _one_chunk(builders_v.v_min), 2, 2, 2, v_placement=True, zero_bubble=True),
     ScheduleSpec("dualpipev", _one_chunk(builders_dualpipe.dualpipev), 2, 2, 2, v_placement=True, zero_bubble=True),
+    ScheduleSpec("group-interleaved", lambda pp, vpp, m, *_: builders_grouped.group_interleaved(pp, vpp, m, pp),
+                 2, None, 2),
+    ScheduleSpec("1f1b-v", _one_chunk(builders_grouped.one_f_one_b_v), 2, 2, 2, v_placement=True),
     ScheduleSpec("auto", _auto, 1, 2, 1, v_placement=True, zero_bubble=True, profiled=True,
                  memory_capped=True),
 )})
+
+
+# schedules with a microbatch group size: "NAME:N" builds NAME with groups of N (the row itself: its default)
+_GROUPED = {"interleaved": builders.interleaved, "group-interleaved": builders_grouped.group_interleaved}
+
+
+def grouped_name(base: str, group: int) -> str:
+    """The schedule name of `base` with microbatch groups of `group` ("interleaved:8")."""
+    assert base in _GROUPED, f"{base} takes no microbatch group size"
+    return f"{base}:{group}"
+
+
+def megatron_grouped(schedule: str, group: int, pp: int) -> Optional[str]:
+    """`schedule` with Megatron's microbatch groups of `group` (--microbatch-group-size-per-virtual-pipeline-stage):
+    interleaved:N, or interleaved itself at Megatron's default N = pp; None for a schedule without such groups."""
+    if schedule != "interleaved":
+        return None
+    return schedule if group == pp else grouped_name(schedule, group)
+
+
+def _grouped_spec(name: str) -> Optional[ScheduleSpec]:
+    """The spec of "NAME:N" for a grouped schedule NAME, else None."""
+    base, _, group = name.partition(":") if isinstance(name, str) else ("", "", "")
+    if base not in _GROUPED or not group.isdigit():
+        return None
+    build_grouped, n = _GROUPED[base], int(group)
+    return ScheduleSpec(name, lambda pp, vpp, m, *_: build_grouped(pp, vpp, m, n), 2, None, 2)
 
 
 SCHEDULES = tuple(SPECS)            # the --pipeline-schedule names (a schedule file's file:PATH is none of them)
@@ -163,7 +198,7 @@ def schedule_spec(name: str) -> ScheduleSpec:
     if isinstance(name, str) and name.startswith(FILE_PREFIX) and name not in _FILES:
         raise ConfigError(f"pipeline_schedule {name} names a schedule file that was not read; the application reads "
                           "it and adds its plan (add_file_plan)", "pipeline_schedule")
-    if name not in SPECS and name not in _FILES:
+    if name not in SPECS and name not in _FILES and _grouped_spec(name) is None:
         raise ConfigError(f"pipeline_schedule {name} is unknown; choose one of {', '.join(SPECS)}",
                           "pipeline_schedule")
     return SPECS[name]

@@ -51,6 +51,9 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                         "2411.05288; the zero-bubble authors' flag): every rank runs its shard as S/T actions")
     g.add_argument("--pipeline-schedule", default=None,
                    help=f"one of {', '.join(SCHEDULES)}; None: 1f1b, or interleaved with virtual stages")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved: microbatches run through each model chunk in groups of this many (Megatron's "
+                        "schedule table); None: the pipeline size, the plain interleaved order")
     g.add_argument("--pipeline-memory-limit", type=memory_limit, default=None,
                    help="auto schedule: activation memory cap per rank, in microbatch-chunk units (a number) "
                         "or bytes (e.g. 24GiB, 512MB), measured while profiling")

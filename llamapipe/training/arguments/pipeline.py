@@ -13,7 +13,7 @@ from typing import Optional
 
 from llamapipe.core.config import ArgumentError, ParallelConfig
 from llamapipe.core.pipeline_parallel.layout import layout_layer_counts, parse_layout, stage_layer_ranges
-from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, ScheduleSpec
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, ScheduleSpec, megatron_grouped
 from llamapipe.training.flag_names import as_flags, flag_message, flag_of
 
 LAYOUT_FLAG = flag_of("pipeline_layout")
@@ -116,6 +116,26 @@ def _check_layout(args: argparse.Namespace, num_layers: int, par: ParallelConfig
         if given is not None and layers != given:
             raise ArgumentError(f"--decoder-{end}-pipeline-num-layers {given} contradicts {LAYOUT_FLAG} {text!r}, "
                                 f"which gives the {end} stage {layers} layers")
+
+
+GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+
+
+def grouped_schedule(args: argparse.Namespace, schedule: str, pp: int) -> str:
+    """The schedule with Megatron's microbatch group size applied: interleaved with groups of N ("interleaved:N");
+    N = pp, Megatron's default, is the plain interleaved order."""
+    group = getattr(args, "microbatch_group_size_per_virtual_pipeline_stage", None)
+    if group is None:
+        return schedule
+    grouped = megatron_grouped(schedule, group, pp)
+    if grouped is None:
+        raise ArgumentError(f"{GROUP_FLAG} {group} groups the interleaved schedule's microbatches; --pipeline-schedule "
+                            f"{schedule} has no such groups (use interleaved, or --interleave-group-size for the "
+                            "fork's group-interleaved)")
+    if group < pp:
+        raise ArgumentError(f"{GROUP_FLAG} {group} must be at least --pipeline-model-parallel-size {pp}: with smaller "
+                            "groups the interleaved order deadlocks for most sizes (pp 4 with groups of 1 or 2)")
+    return grouped
 
 
 def virtual_stage_flag(args: argparse.Namespace) -> Optional[str]:

@@ -19,7 +19,7 @@ from llamapipe.core.parallel_state import AXES, DEFAULT_ORDER, full_order
 from llamapipe.training.arguments.offload_args import check_offload, check_offload_modules
 from llamapipe.training.arguments.memory_limit import MemoryBytes
 from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule
-from llamapipe.training.arguments.pipeline import schedule_chunks, vpp_size
+from llamapipe.training.arguments.pipeline import grouped_schedule, schedule_chunks, vpp_size
 from llamapipe.training.flag_names import flag_message
 from llamapipe.training.schedule_file import load_schedule
 from llamapipe.training.config import CheckpointConfig, LoggingConfig
@@ -86,7 +86,7 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
     if backend == "nccl" and not torch.cuda.is_available():
         raise ArgumentError("--distributed-backend nccl needs CUDA, which is not available; use gloo")
     vpp = vpp_size(args, num_layers)
-    schedule = args.pipeline_schedule or default_schedule(vpp)
+    schedule = grouped_schedule(args, args.pipeline_schedule or default_schedule(vpp), pp)
     try:
         spec = load_schedule(schedule)     # a name in the table, or file:PATH (read and verified)
     except ValueError as err:

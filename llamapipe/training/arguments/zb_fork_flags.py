@@ -9,6 +9,9 @@ accepted with one notice line where it has no meaning here, or refused in one li
 The fork's rules (megatron/core/zbpp_utils.py and its zero-bubble runtime):
 - `--zero-bubble-v-schedule` implies `--enable-zero-bubble` and two model chunks per rank on the V placement;
   `--zero-bubble-v-schedule-mem-setup` zb/half/min picks ZB-V, V-Half or V-Min (here zbv, v-half, v-min).
+- `--enable-1f1b-v` is 1F1B on the V placement (here 1f1b-v, two chunks per rank; not with the zero-bubble flags);
+  `--interleave-group-size N` (N > 0, with virtual stages) is the grouped interleaved 1F1B, here
+  group-interleaved:N; the zero-bubble schedules take precedence over it, as in the fork's runtime.
 - `--enable-zero-bubble` alone profiles F/B/W until `--zero-bubble-pipeline-timers-end-iter` and then runs
   the zero-bubble heuristic under `--zero-bubble-max-pending-backward` microbatches of activations (p: like
   ZB-1p, 2p: like ZB-2p): here `--pipeline-schedule auto` with `--pipeline-memory-limit N` and
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 
 from llamapipe.core.config import ArgumentError
+from llamapipe.core.pipeline_parallel.schedule_specs import grouped_name
 from llamapipe.training.arguments.memory_limit import memory_limit
 from llamapipe.training.arguments.compat_table import CompatFlag, add_table, dest_of, said
 
@@ -47,11 +51,6 @@ NOTICES: tuple[CompatFlag, ...] = (
 )
 
 REFUSED: tuple[CompatFlag, ...] = (
-    CompatFlag("--enable-1f1b-v", "1F1B on the V placement is not built here; for its memory with a split backward "
-               "use --zero-bubble-v-schedule --zero-bubble-v-schedule-mem-setup half, or --pipeline-schedule "
-               "interleaved"),
-    CompatFlag("--interleave-group-size", "the fork's grouped interleaved 1F1B is not built here; use "
-               "--pipeline-schedule interleaved with --num-virtual-stages-per-pipeline-rank", int, off=(0,)),
     CompatFlag("--recompute-lgd", "recomputing only the norms, activations and dropout is not implemented; use "
                "--recompute-granularity selective or full"),
     CompatFlag("--num-seq-splits", "Seq1F1B's pipelining of sequence pieces is not implemented; use more, smaller "
@@ -77,6 +76,9 @@ TRANSLATED = (
     ("--zero-bubble-pipeline-timers-end-iter", {"default": TIMERS_END_DEFAULT, "type": int},
      "with --enable-zero-bubble: the last profiled iteration, after which the fitted plan runs "
      "(--pipeline-profile-iters END)"),
+    ("--enable-1f1b-v", _SWITCH, "1F1B on the V placement with two model chunks per rank: --pipeline-schedule 1f1b-v"),
+    ("--interleave-group-size", {"default": 0, "type": int}, "N > 0: the fork's grouped interleaved 1F1B with groups "
+     "of N microbatches: --pipeline-schedule group-interleaved:N (model chunks from the virtual-stage flags)"),
     ("--allow-padding-num-layers", _SWITCH, "allow --num-layers not divisible by the pipeline size, the first and "
      "last stages holding fewer layers (refused with the equivalent --pipeline-model-parallel-layout)"),
 )
@@ -85,11 +87,14 @@ FLAGS = tuple(entry.flag for entry in NOTICES + REFUSED) + tuple(flag for flag, 
 
 def wanted(ns: argparse.Namespace) -> dict:
     """llamapipe's flags (by dest) as the fork's flags in `ns` set them."""
+    if getattr(ns, "enable_1f1b_v", False):
+        return {"pipeline_schedule": "1f1b-v", "num_virtual_stages_per_pipeline_rank": 2}
     if getattr(ns, "zero_bubble_v_schedule", False):
         return {"pipeline_schedule": V_SCHEDULES[ns.zero_bubble_v_schedule_mem_setup],
                 "num_virtual_stages_per_pipeline_rank": 2}
-    if not getattr(ns, "enable_zero_bubble", False):
-        return {}
+    if not getattr(ns, "enable_zero_bubble", False):        # the fork's zero-bubble schedules come first
+        group = getattr(ns, "interleave_group_size", 0)
+        return {"pipeline_schedule": grouped_name("group-interleaved", group)} if group > 0 else {}
     out = {"pipeline_schedule": "auto", "pipeline_profile_iters": ns.zero_bubble_pipeline_timers_end_iter}
     if _positive(ns.zero_bubble_max_pending_backward):
         out["pipeline_memory_limit"] = memory_limit(ns.zero_bubble_max_pending_backward)
@@ -171,6 +176,12 @@ def _translated_notices(args: argparse.Namespace) -> list[str]:
                 "zero_bubble_pipeline_timers_start_iter": TIMERS_START_DEFAULT,
                 "zero_bubble_pipeline_timers_end_iter": TIMERS_END_DEFAULT}
     changed = [d for d in tuning if given[d] != defaults[d]]
+    group, pp = args.interleave_group_size, args.pipeline_model_parallel_size
+    if group > 0 and (v or zb):
+        lines.append(f"--interleave-group-size has no effect here: {args.pipeline_schedule} runs instead, as in the fork")
+    elif group > pp:
+        lines.append(f"--interleave-group-size {group} is more than --pipeline-model-parallel-size {pp}: groups of {pp} "
+                     "are built, as the fork resets it")
     if given["zero_bubble_v_schedule_mem_setup"] != "zb" and not v:
         lines.append("--zero-bubble-v-schedule-mem-setup has no effect here: it needs --zero-bubble-v-schedule")
     if v:
@@ -205,6 +216,12 @@ def _check_translated(args: argparse.Namespace) -> None:
     if zb and not v and chunks is not None:
         raise ArgumentError("--enable-zero-bubble without --zero-bubble-v-schedule runs one model chunk per rank; "
                             "add --zero-bubble-v-schedule or drop the virtual-stage flag")
+    if args.enable_1f1b_v and (v or zb):
+        raise ArgumentError("--enable-1f1b-v runs a fused backward; it cannot be combined with "
+                            f"{'--zero-bubble-v-schedule' if v else '--enable-zero-bubble'} (as in the fork)")
+    if args.interleave_group_size < 0:
+        raise ArgumentError(f"--interleave-group-size {args.interleave_group_size} must be a positive number of "
+                            "microbatches, or 0 for none")
     pending = args.zero_bubble_max_pending_backward
     if pending != ADAPTIVE and not _positive(pending):
         raise ArgumentError(f"--zero-bubble-max-pending-backward {pending} must be a positive number of microbatches "
