@@ -9,10 +9,10 @@ objective of the paper's heuristic and ILP (appendix G, eq. 3) and the `cost` of
 of builders_zb, and the fixed plans that fit the cap (ZB-H1, 1F1B, ZB-H2 unit-cost and fitted for one
 chunk; ZB-V for two), so `auto` is never worse than any of them at the same memory. `zb-h2` fitted to
 measured costs (`zb_h2_fitted`) chooses among some of the same candidates, under ZB-H2's own cap.
-When the cap forces a slow plan, the same candidates planned under the default cap (2p) with every chunk's
-activations offloaded (PipeOffload, `offload_plan.with_offload`) are tried too, within the real cap; one is taken
-only when it beats the best plan without offload by `OFFLOAD_MARGIN` (the copies cost no time in the simulator, and
-on a GPU they overlap compute, but not quite for free).
+Under a cap below what 1F1B (ZB-V with two chunks) holds itself, the candidates planned under the default cap (2p)
+with every chunk's activations offloaded (PipeOffload, `offload_plan.with_offload`) are tried too, within the real
+cap; one is taken only when it beats the best plan without offload by `OFFLOAD_MARGIN` (the copies cost no time in
+the simulator, and on a GPU they overlap compute, but not quite for free).
 """
 from __future__ import annotations
 
@@ -61,9 +61,10 @@ def plan_auto(pp: int, vpp: int, m: int, costs: Costs | None = None, mem_limit: 
     limit = 2 * pp if mem_limit is None else mem_limit
     best = _best(candidates(pp, vpp, m, costs, limit), costs, limit, post_validation)
     assert best is not None, "the list scheduler always keeps within the cap"
-    if limit < 2 * pp:
-        offloaded = [with_offload(plan, vpp, costs) for plan in candidates(pp, vpp, m, costs, 2 * pp)]
-        best_off = _best(offloaded, costs, limit, post_validation)
+    reference = builders.one_f_one_b(pp, m) if vpp == 1 else builders.zbv(pp, m)
+    if limit < max(simulate(reference, costs).peak_memory) - _EPS:   # below 1F1B's (ZB-V's) own memory
+        free = candidates(pp, vpp, m, costs, 2 * pp)
+        best_off = _best([with_offload(plan, vpp, costs) for plan in free], costs, limit, post_validation)
         if best_off is not None and best_off[0][0] * OFFLOAD_MARGIN < best[0][0]:
             return dataclasses.replace(best_off[1], name="auto+offload")
     return dataclasses.replace(best[1], name="auto")
