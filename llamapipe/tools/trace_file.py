@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import stat
+import errno
 from numbers import Real
 from typing import Any
 
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
+from llamapipe.safe_files import read_regular
 
 # json.load holds ~10x the file's size as Python objects; 10^6 actions take ~200 MB of trace
 MAX_TRACE_BYTES = 512 * 2 ** 20
@@ -28,22 +28,16 @@ class TraceError(ValueError):
 def read_json(path: str) -> Any:
     """The JSON value in the regular file at `path` (a FIFO does not block the open; it is refused)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        raw = read_regular(path, f"trace {path}", MAX_TRACE_BYTES)
     except OSError as err:
-        raise TraceError(f"{path}: cannot read a JSON trace ({err.strerror})") from None
-    with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise TraceError(f"{path} is not a regular file (a FIFO, device or directory); give the trace file")
-        if st.st_size > MAX_TRACE_BYTES:
-            raise TraceError(f"{path} is {st.st_size / 2 ** 20:.0f} MiB, over plot-trace's limit of "
-                             f"{MAX_TRACE_BYTES // 2 ** 20} MiB; trace fewer iterations (--profile-step-start/end)")
-        try:
-            return json.loads(fh.read().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise TraceError(f"{path}: cannot read a JSON trace ({err})") from None
-        except RecursionError:
-            raise TraceError(f"{path}: cannot read a JSON trace (nested too deeply)") from None
+        hint = "; trace fewer iterations (--profile-step-start/end)" if err.errno == errno.EFBIG else ""
+        raise TraceError(f"{err.strerror}{hint}") from None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TraceError(f"{path}: cannot read a JSON trace ({err})") from None
+    except RecursionError:
+        raise TraceError(f"{path}: cannot read a JSON trace (nested too deeply)") from None
 
 
 def _int(value: Any) -> bool:

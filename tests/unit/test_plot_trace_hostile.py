@@ -65,14 +65,14 @@ def test_deep_nesting_and_non_utf8_are_refused(tmp_path, capsys):
 
 def test_a_file_over_the_size_limit_is_refused_before_it_is_read(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(trace_file, "MAX_TRACE_BYTES", 100)
-    assert "over plot-trace's limit of" in _refused(tmp_path, capsys, _good())
+    assert "over the limit of" in _refused(tmp_path, capsys, _good())
 
 
 def test_a_fifo_as_the_trace_is_refused_without_blocking(tmp_path, capsys):
     fifo = tmp_path / "t.json"
     os.mkfifo(fifo)
     assert plot_trace.main([str(fifo), "--out", str(tmp_path / "t.png")]) == 2
-    assert f"{fifo} is not a regular file" in capsys.readouterr().err
+    assert f"trace {fifo} is a FIFO (named pipe), not a regular file" in capsys.readouterr().err
 
 
 def _write_good(tmp_path) -> str:
