@@ -51,7 +51,8 @@ def load(path: str) -> dict:
         raise TraceError(f"{path} is not a trace written by --pipeline-trace (no otherData.llamapipe format 1)")
     trace_file.check_steps(path, data)
     events = trace.get("traceEvents", [])
-    return dict(data, path=path, events=trace_file.action_events(path, events), sends=trace_file.send_times(events))
+    return dict(data, path=path, events=trace_file.action_events(path, events), sends=trace_file.send_times(events),
+                busy=trace_file.busy_outside_actions(events))
 
 
 def pipeline(data: dict, iteration: Optional[int]) -> tuple[int, Plan, dict[int, int], dict[int, dict]]:
@@ -108,17 +109,27 @@ def b_share_of_bw(data: dict, iteration: int) -> float:
     return statistics.median(shares) if shares else 0.5
 
 
-def rank_bubbles(timeline: list[list[tuple]], makespan: float) -> list[float]:
+def rank_bubbles(timeline: list[list[tuple]], makespan: float, extra: Optional[list[float]] = None) -> list[float]:
     """Per pipeline rank, the measured bubble as the training log has it (`step_timers.bubble`: the idle share
-    of the iteration, idle = iteration - compute), the iteration being the step from its common start to its
-    last action's end."""
-    return [bubble({"iteration": makespan, "idle": max(makespan - sum(e - s for s, e, _ in row), 0.0)})
-            for row in timeline]
+    of the iteration, idle = iteration - compute - communication), the iteration being the step from its common
+    start to its last action's end; `extra`: per rank, its busy time outside the plan's actions."""
+    extra = extra or [0.0] * len(timeline)
+    return [bubble({"iteration": makespan, "idle": max(makespan - sum(e - s for s, e, _ in row) - more, 0.0)})
+            for row, more in zip(timeline, extra)]
 
 
-def bubble_line(timeline: list[list[tuple]], makespan: float) -> str:
+def busy_outside(data: dict, ranks: dict[int, int], iteration: int, makespan: float) -> list[float]:
+    """Per pipeline rank, the seconds of communication and phases inside the iteration's window."""
+    drawn = set(ranks.values())
+    start = min(e["ts"] for e in data["events"] if e["args"]["iteration"] == iteration and e["pid"] in drawn)
+    end = start + makespan * 1e6
+    return [sum(max(min(b, end) - max(a, start), 0.0) for a, b in data["busy"].get(ranks[pp], ())) / 1e6
+            for pp in sorted(ranks)]
+
+
+def bubble_line(timeline: list[list[tuple]], makespan: float, extra: Optional[list[float]] = None) -> str:
     """The one bubble figure plot-trace shows: the worst rank's, as the log's bubble_max, and the mean."""
-    bubbles = rank_bubbles(timeline, makespan)
+    bubbles = rank_bubbles(timeline, makespan, extra)
     worst = max(range(len(bubbles)), key=lambda r: bubbles[r])
     return (f"bubble {100 * bubbles[worst]:.1f}% max (pp rank {worst}), {100 * statistics.fmean(bubbles):.1f}% "
             "mean (idle share of the iteration per rank, as the training log's bubble_max)")
@@ -162,19 +173,19 @@ def excess_waits(plan: Plan, measured: list[list[tuple]], simulated: list[list[t
     return sorted(out, key=lambda r: -r["excess_ms"])
 
 
-def _picture(plan: Plan, measured, sim, costs: Costs, iteration: int, path: str) -> None:
+def _picture(plan: Plan, measured, sim, costs: Costs, iteration: int, path: str, extra: list[float]) -> None:
     """Measured above, simulated below, on one time axis, as one image written whole at `path` or not at all."""
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.image import imsave
     end = max(measured.makespan, sim.makespan)
     panels = []
-    for result, what in ((measured, f"measured, iteration {iteration}"),
+    for result, what, more in ((measured, f"measured, iteration {iteration}", extra),
                          (sim, f"simulated with the measured mean costs (F {costs.f * 1e3:.2f} ms, B {costs.b * 1e3:.2f} "
-                               f"ms, W {costs.w * 1e3:.2f} ms)")):
+                               f"ms, W {costs.w * 1e3:.2f} ms)", None)):
         fig = timeline_figure(plan, result, f"{plan.name} pp={plan.pp} vpp={plan.vpp} m={plan.num_microbatches}: "
                               f"{what}; step {result.makespan * 1e3:.1f} ms\n"
-                              f"{bubble_line(result.timeline, result.makespan)}")
+                              f"{bubble_line(result.timeline, result.makespan, more)}")
         fig.axes[0].set_xlim(0, end)
         fig.axes[0].set_xlabel("seconds", fontsize=8)
         canvas = FigureCanvasAgg(fig)
@@ -208,7 +219,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         costs = mean_costs(plan, timeline, b_share_of_bw(data, iteration))
         sim = simulate(plan, costs)
         measured = measure(plan, costs, timeline)
-        _picture(plan, measured, sim, costs, iteration, out)
+        extra = busy_outside(data, ranks, iteration, measured.makespan)
+        _picture(plan, measured, sim, costs, iteration, out, extra)
     except (TraceError, UnsafePathError) as err:
         return _fail(str(err))
     except OSError as err:
@@ -217,7 +229,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _fail(f"{args.trace}: cannot draw this trace ({str(err) or type(err).__name__})")
     print(f"{plan.name}, iteration {iteration}: measured step {measured.makespan * 1e3:.1f} ms, simulated "
           f"{sim.makespan * 1e3:.1f} ms ({measured.makespan / sim.makespan:.3f}x); measured "
-          f"{bubble_line(timeline, measured.makespan)}")
+          f"{bubble_line(timeline, measured.makespan, extra)}")
     print(f"the {args.top} actions that waited longest beyond the plan (gap before the action on its rank):")
     for row in excess_waits(plan, timeline, sim.timeline)[:args.top]:
         print(f"  pp rank {row['pp_rank']}  {row['action']:>8}  waited {row['waited_ms']:8.2f} ms  planned "

@@ -14,6 +14,7 @@ from numbers import Real
 from typing import Any
 
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
+from llamapipe.core.pipeline_parallel.trace import TRACKS
 from llamapipe.safe_files import read_regular
 
 # json.load holds ~10x the file's size as Python objects; 10^6 actions take ~200 MB of trace
@@ -105,3 +106,17 @@ def send_times(events: list) -> dict[int, list[float]]:
         if isinstance(e, dict) and e.get("ph") == "s" and _int(e.get("pid")) and _number(e.get("ts")):
             sends.setdefault(e["pid"], []).append(e["ts"])
     return {pid: sorted(ts) for pid, ts in sends.items()}
+
+
+def busy_outside_actions(events: list) -> dict[int, list[tuple[float, float]]]:
+    """Per pid, (start us, end us) of the other time the step timers count as busy: the communication track
+    (posts, flushes) and the compute track's phases outside the plan (the vocabulary-parallel embedding)."""
+    busy: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        args = e.get("args") if isinstance(e, dict) else None
+        if e.get("ph") != "X" or not isinstance(args, dict) or "kind" in args or not _int(e.get("pid")) \
+                or e.get("tid") not in (TRACKS["communication"], TRACKS["compute"]):
+            continue
+        if _number(e.get("ts")) and _number(e.get("dur")) and e["dur"] >= 0:
+            busy.setdefault(e["pid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    return busy

@@ -113,15 +113,22 @@ def test_out_in_a_missing_read_only_or_directory_place_is_refused(tmp_path, caps
 def test_the_bubble_printed_is_the_training_logs_bubble_of_the_same_data(tmp_path, capsys):
     plan, costs = one_f_one_b(2, 4), Costs(f=0.002, b=0.003, w=0.001, head_f=0.004)
     timeline = simulate(plan, costs).timeline
+    trace = _trace_of(plan, timeline)
+    # rank 1 posts a receive for 1 ms on its communication track (counted as communication by the timers)
+    trace["traceEvents"].append({"ph": "X", "pid": 1, "tid": 2, "name": "post recv", "ts": 0.0, "dur": 1000.0,
+                                 "args": {}})
     path = tmp_path / "t.json"
-    path.write_text(json.dumps(_trace_of(plan, timeline)))
+    path.write_text(json.dumps(trace))
     assert plot_trace.main([str(path), "--out", str(tmp_path / "t.png")]) == 0
     printed = capsys.readouterr().out
     makespan = max(e for row in timeline for _, e, _ in row)
-    # what timers_log logs: per rank step_timers.bubble of its interval, idle = iteration - compute
-    logged = [bubble({"iteration": makespan, "idle": makespan - sum(e - s for s, e, _ in row)}) for row in timeline]
+    # what timers_log logs: per rank step_timers.bubble of its interval, idle = iteration - compute - communication
+    communication = [0.0, 0.001]
+    logged = [bubble({"iteration": makespan, "idle": makespan - sum(e - s for s, e, _ in row) - comm})
+              for row, comm in zip(timeline, communication)]
     worst = max(range(2), key=lambda r: logged[r])
-    assert f"bubble {100 * logged[worst]:.1f}% max (pp rank {worst})" in printed
+    mean = 100 * sum(logged) / 2
+    assert f"bubble {100 * logged[worst]:.1f}% max (pp rank {worst}), {mean:.1f}% mean" in printed, printed
     assert printed.count("%") == 2 and "paper's" not in printed and "idle in picture" not in printed
 
 
