@@ -13,13 +13,12 @@ import errno
 from numbers import Real
 from typing import Any
 
-from llamapipe.core.pipeline_parallel.schedule_ir import Plan
+from llamapipe.core.pipeline_parallel.schedule_ir import KINDS as ACTION_KINDS, Plan
 from llamapipe.core.pipeline_parallel.trace import TRACKS
 from llamapipe.safe_files import read_regular
 
 # json.load holds ~10x the file's size as Python objects; 10^6 actions take ~200 MB of trace
 MAX_TRACE_BYTES = 512 * 2 ** 20
-ACTION_KINDS = ("F", "B", "W", "BW", "S", "T")
 
 
 class TraceError(ValueError):
