@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from llamapipe.safe_files import UnsafePathError
 from llamapipe.training.flag_parser import closest
 
 # subcommand -> (module, one-line summary)
@@ -58,9 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         sys.stderr.write(unknown_subcommand(name))
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
     sys.argv[0] = f"llamapipe {name}"
-    return module.main(rest) or 0
+    try:
+        return importlib.import_module(SUBCOMMANDS[name][0]).main(rest) or 0
+    except KeyboardInterrupt:
+        # as the trainer does (training/signals.py): one line, and the shell's code for SIGINT
+        sys.stderr.write(f"\nllamapipe {name}: interrupted (Ctrl-C); stopped\n")
+        return 130
+    except UnsafePathError as err:
+        sys.stderr.write(f"llamapipe {name}: error: {err}\n")
+        return 2
 
 
 if __name__ == "__main__":

@@ -165,3 +165,23 @@ def replace_atomically(path: str, mode: str = "wb") -> Iterator[IO]:
         yield out
         out.flush()
         os.fsync(out.fileno())
+
+
+def read_regular(path: str, what: str, max_bytes: Optional[int] = None) -> bytes:
+    """The bytes of the regular file at `path` (`what` names it in errors, e.g. "schedule file x.csv"): a FIFO
+    cannot block the open (O_NONBLOCK), and a FIFO, device or directory, or a file over `max_bytes`, is refused
+    before a byte is read, with an `OSError` whose strerror is one line naming `what`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise OSError(err.errno, f"{what}: cannot read it ({err.strerror})") from None
+    with os.fdopen(fd, "rb") as fh:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+            raise OSError(errno.EINVAL, f"{what} is {kind}, not a regular file")
+        size = os.fstat(fd).st_size
+        if max_bytes is not None and size > max_bytes:
+            raise OSError(errno.EFBIG, f"{what} is {size / 2 ** 20:.0f} MiB, over the limit of "
+                                       f"{max_bytes / 2 ** 20:.0f} MiB")
+        return fh.read()

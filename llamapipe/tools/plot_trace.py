@@ -14,7 +14,7 @@ pipelining found their schedule-order bugs).
 """
 from __future__ import annotations
 
-import json
+import bisect
 import os
 import statistics
 import sys
@@ -22,7 +22,11 @@ from typing import Optional
 
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
 from llamapipe.core.pipeline_parallel.simulator import Costs, measure, simulate
-from llamapipe.core.pipeline_parallel.visualize import bubble_text, timeline_figure
+from llamapipe.core.pipeline_parallel.step_timers import bubble
+from llamapipe.core.pipeline_parallel.visualize import timeline_figure
+from llamapipe.safe_files import UnsafePathError, check_target, replace_with
+from llamapipe.tools import trace_file
+from llamapipe.tools.trace_file import TraceError
 from llamapipe.training.flag_parser import FlagParser
 
 PROG = "llamapipe plot-trace"
@@ -38,16 +42,17 @@ def _parse(argv: Optional[list[str]]):
 
 
 def load(path: str) -> dict:
-    """The trace's llamapipe data, with its events; one-line errors for a file that is not one."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            trace = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: cannot read a JSON trace ({err})") from None
-    data = trace.get("otherData", {}).get("llamapipe") if isinstance(trace, dict) else None
+    """The trace's llamapipe data, its action events checked and its message sends by pid; `TraceError` in one
+    line naming the file for anything that is not such a trace (trace_file.py)."""
+    trace = trace_file.read_json(path)
+    data = trace.get("otherData", {}) if isinstance(trace, dict) else None
+    data = data.get("llamapipe") if isinstance(data, dict) else None
     if not isinstance(data, dict) or data.get("format") != 1:
-        raise ValueError(f"{path} is not a trace written by --pipeline-trace (no otherData.llamapipe format 1)")
-    return dict(data, events=trace.get("traceEvents", []))
+        raise TraceError(f"{path} is not a trace written by --pipeline-trace (no otherData.llamapipe format 1)")
+    trace_file.check_steps(path, data)
+    events = trace.get("traceEvents", [])
+    return dict(data, path=path, events=trace_file.action_events(path, events), sends=trace_file.send_times(events),
+                busy=trace_file.busy_outside_actions(events))
 
 
 def pipeline(data: dict, iteration: Optional[int]) -> tuple[int, Plan, dict[int, int], dict[int, dict]]:
@@ -64,7 +69,7 @@ def pipeline(data: dict, iteration: Optional[int]) -> tuple[int, Plan, dict[int,
         raise ValueError(f"--iteration {iteration} is not in the trace; it holds {', '.join(map(str, recorded))}")
     steps = {pp: next(s for s in data["steps"][str(r)]["steps"] if s["iteration"] == iteration)
              for pp, r in ranks.items()}
-    plan = Plan.from_json(data["plans"][steps[min(steps)]["plan"]])
+    plan = trace_file.check_plan(data.get("path", "the trace"), data["plans"][steps[min(steps)]["plan"]], len(ranks))
     if sorted(ranks) != list(range(plan.pp)):
         raise ValueError(f"the trace has pipeline ranks {sorted(ranks)} of {plan.pp}; draw a trace of every rank "
                          "(--profile-ranks left out)")
@@ -73,32 +78,61 @@ def pipeline(data: dict, iteration: Optional[int]) -> tuple[int, Plan, dict[int,
 
 def measured_timeline(data: dict, plan: Plan, ranks: dict[int, int], iteration: int) -> list[list[tuple]]:
     """Per pipeline rank, (start s, end s, Action) of the iteration's actions from the step's common start."""
-    start = min(e["ts"] for e in data["events"] if e.get("ph") == "X" and e["args"].get("iteration") == iteration)
-    rows: list[list[tuple]] = [[] for _ in range(plan.pp)]
     pp_of = {r: pp for pp, r in ranks.items()}
-    for e in data["events"]:
-        args = e.get("args", {})
-        if e.get("ph") == "X" and "kind" in args and args["iteration"] == iteration and e["pid"] in pp_of:
-            action = Action(args["kind"], args["chunk"], args["mb"])
-            rows[pp_of[e["pid"]]].append(((e["ts"] - start) / 1e6, (e["ts"] + e["dur"] - start) / 1e6, action))
+    events = [e for e in data["events"] if e["args"]["iteration"] == iteration and e["pid"] in pp_of]
+    if not events:
+        raise ValueError(f"iteration {iteration} has no actions of the pipeline drawn in the trace")
+    start = min(e["ts"] for e in events)
+    rows: list[list[tuple]] = [[] for _ in range(plan.pp)]
+    for e in events:
+        args = e["args"]
+        if not (0 <= args["chunk"] < plan.vpp and 0 <= args["mb"] < plan.num_microbatches):
+            raise ValueError(f"an action {args['kind']}{args['chunk']}.{args['mb']} is outside its plan's "
+                             f"{plan.vpp} chunk(s) and {plan.num_microbatches} microbatches")
+        action = Action(args["kind"], args["chunk"], args["mb"])
+        rows[pp_of[e["pid"]]].append(((e["ts"] - start) / 1e6, (e["ts"] + e["dur"] - start) / 1e6, action))
     return [sorted(row, key=lambda t: t[0]) for row in rows]
 
 
 def b_share_of_bw(data: dict, iteration: int) -> float:
     """The B part of a fused BW: the executor sends a BW's input gradient between its B and its W, so the
-    message's send (an arrow's start inside the action) splits it; half where no BW sends (one stage)."""
-    sends: dict[int, list[float]] = {}
-    for e in data["events"]:
-        if e.get("ph") == "s":
-            sends.setdefault(e["pid"], []).append(e["ts"])
+    message's send (an arrow's start inside the action) splits it; half where no BW sends (one stage). Each BW
+    looks up its first send by bisection in its rank's sorted sends: n log n over the trace."""
     shares = []
     for e in data["events"]:
-        args = e.get("args", {})
-        if e.get("ph") == "X" and args.get("kind") == "BW" and args.get("iteration") == iteration and e["dur"] > 0:
-            inside = [t for t in sends.get(e["pid"], ()) if e["ts"] <= t <= e["ts"] + e["dur"]]
-            if inside:
-                shares.append((min(inside) - e["ts"]) / e["dur"])
+        args = e["args"]
+        if args["kind"] == "BW" and args["iteration"] == iteration and e["dur"] > 0:
+            sends = data["sends"].get(e["pid"], ())
+            i = bisect.bisect_left(sends, e["ts"])
+            if i < len(sends) and sends[i] <= e["ts"] + e["dur"]:
+                shares.append((sends[i] - e["ts"]) / e["dur"])
     return statistics.median(shares) if shares else 0.5
+
+
+def rank_bubbles(timeline: list[list[tuple]], makespan: float, extra: Optional[list[float]] = None) -> list[float]:
+    """Per pipeline rank, the measured bubble as the training log has it (`step_timers.bubble`: the idle share
+    of the iteration, idle = iteration - compute - communication), the iteration being the step from its common
+    start to its last action's end; `extra`: per rank, its busy time outside the plan's actions."""
+    extra = extra or [0.0] * len(timeline)
+    return [bubble({"iteration": makespan, "idle": max(makespan - sum(e - s for s, e, _ in row) - more, 0.0)})
+            for row, more in zip(timeline, extra)]
+
+
+def busy_outside(data: dict, ranks: dict[int, int], iteration: int, makespan: float) -> list[float]:
+    """Per pipeline rank, the seconds of communication and phases inside the iteration's window."""
+    drawn = set(ranks.values())
+    start = min(e["ts"] for e in data["events"] if e["args"]["iteration"] == iteration and e["pid"] in drawn)
+    end = start + makespan * 1e6
+    return [sum(max(min(b, end) - max(a, start), 0.0) for a, b in data["busy"].get(ranks[pp], ())) / 1e6
+            for pp in sorted(ranks)]
+
+
+def bubble_line(timeline: list[list[tuple]], makespan: float, extra: Optional[list[float]] = None) -> str:
+    """The one bubble figure plot-trace shows: the worst rank's, as the log's bubble_max, and the mean."""
+    bubbles = rank_bubbles(timeline, makespan, extra)
+    worst = max(range(len(bubbles)), key=lambda r: bubbles[r])
+    return (f"bubble {100 * bubbles[worst]:.1f}% max (pp rank {worst}), {100 * statistics.fmean(bubbles):.1f}% "
+            "mean (idle share of the iteration per rank, as the training log's bubble_max)")
 
 
 def mean_costs(plan: Plan, timeline: list[list[tuple]], b_share: float = 0.5) -> Costs:
@@ -139,18 +173,19 @@ def excess_waits(plan: Plan, measured: list[list[tuple]], simulated: list[list[t
     return sorted(out, key=lambda r: -r["excess_ms"])
 
 
-def _picture(plan: Plan, measured, sim, costs: Costs, iteration: int, path: str) -> None:
-    """Measured above, simulated below, on one time axis, as one image."""
+def _picture(plan: Plan, measured, sim, costs: Costs, iteration: int, path: str, extra: list[float]) -> None:
+    """Measured above, simulated below, on one time axis, as one image written whole at `path` or not at all."""
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.image import imsave
     end = max(measured.makespan, sim.makespan)
     panels = []
-    for result, what in ((measured, f"measured, iteration {iteration}"),
+    for result, what, more in ((measured, f"measured, iteration {iteration}", extra),
                          (sim, f"simulated with the measured mean costs (F {costs.f * 1e3:.2f} ms, B {costs.b * 1e3:.2f} "
-                               f"ms, W {costs.w * 1e3:.2f} ms)")):
+                               f"ms, W {costs.w * 1e3:.2f} ms)", None)):
         fig = timeline_figure(plan, result, f"{plan.name} pp={plan.pp} vpp={plan.vpp} m={plan.num_microbatches}: "
-                              f"{what}; step {result.makespan * 1e3:.1f} ms\n{bubble_text(result)}")
+                              f"{what}; step {result.makespan * 1e3:.1f} ms\n"
+                              f"{bubble_line(result.timeline, result.makespan, more)}")
         fig.axes[0].set_xlim(0, end)
         fig.axes[0].set_xlabel("seconds", fontsize=8)
         canvas = FigureCanvasAgg(fig)
@@ -158,26 +193,43 @@ def _picture(plan: Plan, measured, sim, costs: Costs, iteration: int, path: str)
         panels.append(np.asarray(canvas.buffer_rgba()))
     width = max(p.shape[1] for p in panels)
     padded = [np.pad(p, ((0, 0), (0, width - p.shape[1]), (0, 0)), constant_values=255) for p in panels]
-    imsave(path, np.vstack(padded))
+    replace_with(path, lambda tmp: imsave(tmp, np.vstack(padded), format=os.path.splitext(path)[1][1:]))
+
+
+def check_out(out: str) -> None:
+    """Refuse an --out plot-trace cannot write: a bad suffix, a missing or read-only folder, a link or directory."""
+    if not out.endswith((".png", ".svg")):
+        raise ValueError(f"--out {out} must end in .png or .svg")
+    folder = os.path.dirname(out) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out {out}: the folder {folder} does not exist")
+    check_target(out)       # a planted link is refused, not written through (as plot-schedule and profile)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: the folder {folder} is not writable")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parse(argv)
     out = args.out or os.path.splitext(args.trace)[0] + ".png"
-    if not out.endswith((".png", ".svg")):
-        return _fail(f"--out {out} must end in .png or .svg")
     try:
+        check_out(out)
         data = load(args.trace)
         iteration, plan, ranks, _ = pipeline(data, args.iteration)
         timeline = measured_timeline(data, plan, ranks, iteration)
         costs = mean_costs(plan, timeline, b_share_of_bw(data, iteration))
         sim = simulate(plan, costs)
         measured = measure(plan, costs, timeline)
-    except (ValueError, KeyError) as err:
+        extra = busy_outside(data, ranks, iteration, measured.makespan)
+        _picture(plan, measured, sim, costs, iteration, out, extra)
+    except (TraceError, UnsafePathError) as err:
         return _fail(str(err))
-    _picture(plan, measured, sim, costs, iteration, out)
+    except OSError as err:
+        return _fail(f"--out {out}: cannot write it ({err.strerror or err})")
+    except (ValueError, KeyError, TypeError, AssertionError, IndexError, ZeroDivisionError) as err:
+        return _fail(f"{args.trace}: cannot draw this trace ({str(err) or type(err).__name__})")
     print(f"{plan.name}, iteration {iteration}: measured step {measured.makespan * 1e3:.1f} ms, simulated "
-          f"{sim.makespan * 1e3:.1f} ms ({measured.makespan / sim.makespan:.3f}x); measured {bubble_text(measured)}")
+          f"{sim.makespan * 1e3:.1f} ms ({measured.makespan / sim.makespan:.3f}x); measured "
+          f"{bubble_line(timeline, measured.makespan, extra)}")
     print(f"the {args.top} actions that waited longest beyond the plan (gap before the action on its rank):")
     for row in excess_waits(plan, timeline, sim.timeline)[:args.top]:
         print(f"  pp rank {row['pp_rank']}  {row['action']:>8}  waited {row['waited_ms']:8.2f} ms  planned "

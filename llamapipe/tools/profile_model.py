@@ -42,6 +42,7 @@ from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.families import family_of
 from llamapipe.model.llama import LlamaModel
+from llamapipe.safe_files import UnsafePathError, check_target
 from llamapipe.tools import profile_comm, profile_machine, profile_overhead
 from llamapipe.training import profile_schema
 from llamapipe.training.arguments.flags_model import add_model_flags
@@ -222,6 +223,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"llamapipe profile: --threads {args.threads} must be at least 1")
     if os.path.exists(args.out) and not args.force:
         raise SystemExit(f"llamapipe profile: --out {args.out} exists; give another path, or --force to replace it")
+    try:
+        check_target(args.out)      # before the measurement: a link is refused, not written through
+    except UnsafePathError as err:
+        raise SystemExit(f"llamapipe profile: --out: {err}") from None
     torch.set_num_threads(args.threads or profile_schema.run_threads())
     try:
         m = run_vocab_size(args, model_config(args, []), [], run_tokenizer(args))

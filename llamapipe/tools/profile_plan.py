@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from typing import Optional
 
@@ -135,6 +136,22 @@ def command(profile: dict, lay: Layout, global_batch: int, post_validation: bool
     return " ".join(f"'{f}'" if "|" in f else f for f in flags)
 
 
+MAX_PASS_S = 3600.0    # no layer's pass takes an hour: a larger time is a broken or hand-edited profile
+
+
+def check_plausible(profile: dict, said: str) -> None:
+    """ProfileError when a per-layer pass time of `profile` is absurd (finite, as validate checks, yet over an
+    hour: 1e308 s overflows every sum the planner makes)."""
+    for i, entry in enumerate(profile["entries"]):
+        for component in profile_schema.COMPONENTS:
+            for field in ("f", "b", "w"):
+                value = (entry.get(component) or {}).get(field, 0.0)
+                if value > MAX_PASS_S:
+                    raise profile_schema.ProfileError(
+                        f"{said}: entries[{i}].{component}.{field} is {value:g} s, over {MAX_PASS_S:g} s for one "
+                        "pass; remeasure it with `llamapipe profile`")
+
+
 def run(args: argparse.Namespace, layouts_fn, asked: Optional[LlamaConfig] = None) -> int:
     """`plan --profile`: load, rank, print; `layouts_fn(model, gpus, global_batch, max_mbs)` enumerates. `asked`:
     the model --model and the shape flags give, if any: the profile must have been measured on it (the trainer's
@@ -149,9 +166,14 @@ def run(args: argparse.Namespace, layouts_fn, asked: Optional[LlamaConfig] = Non
     if mismatch is not None:
         raise profile_schema.ProfileError(mismatch)
     model = profile_schema.model_of(profile)
+    check_plausible(profile, f"--profile {args.profile}")
     rows = rank_layouts(profile, layouts_fn(model, args.gpus, args.global_batch_size, args.max_micro_batch_size),
                         args.global_batch_size, vocab=trainer_has_vocab_parallel(),
                         post_validation=args.post_validation)
+    bad = next((p for _, p in rows if not all(map(math.isfinite, (p.step_s, p.bubble, *p.busy_s)))), None)
+    if bad is not None:
+        raise profile_schema.ProfileError(f"--profile {args.profile}: its times give a predicted step of "
+                                          f"{bad.step_s!r} s; check the profile's times (remeasure it)")
     if not rows:
         raise SystemExit(f"llamapipe plan: no layout of {args.gpus} ranks has a profiled micro-batch size and "
                          f"recompute setting ({', '.join(f'{b}/{r}' for b, r in profile_schema.settings(profile))})")

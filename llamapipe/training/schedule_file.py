@@ -11,8 +11,10 @@ import os
 from typing import Optional
 
 from llamapipe.core.config import ArgumentError
+from llamapipe.safe_files import read_regular
 from llamapipe.core.pipeline_parallel.schedule_csv import from_csv, to_csv
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
+from llamapipe.core.pipeline_parallel.simulator import PlanError
 from llamapipe.core.pipeline_parallel.schedule_specs import (FILE_PREFIX, ScheduleSpec, add_file_plan, file_plan,
                                                              schedule_spec)
 
@@ -20,9 +22,14 @@ from llamapipe.core.pipeline_parallel.schedule_specs import (FILE_PREFIX, Schedu
 def read_schedule_file(path: str, *, name: Optional[str] = None) -> Plan:
     """The plan in the torch CSV file at `path` (named `name`, else "file"), verified; PlanError naming the file,
     the rank and the action for anything wrong with it."""
-    with open(path, newline="") as fh:
-        text = fh.read()
-    return from_csv(text, name=name or "file", label=f"schedule file {path}")
+    label = f"schedule file {path}"
+    try:
+        text = read_regular(path, label).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise PlanError(f"{label} is not UTF-8 text (byte {err.start}); give a torch CSV schedule") from None
+    except OSError as err:
+        raise PlanError(err.strerror) from None
+    return from_csv(text, name=name or "file", label=label)
 
 
 def write_schedule_file(plan: Plan, path: str) -> None:
