@@ -54,7 +54,8 @@ def test_a_binary_schedule_file_is_named(tmp_path, capsys):
     path = tmp_path / "plan.csv"
     path.write_bytes(b"0F0,\xff\xfe\x00garbage")
     assert error_line(TINY + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule-file", str(path)],
-                      capsys, world=2) == f"--pipeline-schedule-file {path}: not a text CSV file (byte 4 is not utf-8)"
+                      capsys, world=2) == (f"--pipeline-schedule-file: schedule file {path} is not UTF-8 text (byte 4); "
+                                           "give a torch CSV schedule")
 
 
 def test_a_schedule_given_after_the_schedule_file_names_the_contradiction(tmp_path, capsys):
