@@ -36,6 +36,7 @@ from llamapipe.core.context_parallel import context_parallel_attention
 from llamapipe.core.document_attention import document_attention
 from llamapipe.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, add_bias, parallel_linear,
                                          set_tensor_model_parallel_attributes, tp_size_rank)
+from llamapipe.model.recompute import discard_and_recompute, recompute_modules
 
 if TYPE_CHECKING:
     from llamapipe.model.llama.config import LlamaConfig, RopeScaling
@@ -271,6 +272,7 @@ class MLP(nn.Module):
                  params_dtype: torch.dtype) -> None:
         super().__init__()
         h, f = config.hidden_size, config.ffn_hidden_size
+        self.recompute_act = "act" in recompute_modules(config)     # the fork's --recompute-lgd
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         self.tp_group = tp_group
         self.gate_proj = ColumnParallelLinear(h, f, tp_group, **kw)
@@ -281,7 +283,16 @@ class MLP(nn.Module):
         # x: (s, b, h) or (s/tp, b, h) -> same
         gate, up = parallel_linear(x, [self.gate_proj.weight, self.up_proj.weight], self.tp_group,
                                    self.gate_proj.input_mode)  # (s, b, f/tp) each
-        return self.down_proj(F.silu(gate) * up)
+        if not (self.recompute_act and torch.is_grad_enabled()):
+            return self.down_proj(_swiglu(gate, up))
+        act = checkpoint(_swiglu, gate, up, use_reentrant=False)   # keeps gate and up, not silu(gate)
+        out = self.down_proj(act)
+        discard_and_recompute(act, _swiglu, (gate, up), out)       # nor act, which down_proj saved
+        return out
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -292,13 +303,26 @@ class DecoderLayer(nn.Module):
         super().__init__()
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         self.input_norm = spec.norm(config.hidden_size, config.norm_epsilon, **kw)
-        self.attention = spec.attention(config, spec, tp_group,
-                                        recompute_core=config.recompute_granularity == "selective",
+        modules = recompute_modules(config)      # partial recompute (model/recompute.py)
+        self.attention = spec.attention(config, spec, tp_group, recompute_core="core_attn" in modules,
                                         cp_group=cp_group, cp_comm_type=cp_comm_type, **kw)
         self.post_attention_norm = spec.norm(config.hidden_size, config.norm_epsilon, **kw)
         self.mlp = spec.mlp(config, tp_group, **kw)
+        self.recompute_norms, self.recompute_mlp = "layernorm" in modules, "mlp" in modules
 
     def forward(self, x: torch.Tensor, rope: Rope, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x: (s, b, h) or (s/tp, b, h) -> same
-        x = x + self.attention(self.input_norm(x), rope, document_ids)
-        return x + self.mlp(self.post_attention_norm(x))
+        grad = torch.is_grad_enabled()
+        normed = self.input_norm(x)
+        attended = self.attention(normed, rope, document_ids)
+        if self.recompute_norms:        # q/k/v saved the norm's output: refilled before the attention's backward
+            discard_and_recompute(normed, self.input_norm, (x,), attended)
+        x = x + attended
+        normed = self.post_attention_norm(x)
+        if grad and self.recompute_mlp:     # Megatron's mlp: the block's GEMMs run again in the backward
+            fed = checkpoint(self.mlp, normed, use_reentrant=False)
+        else:
+            fed = self.mlp(normed)
+        if self.recompute_norms:
+            discard_and_recompute(normed, self.post_attention_norm, (x,), fed)
+        return x + fed

@@ -73,6 +73,9 @@ def _numerics(config: Config) -> str:
     if recompute == "full":
         recompute += (f" (the first {m.recompute_num_layers} layers of each chunk)" if m.recompute_num_layers
                       else " (every layer)")
+    elif m.recompute_modules:
+        names = {"act": "activation", "layernorm": "norms"}
+        recompute = f"of {', '.join(names.get(n, n) for n in m.recompute_modules)}"
     on = {True: "on", False: "off"}
     return (f"precision {precision}, recompute {recompute}, compile {on[config.training.compile]}, "
             f"optimizer post-validation {on[config.training.post_validation]}")

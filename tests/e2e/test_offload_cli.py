@@ -1,6 +1,7 @@
-"""--cpu-offload (PipeOffload, the zero-bubble fork's flags) through the CLI: every schedule and layout with offload
-reproduces the single-process losses (fp32, rel 1e-5) over 5 iterations; a checkpoint saved with offload resumes
-in another layout with the uninterrupted losses; the fork's grouped-interleave offload flags run unchanged."""
+"""The memory levers through the CLI: --cpu-offload (PipeOffload, the zero-bubble fork's flags), Megatron's
+fine-grained offloading, --recompute-modules and the fork's --recompute-lgd: every schedule and layout with them
+reproduces the single-process losses (fp32, rel 1e-5) over 5 iterations; a checkpoint saved with offload resumes in
+another layout with the uninterrupted losses; auto under a tight cap offloads."""
 import math
 
 import pytest
@@ -27,6 +28,16 @@ LAYOUTS = {
                                                      "core_attn", "attn_proj", "mlp_norm", "--min-offloaded-tensor-size",
                                                      "0", "--activation-offload-fraction", "0.5",
                                                      "--delta-offload-bytes-across-pp-ranks", "1024"]),
+    "pp2-zbh1-offload-with-recompute-lgd": (2, PP2 + ["--pipeline-schedule", "zb-h1", "--recompute-lgd"] + OFF),
+    "pp2-zbv-recompute-lgd": (2, PP2 + V2 + ["--pipeline-schedule", "zbv", "--recompute-lgd"]),
+    "tp2-sp-pp2-zbv-recompute-modules": (4, PP2 + V2 + ["--pipeline-schedule", "zbv", "--tensor-model-parallel-size",
+                                                        "2", "--sequence-parallel", "--recompute-granularity",
+                                                        "selective", "--recompute-modules", "core_attn", "mlp",
+                                                        "layernorm"]),
+    "cp2-pp2-interleaved-recompute-mlp": (4, PP2 + V2 + ["--context-parallel-size", "2", "--recompute-activations",
+                                                         "--recompute-modules", "mlp", "layernorm"]),
+    "pp2-dp2-zero3-zbv-recompute-lgd": (4, PP2 + V2 + ["--pipeline-schedule", "zbv", "--recompute-lgd",
+                                                       "--data-parallel-sharding-strategy", "optim_grads_params"]),
     "pp4-interleaved-auto-time": (4, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage",
                                       "1"] + OFF + ["--auto-offload-time"]),
 }

@@ -69,6 +69,7 @@ MEGATRON_DEFAULTS = {
     "--fine-grained-activation-offloading": False, "--offload-modules": None, "--activation-offload-fraction": 1.0,
     "--min-offloaded-tensor-size": 1024 * 1024, "--delta-offload-bytes-across-pp-ranks": 0,
     "--use-tp-pp-dp-mapping": None,      # store_const into --parallel-order's destination: unset unless given
+    "--recompute-modules": None,         # None: ["core_attn"] under selective recompute
 }
 # Megatron's parser default is None (not given) here; the value it then uses, and where ours ends up
 # (read from the config of BASE plus a flag where the value matters only with it).
@@ -98,7 +99,8 @@ DIVERGENCES = {
 ALWAYS_ON = ("--disable-bias-linear",)
 # The zero-bubble fork's activation offload flags, implemented with the fork's defaults (offload_args.py) except
 # --offload-chunk-num (None: 1 under --cpu-offload; the fork's 0 is an assertion) and --offload-time (None: 0).
-FORK_OFFLOAD = ("--cpu-offload", "--offload-chunk-num", "--offload-time", "--auto-offload-time", "--offload-overlap-sr")
+FORK_OFFLOAD = ("--cpu-offload", "--offload-chunk-num", "--offload-time", "--auto-offload-time", "--offload-overlap-sr",
+                "--recompute-lgd")
 LLAMAPIPE_ONLY = ("--model", "--parallel-order", "--pipeline-trace", "--pipeline-schedule", "--pipeline-memory-limit",
                   "--pipeline-profile-iters", "--release-host-memory", "--skip-nonfinite-steps", "--keep-last-n",
                   "--metrics-jsonl", "--tie-embeddings-and-output-weights", "--compile",

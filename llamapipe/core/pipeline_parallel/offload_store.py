@@ -41,9 +41,20 @@ class _Storage:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.dev: Optional[torch.Tensor] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
             tensor.untyped_storage())
-        self.device, self.nbytes = tensor.device, self.dev.numel()
+        self.device, self.full = tensor.device, self.dev.numel()
         self.host: Optional[torch.Tensor] = None
         self.ready: Optional[torch.cuda.Event] = None      # the last copy's event (CUDA)
+
+    @property
+    def nbytes(self) -> int:
+        """Its bytes now: 0 while partial recompute (model/recompute.py) has freed it on the device."""
+        if self.dev is not None:
+            return self.dev.untyped_storage().nbytes()
+        return self.full
+
+    @property
+    def discarded(self) -> bool:
+        return self.dev is not None and self.nbytes != self.full
 
 
 class _View:
@@ -82,9 +93,11 @@ class OffloadStore:
             if not self._offloadable(tensor):
                 key = storage_id(tensor.untyped_storage())
                 if tensor.is_floating_point() and key is not None and key not in self._params:
-                    kept[key] = tensor.untyped_storage().nbytes()
+                    kept[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
                 return tensor
-            ptr = storage_id(tensor.untyped_storage())
+            # the storage object itself, not its data pointer: a storage partial recompute frees (model/recompute.py)
+            # gives its memory, and so its pointer, to later tensors of the same forward
+            ptr = tensor.untyped_storage()._cdata
             if ptr not in storages:
                 storages[ptr] = _Storage(tensor)
             return _View(storages[ptr], tensor)
@@ -130,7 +143,7 @@ class OffloadStore:
         storages = list(self._keys.get(key, {}).values())
         budget = self.fraction * sum(s.nbytes for s in storages) - self.delta
         for storage in storages:
-            if storage.dev is not None and storage.nbytes <= budget:
+            if storage.dev is not None and not storage.discarded and storage.nbytes <= budget:
                 budget -= storage.nbytes
                 self._to_host(storage)
 

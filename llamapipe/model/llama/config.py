@@ -41,6 +41,8 @@ class LlamaConfig:
     init_method_std: float = 0.02
     recompute_granularity: Optional[str] = None   # None, "full" or "selective"
     recompute_num_layers: Optional[int] = None    # full recompute: first N layers of each chunk (None: all)
+    recompute_modules: tuple = ()                 # parts recomputed (model/recompute.py): core_attn, mlp, layernorm,
+                                                  # act; () under selective: core_attn (Megatron's default)
     kv_channels: Optional[int] = None  # Megatron's head dim; None: hidden_size // num_attention_heads
     rotary_percent: float = 1.0        # RoPE rotates the first rotary_percent of each head's dims
     use_flash_attn: bool = False       # CUDA: SDPA restricted to its FlashAttention kernel

@@ -138,6 +138,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="full recompute: every layer (uniform) or the first --recompute-num-layers (block)")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron's shorthand for --recompute-granularity selective")
+    g.add_argument("--recompute-modules", nargs="+", default=None, metavar="NAME",
+                   help="with --recompute-granularity selective: Megatron's parts of each layer to recompute, "
+                        "core_attn (its default), mlp, layernorm")
+    g.add_argument("--recompute-lgd", action="store_true",
+                   help="the zero-bubble fork's: recompute each layer's norms and SwiGLU activation instead of storing "
+                        "their outputs (LLaMA has no dropout)")
     g.add_argument("--use-flash-attn", action="store_true",
                    help="CUDA: run attention on SDPA's FlashAttention kernel (needs --bf16 or --fp16); "
                         "no effect on CPU")

@@ -16,6 +16,7 @@ import torch
 
 from llamapipe.core.config import ArgumentError, ParallelConfig
 from llamapipe.data.tokenizers.base import Tokenizer
+from llamapipe.model.recompute import LGD, MEGATRON_MODULES, NOT_DENSE
 from llamapipe.model import families
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.families import PRESETS
@@ -117,6 +118,7 @@ def model_config(args: argparse.Namespace, notices: list[str]) -> LlamaConfig:
                                 "--recompute-granularity full; give one")
         granularity = "selective"
     fields["recompute_granularity"] = granularity
+    fields["recompute_modules"] = _recompute_modules(args, granularity)
     if args.recompute_method == "uniform":
         fields["recompute_num_layers"] = None   # Megatron uniform, 1 layer per group: every layer
     if args.use_flash_attn:
@@ -223,6 +225,34 @@ def _check_context_parallel_length(par: ParallelConfig, seq_length: int) -> None
         raise ArgumentError(f"--seq-length {seq_length} / --context-parallel-size ({cp}) = {seq_length // cp} tokens "
                             f"per rank are not divisible by --tensor-model-parallel-size ({tp}) under "
                             "--sequence-parallel, which splits them over the tensor-parallel ranks")
+
+
+def _recompute_modules(args: argparse.Namespace, granularity: Optional[str]) -> tuple:
+    """The parts of each layer to recompute (model/recompute.py): --recompute-modules under selective recompute
+    (Megatron's default core_attn), plus the norms and the activation under the fork's --recompute-lgd."""
+    names = args.recompute_modules
+    if names is not None and granularity != "selective":
+        raise ArgumentError(f"--recompute-modules {' '.join(names)} needs --recompute-granularity selective "
+                            "(as in Megatron-LM)")
+    for name in names or ():
+        if name in NOT_DENSE:
+            raise ArgumentError(f"--recompute-modules {name} applies to mixture-of-experts or MLA layers; this "
+                                f"model is a dense LLaMA (use {', '.join(MEGATRON_MODULES)})")
+        if name not in MEGATRON_MODULES:
+            raise ArgumentError(f"--recompute-modules {name} is not one of Megatron's modules for this model; use "
+                                f"{', '.join(MEGATRON_MODULES)}")
+    modules = tuple(dict.fromkeys(names or (("core_attn",) if granularity == "selective" else ())))
+    if getattr(args, "recompute_lgd", False):
+        if granularity == "full":
+            raise ArgumentError("--recompute-lgd recomputes the norms and the activation of each layer, which "
+                                "--recompute-granularity full already recomputes whole; give one")
+        modules = tuple(dict.fromkeys(modules + LGD))
+    freed = [name for name in modules if name in LGD]
+    if freed and getattr(args, "compile", False):
+        said = "--recompute-lgd" if "act" in freed else "--recompute-modules layernorm"
+        raise ArgumentError(f"{said} frees and refills the outputs it recomputes, which a compiled layer cannot do; "
+                            "drop --compile or use --recompute-modules core_attn mlp")
+    return modules
 
 
 def _check_recompute(args: argparse.Namespace, m: LlamaConfig) -> None:

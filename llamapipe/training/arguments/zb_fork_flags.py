@@ -51,8 +51,6 @@ NOTICES: tuple[CompatFlag, ...] = (
 )
 
 REFUSED: tuple[CompatFlag, ...] = (
-    CompatFlag("--recompute-lgd", "recomputing only the norms, activations and dropout is not implemented; use "
-               "--recompute-granularity selective or full"),
     CompatFlag("--num-seq-splits", "Seq1F1B's pipelining of sequence pieces is not implemented; use more, smaller "
                "microbatches (--micro-batch-size)", int, off=(1,)),
 )
