@@ -41,6 +41,7 @@ from llamapipe.core.pipeline_parallel.simulator import Costs, run_timeline, veri
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.llama.counts import layer_matmul_parameters
 from llamapipe.model.families import flops_per_token
+from llamapipe.model.recompute import LGD, saved_bytes_per_token
 
 GIB = 2 ** 30
 PARAM_BYTES = {"bf16": 2, "fp32": 4}
@@ -115,6 +116,8 @@ def layer_act_bytes(m: LlamaConfig, seq: int, mbs: int, recompute: str, precisio
     hd, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
     tokens = seq * mbs
     saved = e * h / tp if recompute == "full" else (16 * h + e * (2 * hd + 2 * kv + 4 * f) + 8) / tp
+    if recompute == "lgd":      # the fork's --recompute-lgd: the norms' outputs and the activation's are not kept
+        saved -= saved_bytes_per_token(m, frozenset(LGD), e, tp, sequence_parallel=True)
     # W holds, per token: the inputs of q/k/v and gate/up (sequence shards under sequence parallelism: W gathers
     # them again), the o and down inputs and every linear's output gradient (o's and down's gathered: 2h)
     held = e * (2 * h + (2 * h + 2 * hd + 2 * kv + 3 * f) / tp)

@@ -32,7 +32,7 @@ from llamapipe.tools.parallel_estimate import DEVICES, GIB, Estimate, Layout, es
 SCHEDULES = [name for name, spec in SPECS.items() if spec.planned and not spec.profiled]
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size")
 MAX_CHUNKS = 8     # model chunks per pipeline rank that `plan` tries at most
-RECOMPUTE_FLAGS = {"none": [], "selective": ["--recompute-activations"],
+RECOMPUTE_FLAGS = {"none": [], "selective": ["--recompute-activations"], "lgd": ["--recompute-lgd"],
                    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform"]}
 
 
@@ -133,12 +133,27 @@ def rank(m: LlamaConfig, args: argparse.Namespace, dev) -> list[tuple[Layout, Es
     for lay in layouts(m, args.gpus, args.global_batch_size, args.max_micro_batch_size,
                        args.max_context_parallel_size, args.seq_length):
         est = estimate(m, lay, args.seq_length, args.global_batch_size, dev)
-        if est.total > budget:      # a pipeline that does not fit may with its activations offloaded
-            lay, est = _with_offload(m, lay, args, dev, budget)
+        if est.total > budget:      # a pipeline that does not fit may with its cheap parts recomputed or offloaded
+            lay, est = _with_levers(m, lay, est, args, dev, budget)
         if est is not None and est.total <= budget:
             rows.append((lay, est))
     rows.sort(key=lambda row: (row[1].step_s, row[1].total))
     return rows
+
+
+def _with_levers(m: LlamaConfig, lay: Layout, est: Estimate, args: argparse.Namespace, dev,
+                 budget: float) -> tuple[Layout, Optional[Estimate]]:
+    """`lay` with the fork's --recompute-lgd (the norms and the activation recomputed: element-wise work, no GEMM)
+    or with offload (`_with_offload`), whichever fits and steps faster (lgd when they tie: it needs no host
+    memory); (lay, None) when neither fits. Only layouts without recompute, and only where the weights and optimizer
+    state leave room (`est`, the layout's estimate without them): neither lever moves those."""
+    if lay.recompute != "none" or est.total - est.activations > budget:
+        return lay, None
+    lgd = dataclasses.replace(lay, recompute="lgd")
+    options = [(lgd, estimate(m, lgd, args.seq_length, args.global_batch_size, dev)),
+               _with_offload(m, lay, args, dev, budget)]
+    fits = [(l, e) for l, e in options if e is not None and e.total <= budget]
+    return min(fits, key=lambda row: row[1].step_s) if fits else (lay, None)
 
 
 def _with_offload(m: LlamaConfig, lay: Layout, args: argparse.Namespace, dev,
@@ -215,6 +230,9 @@ def explain(lay: Layout, e: Estimate) -> str:
     offload = ([f"  offload: the activations of chunk{'s' if lay.offload > 1 else ''} 0-{lay.offload - 1} of every "
                 f"rank go to host memory between forward and backward (--cpu-offload, PipeOffload): without it "
                 f"this layout does not fit"] if lay.offload else [])
+    if lay.recompute == "lgd":
+        offload.append("  recompute lgd: each layer's norms and SwiGLU activation are recomputed instead of kept "
+                       "(--recompute-lgd, element-wise work, no GEMM): without it this layout does not fit")
     return "\n".join([
         f"layout: tp {lay.tp}, cp {lay.cp}, pp {lay.pp}, {lay.vpp} chunk(s) per rank, dp {lay.dp}, --pipeline-schedule "
         f"{lay.schedule}, micro-batch {lay.micro_batch}, recompute {lay.recompute}, distributed optimizer "

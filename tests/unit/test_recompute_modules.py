@@ -66,3 +66,27 @@ def test_recompute_flag_mistakes_are_one_line(flags, words):
     with pytest.raises(ArgumentError) as err:
         config_from_args(build_parser().parse_args(BASE + flags), 1)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_weight_grads_defer_through_checkpointed_mlp_and_freed_outputs():
+    """Under the B/W split the recomputed parts' linears still queue their weight gradients (the checkpointed
+    MLP's, and the GEMMs after a freed norm or activation output), which then equal the immediate ones."""
+    from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
+    torch.manual_seed(0)
+    plain = LlamaModel(CONFIG)
+    torch.manual_seed(0)
+    deferred = LlamaModel(dataclasses.replace(CONFIG, recompute_granularity="selective",
+                                              recompute_modules=("mlp", "layernorm", "act")))
+    ids = torch.randint(0, 256, (2, 16))
+    plain(input_ids=ids, labels=ids).sum().backward()
+    store = WeightGradStore()
+    with store.active():
+        out = deferred(input_ids=ids, labels=ids)
+    with store.capture("mb0"):
+        out.sum().backward()
+    params = dict(deferred.named_parameters())
+    assert params["layers.0.mlp.down_proj.weight"].grad is None
+    assert store.run("mb0") == CONFIG.num_layers * 4 + 1    # per layer: qkv, o, gate/up, down; and the head
+    store.assert_empty()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(params[name].grad, p.grad, rtol=0, atol=0, msg=name)
