@@ -9,7 +9,7 @@
 (`training.arguments`), with the memory check against `--gpu-memory-gb` as the GPU run makes it; then every
 distinct role runs its real setup on fake process groups and meta tensors (`rank.RoleRun`), and the report
 (`report`) says what each rank holds and whether it fits. What the real run refuses is refused here with its
-one line (`pretrain_llama.py: error: ...`, exit 2); a rank over the device's memory, or a pipeline message
+one line (`llamapipe dry-run: error: ...`, exit 2); a rank over the device's memory, or a pipeline message
 whose two sides disagree, exits 1. `--load` (or `--dry-run-checkpoint-layout METADATA_JSON`) checks the resume.
 The dry run uses no real process group, no network, and reads no data or checkpoint tensor: only the files'
 names, the tokenizer (for the vocabulary size, as the real run reads it) and a checkpoint's metadata.json.
@@ -56,6 +56,8 @@ def dry_run_config(args: argparse.Namespace) -> Config:
     gloo is given (this machine needs no CUDA for it), and the memory check against --gpu-memory-gb."""
     if not args.gpu_memory_gb > 0:
         raise ArgumentError(f"--gpu-memory-gb {args.gpu_memory_gb:g} must be positive")
+    if args.world_size < 1:
+        raise ArgumentError(f"--world-size {args.world_size} must be positive")
     backend = args.distributed_backend or "nccl"
     config = config_from_args(argparse.Namespace(**{**vars(args), "distributed_backend": "gloo"}), args.world_size)
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, distributed_backend=backend))
@@ -104,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = dry_run_config(args)
         result = run(config, resume_source(args, config), _progress)
     except ValueError as err:       # what the real run refuses (ArgumentError among them), with its line
-        sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
+        sys.stderr.write(f"{PROG}: error: {err}\n")
         return 2
     print("\n".join(report_lines(config, result, memory)))
     if result.problems:
