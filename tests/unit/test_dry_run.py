@@ -136,3 +136,13 @@ def test_the_meta_cache_answers_repeated_operations_as_torch_does():
     assert again[1] is not first[1] and again[2] is x
     assert [r.shape for r in resized] == [torch.Size([4, 3])] * 2
     assert len(cache._results) >= 3
+
+
+def test_the_grid_groups_hold_one_tuple_per_group_linear_in_the_world():
+    """Issue 51.4: each rank held its own copy of its data-parallel group (world^2 ints, 4.4 GB at 16,384 ranks);
+    the ranks of a group now share one tuple, so the distinct tuples are the groups themselves."""
+    config = config_of(64, ["--tensor-model-parallel-size", "2", "--global-batch-size", "64"])
+    grid = GridGroups(grid_of(config.parallel))
+    dp = grid.of["dp"]
+    assert len({id(members) for members in dp.values()}) == 2            # tp 2: two dp groups of 32 ranks
+    assert sum(len(members) for members in {id(m): m for m in dp.values()}.values()) == 64
