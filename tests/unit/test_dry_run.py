@@ -146,3 +146,13 @@ def test_the_grid_groups_hold_one_tuple_per_group_linear_in_the_world():
     dp = grid.of["dp"]
     assert len({id(members) for members in dp.values()}) == 2            # tp 2: two dp groups of 32 ranks
     assert sum(len(members) for members in {id(m): m for m in dp.values()}.values()) == 64
+
+
+def test_a_rank_above_the_headroom_is_warned_of_and_still_exits_0(capsys):
+    """Issue 50.1: a rank at 95% of the card passed silently though docs/dry_run.md keeps 0.9 headroom."""
+    flags = ["--world-size", "4"] + BASE + ["--pipeline-model-parallel-size", "2"]
+    assert main(flags) == 0
+    need = float(capsys.readouterr().out.split("needs ")[1].split(" MiB")[0]) / 1024
+    assert main(flags + ["--gpu-memory-gb", f"{need / 0.95:.6f}"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("llamapipe dry-run: warning: rank ") and "above the 0.9 headroom" in err

@@ -35,6 +35,7 @@ from llamapipe.training.log import check_wandb
 from llamapipe.training.startup import startup_lines
 
 PROG = "llamapipe dry-run"
+HEADROOM = 0.9         # `llamapipe plan --headroom`'s default: the share of a GPU a job should plan to use
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_argument_group("dry run")
     group.add_argument("--world-size", type=int, required=True, help="ranks of the job to check (torchrun's "
                        "--nnodes x --nproc-per-node)")
-    group.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GiB: the ranks that "
-                       "would need more are named")
+    group.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU in GiB (2^30 bytes): the "
+                       "ranks that would need more are named, those above 0.9 of it warned of")
     group.add_argument("--dry-run-checkpoint-layout", default=None, metavar="METADATA_JSON",
                        help="check the resume from a checkpoint's saved metadata.json instead of --load's files")
     return p
@@ -120,6 +121,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stderr.write(f"{PROG}: error: ranks {ranks} would not fit in --gpu-memory-gb {args.gpu_memory_gb:g}: "
                          f"{worst.role.name()} needs {size(worst.total)}\n")
         return 1
+    worst = max(result.reports, key=lambda r: r.total)
+    if worst.total > HEADROOM * memory:
+        sys.stderr.write(f"{PROG}: warning: {worst.role.name()} needs {size(worst.total)}, "
+                         f"{worst.total / memory:.0%} of --gpu-memory-gb {args.gpu_memory_gb:g} (GiB), above the "
+                         f"{HEADROOM:g} headroom that leaves room for the allocator's fragmentation (docs/dry_run.md)\n")
     return 0
 
 
