@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "--num-query-groups", "--vocab-size"):
         p.add_argument(flag, type=int, default=None, help="shape override (or the whole shape without --model)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
-    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GiB")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GiB (2^30 bytes)")
     p.add_argument("--seq-length", type=int, default=4096)
     p.add_argument("--global-batch-size", type=int, required=True, help="sequences per step")
     p.add_argument("--device", choices=tuple(DEVICES), default="h100", help="preset for the two figures below")

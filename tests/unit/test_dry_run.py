@@ -136,3 +136,23 @@ def test_the_meta_cache_answers_repeated_operations_as_torch_does():
     assert again[1] is not first[1] and again[2] is x
     assert [r.shape for r in resized] == [torch.Size([4, 3])] * 2
     assert len(cache._results) >= 3
+
+
+def test_the_grid_groups_hold_one_tuple_per_group_linear_in_the_world():
+    """Issue 51.4: each rank held its own copy of its data-parallel group (world^2 ints, 4.4 GB at 16,384 ranks);
+    the ranks of a group now share one tuple, so the distinct tuples are the groups themselves."""
+    config = config_of(64, ["--tensor-model-parallel-size", "2", "--global-batch-size", "64"])
+    grid = GridGroups(grid_of(config.parallel))
+    dp = grid.of["dp"]
+    assert len({id(members) for members in dp.values()}) == 2            # tp 2: two dp groups of 32 ranks
+    assert sum(len(members) for members in {id(m): m for m in dp.values()}.values()) == 64
+
+
+def test_a_rank_above_the_headroom_is_warned_of_and_still_exits_0(capsys):
+    """Issue 50.1: a rank at 95% of the card passed silently though docs/dry_run.md keeps 0.9 headroom."""
+    flags = ["--world-size", "4"] + BASE + ["--pipeline-model-parallel-size", "2"]
+    assert main(flags) == 0
+    need = float(capsys.readouterr().out.split("needs ")[1].split(" MiB")[0]) / 1024
+    assert main(flags + ["--gpu-memory-gb", f"{need / 0.95:.6f}"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("llamapipe dry-run: warning: rank ") and "above the 0.9 headroom" in err

@@ -39,7 +39,8 @@ def real_parse_error(world: int, flags: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
         parse_args(flags, world_size=world)
     assert exit_info.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()[-1]
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    return line.replace("pretrain_llama.py: error: ", "llamapipe dry-run: error: ", 1)   # the same words, our name
 
 
 def deadlocking_schedule(path: str) -> str:
@@ -103,7 +104,7 @@ def test_weights_that_cannot_fit_any_gpu(capsys):
     code, line = dry_run_error(8, ["--model", "llama2-70b", "--mock-data", "--train-iters", "1",
                                    "--global-batch-size", "8", "--gpu-memory-gb", "80"], capsys)
     assert code == 2
-    assert line.startswith("pretrain_llama.py: error: the weights alone need ") \
+    assert line.startswith("llamapipe dry-run: error: the weights alone need ") \
         and "more than its GPU's 80.0 GiB of memory" in line
 
 
@@ -123,7 +124,7 @@ def real_load_error(flags: list[str]) -> str:
     with pytest.raises(ValueError) as err:
         load_checkpoint(config.checkpoint.load, model_chunks=chunks, optimizer=build_optimizer(
             chunks, config.optimizer, ParallelState()), scheduler=None, parallel_state=None, config=config)
-    return f"pretrain_llama.py: error: {err.value}"
+    return f"llamapipe dry-run: error: {err.value}"
 
 
 def test_a_checkpoint_of_another_model(tmp_path, capsys):
@@ -169,3 +170,10 @@ def test_a_resume_in_another_layout_reads_the_whole_tensors_and_keeps_its_shards
         json.dump(meta, fh)
     code, line = dry_run_error(2, tp2[2:], capsys)
     assert code == 2 and "was saved with num_layers 6 but this run has 8; set --num-layers 6" in line
+
+
+def test_errors_name_the_dry_run_and_its_world_size_flag(capsys):
+    """Issue 50.5/51.12: the line names `llamapipe dry-run` and --world-size, not pretrain_llama.py and WORLD_SIZE."""
+    code, line = dry_run_error(0, BASE, capsys)
+    assert code == 2
+    assert line == "llamapipe dry-run: error: --world-size 0 must be positive"

@@ -53,7 +53,7 @@ def reduce_scatter(x: torch.Tensor, tp_group: Optional[Any]) -> torch.Tensor:
     if dist.get_backend(tp_group) == "gloo":  # gloo has no reduce_scatter
         return split(all_reduce(x.clone(), tp_group), tp_group, 0)
     out = x.new_empty((x.shape[0] // tp_size,) + tuple(x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=tp_group)
+    dist.reduce_scatter_single(out, x, group=tp_group)
     return out
 
 

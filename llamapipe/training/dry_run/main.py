@@ -9,7 +9,7 @@
 (`training.arguments`), with the memory check against `--gpu-memory-gb` as the GPU run makes it; then every
 distinct role runs its real setup on fake process groups and meta tensors (`rank.RoleRun`), and the report
 (`report`) says what each rank holds and whether it fits. What the real run refuses is refused here with its
-one line (`pretrain_llama.py: error: ...`, exit 2); a rank over the device's memory, or a pipeline message
+one line (`llamapipe dry-run: error: ...`, exit 2); a rank over the device's memory, or a pipeline message
 whose two sides disagree, exits 1. `--load` (or `--dry-run-checkpoint-layout METADATA_JSON`) checks the resume.
 The dry run uses no real process group, no network, and reads no data or checkpoint tensor: only the files'
 names, the tokenizer (for the vocabulary size, as the real run reads it) and a checkpoint's metadata.json.
@@ -35,6 +35,7 @@ from llamapipe.training.log import check_wandb
 from llamapipe.training.startup import startup_lines
 
 PROG = "llamapipe dry-run"
+HEADROOM = 0.9         # `llamapipe plan --headroom`'s default: the share of a GPU a job should plan to use
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_argument_group("dry run")
     group.add_argument("--world-size", type=int, required=True, help="ranks of the job to check (torchrun's "
                        "--nnodes x --nproc-per-node)")
-    group.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GiB: the ranks that "
-                       "would need more are named")
+    group.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU in GiB (2^30 bytes): the "
+                       "ranks that would need more are named, those above 0.9 of it warned of")
     group.add_argument("--dry-run-checkpoint-layout", default=None, metavar="METADATA_JSON",
                        help="check the resume from a checkpoint's saved metadata.json instead of --load's files")
     return p
@@ -56,6 +57,8 @@ def dry_run_config(args: argparse.Namespace) -> Config:
     gloo is given (this machine needs no CUDA for it), and the memory check against --gpu-memory-gb."""
     if not args.gpu_memory_gb > 0:
         raise ArgumentError(f"--gpu-memory-gb {args.gpu_memory_gb:g} must be positive")
+    if args.world_size < 1:
+        raise ArgumentError(f"--world-size {args.world_size} must be positive")
     backend = args.distributed_backend or "nccl"
     config = config_from_args(argparse.Namespace(**{**vars(args), "distributed_backend": "gloo"}), args.world_size)
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, distributed_backend=backend))
@@ -104,7 +107,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = dry_run_config(args)
         result = run(config, resume_source(args, config), _progress)
     except ValueError as err:       # what the real run refuses (ArgumentError among them), with its line
-        sys.stderr.write(f"pretrain_llama.py: error: {err}\n")
+        sys.stderr.write(f"{PROG}: error: {err}\n")
         return 2
     print("\n".join(report_lines(config, result, memory)))
     if result.problems:
@@ -118,6 +121,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stderr.write(f"{PROG}: error: ranks {ranks} would not fit in --gpu-memory-gb {args.gpu_memory_gb:g}: "
                          f"{worst.role.name()} needs {size(worst.total)}\n")
         return 1
+    worst = max(result.reports, key=lambda r: r.total)
+    if worst.total > HEADROOM * memory:
+        sys.stderr.write(f"{PROG}: warning: {worst.role.name()} needs {size(worst.total)}, "
+                         f"{worst.total / memory:.0%} of --gpu-memory-gb {args.gpu_memory_gb:g} (GiB), above the "
+                         f"{HEADROOM:g} headroom that leaves room for the allocator's fragmentation (docs/dry_run.md)\n")
     return 0
 
 

@@ -86,8 +86,8 @@ class GridGroups:
 
     def __init__(self, grid: RankGrid) -> None:
         self.of: dict[str, dict[int, tuple[int, ...]]] = {}
-        for name in (*GROUPS, "embedding"):
-            self.of[name] = {rank: tuple(g) for g in grid.named_groups(name) for rank in g}
+        for name in (*GROUPS, "embedding"):     # one tuple per group, shared by its ranks: linear in the world
+            self.of[name] = {rank: members for members in map(tuple, grid.named_groups(name)) for rank in members}
         self.coords = grid.coords
 
 
