@@ -1,6 +1,7 @@
-"""The zero-bubble fork's examples/pretrain_zero_bubble.sh (examples/zero_bubble/), scaled down through its own
-environment switches, on CPU at pp 2: its V, V-Half, V-Min and ZB-2p settings (as the fork's
-examples/test_all_schedules.sh sets them) each train the schedule their flags name, which the 'run:' block says.
+"""The zero-bubble fork's examples/pretrain_zero_bubble.sh and pretrain_offload.sh (examples/zero_bubble/), scaled
+down through their own environment switches, on CPU at pp 2: the V, V-Half, V-Min, ZB-2p, 1F1B-V and
+offload-grouped-interleaved settings (as the fork's examples/test_all_schedules.sh sets them) each train the schedule
+their flags name, which the 'run:' block says.
 """
 import math
 import os
@@ -15,6 +16,7 @@ from tests.cli import ROOT, free_port, read_metrics
 pytestmark = pytest.mark.slow
 
 SCRIPT = os.path.join(ROOT, "examples", "zero_bubble", "pretrain_zero_bubble.sh")
+OFFLOAD_SCRIPT = os.path.join(ROOT, "examples", "zero_bubble", "pretrain_offload.sh")
 
 # test_all_schedules.sh's sizes, scaled: pipeline 2, layers 2p-2 -> 4 (two per rank, one per V chunk), hidden
 # 4096 -> 64, 32 heads -> 4 (GQA 8 -> 2), seq 2048 -> 32, global batch 2p (4 microbatches), 3 iterations
@@ -33,6 +35,11 @@ SETTINGS = {
     "zbv-min": ({"ZERO_BUBBLE_V_SCHEDULE": "1", "ZERO_BUBBLE_MEM_LIMIT": "4", "SYNC_OPTIMIZER": "1", "FP32": "1"},
                 "--zero-bubble-v-schedule-mem-setup min", "v-min"),
     "zb-2p": ({"ENABLE_ZERO_BUBBLE": "1", "ZERO_BUBBLE_MEM_LIMIT": "4"}, "--initial-loss-scale 64", "auto"),
+    "1f1bv": ({"FP32": "1"}, "--enable-1f1b-v", "1f1b-v"),
+    # pretrain_offload.sh (the fork's method "offload-grouped-interleaved"): its OFFLOAD_CHUNK_NUM 4 of 7 chunks
+    # at 8 GPUs is 1 of the 2 chunks here; --recompute-lgd, --use-tp-pp-dp-mapping are in the script itself
+    "offload-grouped-interleaved": ({"INTERLEAVED_1F1B": "1", "INTERLEAVE_GROUP": "2", "OFFLOAD_TIME": "0.2",
+                                     "OFFLOAD_CHUNK_NUM": "1", "OFFLOAD": "1", "FP32": "1"}, "", "group-interleaved:2"),
 }
 
 
@@ -57,7 +64,8 @@ def test_fork_script_trains_the_schedule_its_flags_name(zb_dataset, tmp_path, me
     env = dict(os.environ, **SMALL, **switches, DATASET_DIR=zb_dataset, MASTER_PORT=str(free_port()),
                EXTRA_OPTIONS=f"--allow-padding-num-layers {extra} --metrics-jsonl {jsonl}",
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""), PYTHONPATH=ROOT)
-    proc = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    script = OFFLOAD_SCRIPT if method.startswith("offload") else SCRIPT
+    proc = subprocess.run(["bash", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
     run_lines = [line.split("run: ", 1)[1] for line in output.splitlines() if "] run: schedule " in line]
@@ -71,3 +79,6 @@ def test_fork_script_trains_the_schedule_its_flags_name(zb_dataset, tmp_path, me
     trained = [r["lm_loss"] for r in rows if not r.get("skipped")]
     assert trained and all(math.isfinite(loss) for loss in trained), rows
     assert "--enable-zb-runtime has no effect here" in output
+    if method.startswith("offload"):        # PipeOffload's flags take effect: chunk 0 offloads, norms recomputed
+        assert "activations of model chunk 0-0 offloaded to host memory" in run_lines[0]
+        assert "recompute of norms, activation" in output
