@@ -177,3 +177,31 @@ def test_errors_name_the_dry_run_and_its_world_size_flag(capsys):
     code, line = dry_run_error(0, BASE, capsys)
     assert code == 2
     assert line == "llamapipe dry-run: error: --world-size 0 must be positive"
+
+
+def test_a_model_too_deep_to_check_is_refused_in_one_line(capsys):
+    """Before: --num-layers 1000000 ran silently for minutes at 12 GB."""
+    from llamapipe.training.dry_run.main import main as dry_main
+    from tests.cli import TINY
+    flags = list(TINY)
+    flags[flags.index("--num-layers") + 1] = "1000000"
+    assert dry_main(["--world-size", "2", *flags, "--train-iters", "2", "--global-batch-size", "4",
+                     "--pipeline-model-parallel-size", "2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("more than the dry run checks (4,096: it builds every layer of a stage on meta tensors, "
+                            "about 40 ms each, and the largest published models have 126)"), err
+
+
+def test_receive_order_walks_each_plans_actions_once():
+    """Every rank's receive order from one pass over the plan (was: each rank walked every peer, quadratic in pp),
+    and the same orders as a walk per rank."""
+    from unittest import mock
+    from llamapipe.core.pipeline_parallel import p2p_communication as p2p
+    from llamapipe.core.pipeline_parallel.schedule_specs import build
+    plan = build("interleaved", 8, 2, 16)
+    with mock.patch.object(p2p, "needs_and_sends", wraps=p2p.needs_and_sends) as counted:
+        orders = [p2p.receive_order(plan, r) for r in range(8)]
+    assert counted.call_count == sum(len(acts) for acts in plan.actions)
+    for r in range(8):
+        walked = p2p.receive_order(plan, r, actions_of=lambda peer: plan.actions[peer])
+        assert orders[r] == walked

@@ -20,7 +20,9 @@ and every rank's T sends its partial input gradient to the last stage's B; they 
 """
 from __future__ import annotations
 
+
 import time
+import weakref
 from collections import deque
 from typing import NamedTuple, Optional
 
@@ -82,17 +84,35 @@ def vocab_messages(plan: Plan, pp_rank: int, action: Action) -> tuple[list[Messa
 
 
 def receive_order(plan: Plan, pp_rank: int, actions_of=None) -> dict[int, list[Message]]:
-    """For each peer, the messages it sends to `pp_rank`, in the peer's action order."""
-    actions_of = actions_of or (lambda r: plan.actions[r])
-    order: dict[int, list[Message]] = {}
-    for peer in range(plan.pp):
-        if peer == pp_rank:
-            continue
+    """For each peer, the messages it sends to `pp_rank`, in the peer's action order. The plan's own actions are
+    walked once for every rank together (`_receive_orders`, cached): walking every peer for each rank made a
+    pp-1000 plan quadratic."""
+    if actions_of is None:
+        return _receive_orders(plan).get(pp_rank, {})
+    return _orders(plan, actions_of, range(plan.pp)).get(pp_rank, {})
+
+
+_ORDERS: dict[int, tuple] = {}     # id(plan) -> (weak reference to it, its orders): hashing a big plan per call costs
+
+
+def _receive_orders(plan: Plan) -> dict[int, dict[int, list[Message]]]:
+    cached = _ORDERS.get(id(plan))
+    if cached is None or cached[0]() is not plan:
+        cached = (weakref.ref(plan), _orders(plan, lambda r: plan.actions[r], range(plan.pp)))
+        _ORDERS[id(plan)] = cached
+        weakref.finalize(plan, _ORDERS.pop, id(plan), None)
+    return cached[1]
+
+
+def _orders(plan: Plan, actions_of, peers) -> dict[int, dict[int, list[Message]]]:
+    """dst -> peer -> the messages peer sends to dst, in peer's action order (a rank's messages to itself left out)."""
+    order: dict[int, dict[int, list[Message]]] = {}
+    for peer in peers:
         for action in actions_of(peer):
             _, send = needs_and_sends(plan, peer, action)
             for msg in ([send] if send is not None else []) + vocab_messages(plan, peer, action)[1]:
-                if msg.dst == pp_rank:
-                    order.setdefault(peer, []).append(msg)
+                if msg.dst != peer:
+                    order.setdefault(msg.dst, {}).setdefault(peer, []).append(msg)
     return order
 
 

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MAX_LAYERS = 4096      # 1,000 layers took 42 s; a million would run for hours and take the machine's memory
+
+
 def dry_run_config(args: argparse.Namespace) -> Config:
     """The job's Config through the real checks, for the GPUs it will run on: NCCL unless --distributed-backend
     gloo is given (this machine needs no CUDA for it), and the memory check against --gpu-memory-gb."""
@@ -62,6 +65,10 @@ def dry_run_config(args: argparse.Namespace) -> Config:
     backend = args.distributed_backend or "nccl"
     config = config_from_args(argparse.Namespace(**{**vars(args), "distributed_backend": "gloo"}), args.world_size)
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, distributed_backend=backend))
+    if config.model.num_layers > MAX_LAYERS:
+        raise ArgumentError(f"--num-layers {config.model.num_layers} is more than the dry run checks ({MAX_LAYERS:,}: "
+                            "it builds every layer of a stage on meta tensors, about 40 ms each, and the largest "
+                            "published models have 126)")
     check_fits_memory(config.model, config.parallel, config.training, args.bf16 or args.fp16,
                       int(args.gpu_memory_gb * GIB))
     check_wandb(config.logging)
