@@ -205,3 +205,12 @@ def test_receive_order_walks_each_plans_actions_once():
     for r in range(8):
         walked = p2p.receive_order(plan, r, actions_of=lambda peer: plan.actions[peer])
         assert orders[r] == walked
+
+
+def test_a_world_too_large_to_check_is_refused_in_one_line(capsys):
+    """Before: --world-size 10^9 took the machine's 24 GB (10^5 raised MemoryError)."""
+    from llamapipe.training.dry_run.main import main as dry_main
+    from tests.cli import TINY
+    assert dry_main(["--world-size", "1000000000", *TINY, "--train-iters", "2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--world-size 1,000,000,000 is more than the dry run checks (131,072 ranks" in err[-1], err

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 MAX_LAYERS = 4096      # 1,000 layers took 42 s; a million would run for hours and take the machine's memory
+MAX_WORLD = 131072     # 16,384 ranks: 341 MiB; 10^9 would take any machine's memory
 
 
 def dry_run_config(args: argparse.Namespace) -> Config:
@@ -62,6 +63,9 @@ def dry_run_config(args: argparse.Namespace) -> Config:
         raise ArgumentError(f"--gpu-memory-gb {args.gpu_memory_gb:g} must be positive")
     if args.world_size < 1:
         raise ArgumentError(f"--world-size {args.world_size} must be positive")
+    if args.world_size > MAX_WORLD:
+        raise ArgumentError(f"--world-size {args.world_size:,} is more than the dry run checks ({MAX_WORLD:,} ranks: "
+                            "its rank grid grows by about 20 MiB a thousand ranks)")
     backend = args.distributed_backend or "nccl"
     config = config_from_args(argparse.Namespace(**{**vars(args), "distributed_backend": "gloo"}), args.world_size)
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, distributed_backend=backend))
