@@ -21,7 +21,6 @@ import os
 import sys
 
 import torch
-from safetensors.torch import save_file
 
 from llamapipe.training.checkpointing import io as cio
 from llamapipe.core.config import ParallelConfig, TrainingConfig
@@ -30,6 +29,7 @@ from llamapipe.training.flag_parser import FlagParser
 from llamapipe.training.config import Config
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.safe_files import check_target, replace_atomically, replace_with
+from llamapipe.training.checkpointing.integrity import write_safetensors
 from llamapipe.training.checkpointing.resharding import TensorSpec, spec_of
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.tools.hf_import_checks import check_sizes, check_weights, expected_shapes, read_config
@@ -137,8 +137,9 @@ def export_hf(load: str, hf_dir: str, tokenizer_model: str | None = None,
     os.makedirs(hf_dir, exist_ok=True)
     for name in ("model.safetensors", "config.json") + TOKENIZER_FILES:   # refuse a planted link before writing
         check_target(os.path.join(hf_dir, name))
-    replace_with(os.path.join(hf_dir, "model.safetensors"), lambda tmp: save_file(
-        {k: v.contiguous() for k, v in hf_state_dict.items()}, tmp, metadata={"format": "pt"}))
+    # our writer, not safetensors': that one leaves mode 0600, the other files 0666 less the umask (issue 51)
+    replace_with(os.path.join(hf_dir, "model.safetensors"), lambda tmp: write_safetensors(
+        tmp, {k: v.contiguous() for k, v in hf_state_dict.items()}, {"format": "pt"}))
     with replace_atomically(os.path.join(hf_dir, "config.json"), "w") as fh:
         json.dump(hf_config, fh, indent=2)
     written = write_hf_tokenizer(tokenizer, hf_dir, config.max_position_embeddings,

@@ -187,6 +187,16 @@ def test_export_refuses_a_link_in_the_output_directory_and_leaves_its_target(hf_
     assert victim.read_text() == "precious" and sorted(os.listdir(out)) == ["config.json"]
 
 
+def test_export_gives_every_file_the_same_mode(hf_model, tmp_path):
+    """Issue 51: model.safetensors was 0600 (safetensors' own writer) while config.json was 0666 less the umask."""
+    convert_hf.import_hf(hf_model[1], str(tmp_path / "ckpt"), 1, 1, None)
+    convert_hf.export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    modes = {name: os.stat(tmp_path / "out" / name).st_mode & 0o777 for name in ("model.safetensors", "config.json")}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    torch.testing.assert_close(reloaded.lm_head.weight, hf_model[0].lm_head.weight, rtol=0, atol=0)
+
+
 # --- a trained run exported whole: every vocabulary row, the tokenizer, generation (issue 33) -----------------
 
 RUN_SHAPE = ["--model", "tiny", "--num-layers", "2", "--seq-length", "64", "--micro-batch-size", "2",
