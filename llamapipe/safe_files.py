@@ -94,6 +94,25 @@ def open_existing(path: str, flags: int, *, devices: bool = False) -> int:
     return fd
 
 
+def read_regular(path: str) -> bytes:
+    """The bytes of the regular file at `path` (a link to one is followed): a FIFO there does not block the open
+    (O_NONBLOCK), and anything but a regular file is refused with `UnsafePathError` naming it (issue 51: a FIFO
+    at the tracker or at metadata.json hung every reader)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        kind = _refusal(os.fstat(fd).st_mode, devices=False)
+        if kind is not None:
+            err = UnsafePathError(f"{path} is {kind}, not a regular file")
+            err.kind = kind
+            raise err
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def temporary_name(path: str) -> str:
     """The name `path` is written under before it is renamed into place (the pid keeps two writers apart)."""
     return f"{path}.tmp{os.getpid()}"

@@ -18,7 +18,7 @@ import shutil
 from typing import Any, Optional
 
 from llamapipe.core.logger import get_logger
-from llamapipe.safe_files import check_target, clear_leftover, create_new
+from llamapipe.safe_files import UnsafePathError, check_target, clear_leftover, create_new, read_regular
 
 FORMAT_VERSION = 2          # 2: files carry sha256 checksums; 1 (sizes only) still loads
 READABLE_VERSIONS = (1, 2)
@@ -41,8 +41,7 @@ def fsync_path(path: str) -> None:
 
 
 def read_metadata(ckpt_dir: str) -> dict:
-    with open(os.path.join(ckpt_dir, METADATA)) as fh:
-        return json.load(fh)
+    return json.loads(read_regular(os.path.join(ckpt_dir, METADATA)))
 
 
 def _digest(meta: dict) -> str:
@@ -67,6 +66,8 @@ def checked_metadata(ckpt_dir: str) -> tuple[Optional[dict], Optional[str]]:
     they cannot disagree about a checkpoint."""
     try:
         meta = read_metadata(ckpt_dir)
+    except UnsafePathError as err:
+        return None, f"metadata.json is {err.kind}, not a regular file"
     except (OSError, ValueError):
         return None, "metadata.json is missing or unreadable"
     if not isinstance(meta, dict) or meta.get("format_version") not in READABLE_VERSIONS:
@@ -131,11 +132,15 @@ def list_iterations(save_dir: str) -> list[int]:
 
 
 def read_tracker(save_dir: str) -> Optional[int]:
+    """The iteration the tracker names; None when there is none, or it is unreadable or not a regular file (a
+    FIFO there must not hang the reader: it is named in a warning and ignored)."""
     try:
-        with open(os.path.join(save_dir, TRACKER)) as fh:
-            return int(fh.read().strip())
+        return int(read_regular(os.path.join(save_dir, TRACKER)).decode().strip())
+    except UnsafePathError as err:
+        get_logger().warning(f"{err}; ignored (the newest complete checkpoint is used)")
     except (OSError, ValueError):
-        return None
+        pass
+    return None
 
 
 def commit(tmp_dir: str, save_dir: str, iteration: int) -> str:

@@ -26,7 +26,8 @@ import time
 from typing import Any, Optional
 
 from llamapipe.core.logger import get_logger
-from llamapipe.safe_files import UnsafePathError, open_existing, pid_alive
+from llamapipe.safe_files import UnsafePathError, check_target, open_existing, pid_alive
+from llamapipe.training.checkpointing.catalog import TRACKER
 
 LOCK_FILE = "llamapipe.lock"
 _held: dict[str, "SaveDirLock"] = {}     # realpath of the directory -> this process's lock on it
@@ -60,6 +61,7 @@ def hold_save_dir(save_dir: Optional[str]) -> SaveDirLock:
     if save_dir and (not distributed or dist.get_rank() == 0):
         try:
             lock = acquire(save_dir)
+            _check_tracker(save_dir, lock)
         except ValueError as err:
             refusal = str(err)
         except UnsafePathError as err:
@@ -73,6 +75,16 @@ def hold_save_dir(save_dir: Optional[str]) -> SaveDirLock:
     if refusal is not None:
         raise ValueError(refusal)
     return lock
+
+
+def _check_tracker(save_dir: str, lock: SaveDirLock) -> None:
+    """A link, FIFO or directory at the tracker is refused now, like one at the lock, not at the first save after
+    training (issue 51); the lock just taken is let go."""
+    try:
+        check_target(os.path.join(save_dir, TRACKER))
+    except UnsafePathError as err:
+        lock.release()
+        raise ValueError(f"--save {save_dir}: its tracker {err}") from None
 
 
 def acquire(save_dir: str) -> SaveDirLock:
