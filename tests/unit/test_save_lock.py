@@ -163,3 +163,23 @@ def test_a_fifo_at_the_tracker_or_metadata_is_named_and_hangs_no_reader(tmp_path
     # the export goes past the FIFO to iteration 1 (this test model is no HF family: it stops there, in one line)
     assert "skipping incomplete checkpoint" in out and "iter_0000002: metadata.json is a FIFO" in out, out
     assert "Traceback" not in out, out
+
+
+def test_a_fresh_run_on_a_used_save_directory_is_refused_or_told_to_overwrite(tmp_path, notices):
+    """Issue 51: a fresh run (no --load, or another --load) on a --save holding an earlier run's checkpoints
+    overwrote some and left the newer ones, which a later --load resumed. Now: one line naming --save, its
+    newest iteration and the ways out; --load of the same directory resumes; --overwrite-save deletes them."""
+    save(tmp_path, 2)
+    save(tmp_path, 4)
+    for load_dir in (None, str(tmp_path / "elsewhere")):
+        with pytest.raises(ValueError) as info:
+            save_lock.hold_save_dir(str(tmp_path), load_dir)
+        message = str(info.value)
+        assert len(message.splitlines()) == 1 and message.startswith(f"--save {tmp_path} already holds 2 "), message
+        assert "the newest iteration 4" in message and f"--load {tmp_path} to resume it" in message, message
+        assert "--overwrite-save" in message and not (tmp_path / save_lock.LOCK_FILE).exists()
+    assert catalog.list_iterations(str(tmp_path)) == [2, 4], "nothing touched"
+    save_lock.hold_save_dir(str(tmp_path), str(tmp_path)).release()     # resuming it
+    save_lock.hold_save_dir(str(tmp_path), None, overwrite=True).release()
+    assert catalog.list_iterations(str(tmp_path)) == [] and not (tmp_path / catalog.TRACKER).exists()
+    assert any("deleted 2 checkpoint(s) of an earlier run" in r.getMessage() for r in notices)

@@ -176,7 +176,8 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
                             finetune=args.finetune, keep_last_n=args.keep_last_n,
                             override_opt_param_scheduler=args.override_opt_param_scheduler,
                             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-                            async_save=args.async_save, allow_tokenizer_change=args.allow_tokenizer_change)
+                            async_save=args.async_save, allow_tokenizer_change=args.allow_tokenizer_change,
+                            overwrite_save=args.overwrite_save)
 
 
 def logging_config(args: argparse.Namespace) -> LoggingConfig:

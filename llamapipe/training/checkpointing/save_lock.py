@@ -52,9 +52,9 @@ class SaveDirLock:
         _held.pop(os.path.realpath(os.path.dirname(self.path)), None)
 
 
-def hold_save_dir(save_dir: Optional[str]) -> SaveDirLock:
+def hold_save_dir(save_dir: Optional[str], load_dir: Optional[str] = None, overwrite: bool = False) -> SaveDirLock:
     """Collective: rank 0 locks `save_dir` (nothing to lock without one); every rank raises the same
-    one-line ValueError when the directory is in use."""
+    one-line ValueError when the directory is in use, or holds another run's checkpoints (`save_history`)."""
     import torch.distributed as dist
     distributed = dist.is_available() and dist.is_initialized()
     lock, refusal = SaveDirLock("", None), None
@@ -62,6 +62,7 @@ def hold_save_dir(save_dir: Optional[str]) -> SaveDirLock:
         try:
             lock = acquire(save_dir)
             _check_tracker(save_dir, lock)
+            _check_history(save_dir, load_dir, overwrite, lock)
         except ValueError as err:
             refusal = str(err)
         except UnsafePathError as err:
@@ -85,6 +86,21 @@ def _check_tracker(save_dir: str, lock: SaveDirLock) -> None:
     except UnsafePathError as err:
         lock.release()
         raise ValueError(f"--save {save_dir}: its tracker {err}") from None
+
+
+def _check_history(save_dir: str, load_dir: Optional[str], overwrite: bool, lock: SaveDirLock) -> None:
+    """Another run's checkpoints in `save_dir` are refused (or, with --overwrite-save, deleted) now, before any
+    work (issue 51); the lock just taken is let go on a refusal."""
+    from llamapipe.training.checkpointing.save_history import OVERWRITE_FLAG, check_history
+    try:
+        check_history(save_dir, load_dir, overwrite)
+    except ValueError:
+        lock.release()
+        raise
+    except OSError as err:
+        lock.release()
+        raise ValueError(f"--save {save_dir}: {OVERWRITE_FLAG} could not delete the earlier checkpoints "
+                         f"({err})") from None
 
 
 def acquire(save_dir: str) -> SaveDirLock:
