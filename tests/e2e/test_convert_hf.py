@@ -256,3 +256,36 @@ def test_trained_tp2_run_exports_every_vocabulary_row_and_its_tokenizer(trained_
         for _ in range(generated.shape[1] - prompt.shape[1]):
             greedy = torch.cat([greedy, ours(input_ids=greedy)[:, -1:].argmax(-1)], 1)
     assert generated.shape[1] > prompt.shape[1] and torch.equal(generated, greedy)
+
+
+def test_import_into_a_used_or_locked_save_directory_is_refused(hf_model, tmp_path, capsys):
+    """Issue 51: an import into a directory holding training checkpoints exited 0 and moved the tracker to 0,
+    and a later --load resumed the old iteration 4 anyway (the import silently lost); an import ignored the lock
+    of a training run writing the same directory. Now both are refused in one line; --overwrite-save deletes the
+    earlier checkpoints first."""
+    from llamapipe.training.checkpointing import catalog
+    from tests.unit.test_checkpoint_integrity import save
+    from tests.unit.test_save_lock import _holder
+    ckpt = tmp_path / "ckpt"
+    save(ckpt, 4)
+    capsys.readouterr()
+    argv = ["import", "--hf-dir", hf_model[1], "--save", str(ckpt)]
+    with pytest.raises(SystemExit) as info:
+        convert_hf.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and err == (
+        f"convert_hf.py: error: --save {ckpt} already holds 1 checkpoint(s) of an earlier run, the newest iteration "
+        "4; give another --save, or --overwrite-save to delete them first (mixing two runs' checkpoints would make "
+        "a later --load resume the wrong one)"), err
+    assert catalog.list_iterations(str(ckpt)) == [4] and catalog.read_tracker(str(ckpt)) == 4
+    holder = _holder(ckpt)
+    try:
+        with pytest.raises(SystemExit):
+            convert_hf.main(argv + ["--overwrite-save"])
+        assert f"--save {ckpt} is in use by another run (host" in capsys.readouterr().err
+        assert catalog.list_iterations(str(ckpt)) == [4]
+    finally:
+        holder.kill()
+        holder.wait()
+    convert_hf.main(argv + ["--overwrite-save"])
+    assert catalog.list_iterations(str(ckpt)) == [0] and catalog.read_tracker(str(ckpt)) == 0

@@ -183,3 +183,17 @@ def test_a_fresh_run_on_a_used_save_directory_is_refused_or_told_to_overwrite(tm
     save_lock.hold_save_dir(str(tmp_path), None, overwrite=True).release()
     assert catalog.list_iterations(str(tmp_path)) == [] and not (tmp_path / catalog.TRACKER).exists()
     assert any("deleted 2 checkpoint(s) of an earlier run" in r.getMessage() for r in notices)
+
+
+def test_a_tracker_that_names_an_older_iteration_is_a_warning_saying_which_loads_and_why(tmp_path, notices):
+    """Issue 51: 'names iteration 0; loading iteration 4' read as a passing remark; it now says which checkpoint
+    is resumed, why, and how to resume the tracker's instead."""
+    from llamapipe.training.checkpointing import selection
+    save(tmp_path, 2)
+    save(tmp_path, 4)
+    (tmp_path / catalog.TRACKER).write_text("2\n")
+    assert selection.choose_checkpoint(str(tmp_path))[0] == 4
+    said = [r.getMessage() for r in notices if catalog.TRACKER in r.getMessage()]
+    assert said == [f"warning: {tmp_path / catalog.TRACKER} names iteration 2, but loading iteration 4: the newest "
+                    "checkpoint that verifies is the one resumed; to resume iteration 2, move the newer iter_* "
+                    "directories away"], said

@@ -102,5 +102,8 @@ def choose_checkpoint(load_dir: str, layout: Optional[dict] = None, *, verify: b
 def _warn_tracker(load_dir: str, iteration: int, rank: int) -> None:
     tracked = catalog.read_tracker(load_dir)
     if rank == 0 and tracked is not None and tracked != iteration:
-        get_logger().warning(f"{load_dir}/{catalog.TRACKER} names iteration {tracked}; loading iteration "
-                             f"{iteration}, the newest checkpoint that verifies")
+        # issue 51: an import or a fresh run that moved the tracker back was silently undone by this choice
+        why = (f"; to resume iteration {tracked}, move the newer iter_* directories away" if tracked < iteration
+               else f" (there is no iteration {tracked})")
+        get_logger().warning(f"warning: {load_dir}/{catalog.TRACKER} names iteration {tracked}, but loading "
+                             f"iteration {iteration}: the newest checkpoint that verifies is the one resumed{why}")
