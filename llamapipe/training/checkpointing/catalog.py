@@ -195,9 +195,19 @@ def prune(save_dir: str, keep_last_n: int, saved: int) -> list[int]:
     older = [i for i in list_iterations(save_dir)
              if i < saved and incomplete_reason(iter_dir(save_dir, i)) is None]
     doomed = older[:len(older) - max(keep_last_n - 1, 0)]
-    for iteration in doomed:
-        shutil.rmtree(iter_dir(save_dir, iteration))
-    return doomed
+    deleted = []
+    for iteration in doomed:    # one entry that cannot go is named and kept; the rest are still pruned (issue 51)
+        path = iter_dir(save_dir, iteration)
+        try:
+            if os.path.islink(path):
+                raise OSError(f"{path} is a symbolic link, not a checkpoint directory of this run; pruning "
+                              "removes neither it nor its target (remove the link yourself)")
+            shutil.rmtree(path)
+        except OSError as err:
+            get_logger().warning(f"--keep-last-n {keep_last_n}: kept {path}: {err}")
+            continue
+        deleted.append(iteration)
+    return deleted
 
 
 def remove_stale_tmp(save_dir: str) -> None:
