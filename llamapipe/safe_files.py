@@ -62,6 +62,18 @@ def check_target(path: str, *, devices: bool = False, directory: bool = False) -
         raise _refuse(path, kind, directory)
 
 
+def kind_of(path: str) -> str:
+    """What is at `path`, in words, following a link ("a FIFO (named pipe)", "a dangling symbolic link", ...),
+    for a message that refuses it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a dangling symbolic link" if os.path.islink(path) else "missing"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
 def create_new(path: str, mode: str = "wb") -> IO:
     """A new file at `path`, which must not exist (whatever is there is neither followed nor reused)."""
     try:
