@@ -95,8 +95,13 @@ def choose_checkpoint(load_dir: str, layout: Optional[dict] = None, *, verify: b
         skipped.append(f"{os.path.basename(path)} ({defect})")
     if not candidates:
         return None
-    raise ValueError(f"--load {load_dir} holds checkpoints but none is usable: {'; '.join(skipped)}; repair or "
-                     "remove them, or point --load elsewhere")
+    raise ValueError(unusable(load_dir, skipped))
+
+
+def unusable(load_dir: str, skipped: list[str]) -> str:
+    """The one line for a --load whose checkpoints are all unusable (`skipped`: 'iter_X (why)' each)."""
+    return (f"--load {load_dir} holds checkpoints but none is usable: {'; '.join(skipped)}; repair or remove them, "
+            "or point --load elsewhere")
 
 
 def _warn_tracker(load_dir: str, iteration: int, rank: int) -> None:
