@@ -36,7 +36,8 @@ from llamapipe.training.checkpointing.integrity import write_safetensors
 from llamapipe.training.checkpointing.save_history import check_history
 from llamapipe.training.checkpointing.resharding import TensorSpec, spec_of
 from llamapipe.model.llama import LlamaConfig
-from llamapipe.tools.hf_import_checks import check_sizes, check_weights, expected_shapes, read_config
+from llamapipe.tools.hf_import_checks import (check_numbers, check_sizes, check_trainable, check_weights,
+                                              expected_shapes, read_config)
 from llamapipe.model.families import config_from_dict, family_of, family_of_hf
 from llamapipe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from llamapipe.data.tokenizers.hf_export import OUTPUT_FILES as TOKENIZER_FILES, special_token_ids, write_hf_tokenizer
@@ -86,7 +87,9 @@ def import_hf(hf_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_s
     hf_state_dict, hf_config = read_hf_dir(hf_dir)
     family, config_path = family_of_hf(hf_config), os.path.join(hf_dir, "config.json")
     check_sizes(hf_config, config_path)     # before anything divides by them or is written
+    check_numbers(hf_config, config_path)
     config = family.config_from_hf(hf_config, make_vocab_size_divisible_by)
+    check_trainable(config, config_path)
     check_weights(hf_state_dict, hf_config, expected_shapes(family, config), config_path, config.tie_word_embeddings)
     config, full = family.from_hf(hf_state_dict, hf_config, make_vocab_size_divisible_by)
     vpp = 1

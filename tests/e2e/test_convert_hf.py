@@ -138,6 +138,13 @@ def _edited(hf_dir, tmp_path, change=None, config_text=None, extra=None) -> str:
     return str(out)
 
 
+def _old_rope(config: dict, **keys) -> None:
+    """`keys` as the RoPE settings of config.json in the form Meta's checkpoints ship (rope_theta and rope_scaling
+    at the top, transformers < 5), in place of transformers 5's rope_parameters."""
+    config.pop("rope_parameters", None)
+    config.update(keys)
+
+
 @pytest.mark.parametrize("case, edit, says", [
     ("fewer layers", dict(change=lambda c: c.update(num_hidden_layers=2)),
      "{cfg} gives num_hidden_layers 2 but the weights hold layers 0-3"),
@@ -156,6 +163,20 @@ def _edited(hf_dir, tmp_path, change=None, config_text=None, extra=None) -> str:
     ("unknown tensor", dict(extra={"model.vision_tower.weight": torch.zeros(2, 2)}),
      "the weights hold model.vision_tower.weight, which {cfg} does not describe"),
     ("cut short", dict(config_text='{"model_type": "llama", "hidden_si'), "{cfg} is not valid JSON (Unterminated string"),
+    # issue 51: the key that sizes the tensor is named, not another of the same value (48 is intermediate_size too)
+    ("head_dim", dict(change=lambda c: c.update(head_dim=12)),
+     "{cfg} does not match the weights: model.layers.0.self_attn.q_proj.weight is [32, 32], but num_attention_heads "
+     "4 x head_dim 12 makes it [48, 32]"),
+    ("eps a string", dict(change=lambda c: c.update(rms_norm_eps="abc")), "{cfg} gives rms_norm_eps 'abc'; it must be a number"),
+    ("rope_scaling a string", dict(change=lambda c: c.update(rope_scaling="llama3")),
+     "{cfg} gives rope_scaling 'llama3'; it must be an object"),
+    ("theta 0", dict(change=lambda c: _old_rope(c, rope_theta=0)),
+     "{cfg} gives rope_theta 0.0; it must be a finite positive number, or training refuses the imported checkpoint"),
+    ("theta NaN", dict(change=lambda c: _old_rope(c, rope_theta=float("nan"))), "{cfg} gives rope_theta nan; it must be"),
+    *((f"original {n}", dict(change=lambda c, n=n: _old_rope(c, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=n))),
+       f"{{cfg}} gives rope_scaling original_max_position_embeddings {n}; it must be 8192, the only value training "
+       "sets, or training refuses the imported checkpoint") for n in (0, 64)),
 ])
 def test_import_refuses_a_config_that_disagrees_with_the_weights_and_writes_nothing(
         hf_model, tmp_path, capsys, case, edit, says):
