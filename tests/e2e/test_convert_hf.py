@@ -167,14 +167,17 @@ def _old_rope(config: dict, **keys) -> None:
     ("head_dim", dict(change=lambda c: c.update(head_dim=12)),
      "{cfg} does not match the weights: model.layers.0.self_attn.q_proj.weight is [32, 32], but num_attention_heads "
      "4 x head_dim 12 makes it [48, 32]"),
-    ("eps a string", dict(change=lambda c: c.update(rms_norm_eps="abc")), "{cfg} gives rms_norm_eps 'abc'; it must be a number"),
+    ("eps a string", dict(change=lambda c: c.update(rms_norm_eps="abc")),
+     "{cfg} gives rms_norm_eps 'abc'; it must be a number"),
     ("rope_scaling a string", dict(change=lambda c: c.update(rope_scaling="llama3")),
      "{cfg} gives rope_scaling 'llama3'; it must be an object"),
     ("theta 0", dict(change=lambda c: _old_rope(c, rope_theta=0)),
      "{cfg} gives rope_theta 0.0; it must be a finite positive number, or training refuses the imported checkpoint"),
-    ("theta NaN", dict(change=lambda c: _old_rope(c, rope_theta=float("nan"))), "{cfg} gives rope_theta nan; it must be"),
+    ("theta NaN", dict(change=lambda c: _old_rope(c, rope_theta=float("nan"))),
+     "{cfg} gives rope_theta nan; it must be"),
     *((f"original {n}", dict(change=lambda c, n=n: _old_rope(c, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=n))),
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=n))),
        f"{{cfg}} gives rope_scaling original_max_position_embeddings {n}; it must be 8192, the only value training "
        "sets, or training refuses the imported checkpoint") for n in (0, 64)),
 ])
