@@ -4,7 +4,8 @@ As in Megatron, shape flags the user did not give are filled from the checkpoint
 head sizes, positions, sequence length, vocabulary), while the architecture switches are always taken
 from it (the model family, query groups and --group-query-attention, RoPE base, percent and scaling, tied
 embeddings). With no
-checkpoint in --load yet, the command line stands (Megatron prints the same and goes on).
+checkpoint in --load yet, the command line stands (Megatron prints the same and goes on); a --load that holds
+only unusable checkpoints, or whose model_config lacks a field or holds a string or NaN, is one line.
 """
 from __future__ import annotations
 
