@@ -62,6 +62,18 @@ def check_target(path: str, *, devices: bool = False, directory: bool = False) -
         raise _refuse(path, kind, directory)
 
 
+def kind_of(path: str) -> str:
+    """What is at `path`, in words, following a link ("a FIFO (named pipe)", "a dangling symbolic link", ...),
+    for a message that refuses it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a dangling symbolic link" if os.path.islink(path) else "missing"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
 def create_new(path: str, mode: str = "wb") -> IO:
     """A new file at `path`, which must not exist (whatever is there is neither followed nor reused)."""
     try:
@@ -92,6 +104,25 @@ def open_existing(path: str, flags: int, *, devices: bool = False) -> int:
         raise _refuse(path, kind)
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return fd
+
+
+def read_regular(path: str) -> bytes:
+    """The bytes of the regular file at `path` (a link to one is followed): a FIFO there does not block the open
+    (O_NONBLOCK), and anything but a regular file is refused with `UnsafePathError` naming it (issue 51: a FIFO
+    at the tracker or at metadata.json hung every reader)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        kind = _refusal(os.fstat(fd).st_mode, devices=False)
+        if kind is not None:
+            err = UnsafePathError(f"{path} is {kind}, not a regular file")
+            err.kind = kind
+            raise err
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def temporary_name(path: str) -> str:

@@ -20,14 +20,13 @@ import hashlib
 import json
 import os
 import tempfile
-import time
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from llamapipe.core.logger import get_logger
-from llamapipe.safe_files import replace_atomically
+from llamapipe.data.index_cache import load_or_build
 from llamapipe.data.indexed_dataset import IndexedDataset, cached_max_token_id, data_file_path
 from llamapipe.data.packed_documents import PackedDocuments
 
@@ -106,9 +105,9 @@ class GPTDataset(torch.utils.data.Dataset):
         digest = hashlib.md5(key.encode()).hexdigest()
         base = os.path.join(cache_dir or default_cache_dir(indexed.prefix),
                             f"{os.path.basename(indexed.prefix)}_{name}_{digest}")
-        self.doc_idx, self.sample_idx, self.shuffle_idx = _load_or_build(
-            base, lambda: build_indices(indexed.sequence_lengths, np.arange(first, last),
-                                        num_samples, seq_length, seed))
+        self.doc_idx, self.sample_idx, self.shuffle_idx = load_or_build(
+            base, lambda: build_indices(indexed.sequence_lengths, np.arange(first, last), num_samples, seq_length,
+                                        seed), indexed.sequence_lengths, doc_range, num_samples, seq_length)
         assert len(self.shuffle_idx) >= num_samples
 
     def __len__(self) -> int:
@@ -139,22 +138,6 @@ def make_sample(window: np.ndarray, documents: Optional[PackedDocuments] = None)
     if documents is None:
         return {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": torch.ones(len(tokens) - 1)}
     return {"tokens": tokens[:-1], "labels": tokens[1:], **documents.fields(tokens[:-1])}
-
-
-def _load_or_build(base: str, build) -> tuple[np.ndarray, ...]:
-    names = ("doc_idx", "sample_idx", "shuffle_idx")
-    paths = [f"{base}-{n}.npy" for n in names]
-    if all(os.path.isfile(p) for p in paths):
-        return tuple(np.load(p, mmap_mode="r") for p in paths)
-    start = time.perf_counter()
-    arrays = build()
-    os.makedirs(os.path.dirname(base), exist_ok=True)
-    for path, array in zip(paths, arrays):
-        with replace_atomically(path) as fh:    # whole or not at all, never through a link
-            np.save(fh, array)
-    get_logger().info("built %s indices (%d samples) in %.2fs -> %s", os.path.basename(base),
-                      len(arrays[2]), time.perf_counter() - start, os.path.dirname(base))
-    return arrays
 
 
 def blending_index(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:

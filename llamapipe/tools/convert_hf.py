@@ -4,7 +4,8 @@
       --pipeline-model-parallel-size P --num-layers-per-virtual-pipeline-stage V]
   llamapipe convert-hf export --load DIR --hf-dir D [--tokenizer-model PATH]
 
-Import writes iteration 0, model weights only (train from it with --finetune, or --no-load-optim).
+Import writes iteration 0, model weights only (train from it with --finetune, or --no-load-optim), holding the
+--save lock as training does; a --save that holds checkpoints already is refused (--overwrite-save deletes them).
 Export takes any checkpoint (any layout; DIR may be a save dir or one iter_XXXXXXX dir) and writes
 model.safetensors + config.json that transformers' AutoModelForCausalLM.from_pretrained loads, every vocabulary
 row the checkpoint records (gathered over its TP shards), and the run's tokenizer (recorded in the
@@ -19,9 +20,9 @@ import dataclasses
 import json
 import os
 import sys
+from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 
 from llamapipe.training.checkpointing import io as cio
 from llamapipe.core.config import ParallelConfig, TrainingConfig
@@ -30,9 +31,13 @@ from llamapipe.training.flag_parser import FlagParser
 from llamapipe.training.config import Config
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.safe_files import check_target, replace_atomically, replace_with
+from llamapipe.training.checkpointing import save_lock
+from llamapipe.training.checkpointing.integrity import write_safetensors
+from llamapipe.training.checkpointing.save_history import check_history
 from llamapipe.training.checkpointing.resharding import TensorSpec, spec_of
 from llamapipe.model.llama import LlamaConfig
-from llamapipe.tools.hf_import_checks import check_sizes, check_weights, expected_shapes, read_config
+from llamapipe.tools.hf_import_checks import (check_numbers, check_sizes, check_trainable, check_weights,
+                                              expected_shapes, read_config)
 from llamapipe.model.families import config_from_dict, family_of, family_of_hf
 from llamapipe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from llamapipe.data.tokenizers.hf_export import OUTPUT_FILES as TOKENIZER_FILES, special_token_ids, write_hf_tokenizer
@@ -77,12 +82,14 @@ def model_specs(config: LlamaConfig, tp: int) -> dict[str, TensorSpec]:
 
 
 def import_hf(hf_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_stage: int | None,
-              make_vocab_size_divisible_by: int = 128, virtual_stages: int | None = None) -> str:
-    from tqdm import tqdm
+              make_vocab_size_divisible_by: int = 128, virtual_stages: int | None = None, *,
+              overwrite: bool = False) -> str:
     hf_state_dict, hf_config = read_hf_dir(hf_dir)
     family, config_path = family_of_hf(hf_config), os.path.join(hf_dir, "config.json")
     check_sizes(hf_config, config_path)     # before anything divides by them or is written
+    check_numbers(hf_config, config_path)
     config = family.config_from_hf(hf_config, make_vocab_size_divisible_by)
+    check_trainable(config, config_path)
     check_weights(hf_state_dict, hf_config, expected_shapes(family, config), config_path, config.tie_word_embeddings)
     config, full = family.from_hf(hf_state_dict, hf_config, make_vocab_size_divisible_by)
     vpp = 1
@@ -108,9 +115,24 @@ def import_hf(hf_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_s
     parallel = ParallelConfig(world_size=tp * pp, tp_size=tp, pp_size=pp, vpp_size=vpp)
     # the context the model was trained for, which --use-checkpoint-args then takes as --seq-length
     training = TrainingConfig(seq_length=config.max_position_embeddings)
-    return cio.write_layout(save_dir, 0, full, specs, dataclasses.asdict(config), tp=tp, pp=pp, vpp=vpp,
-                            config=dataclasses.asdict(Config(model=config, parallel=parallel, training=training)),
-                            progress=lambda grid: tqdm(grid, desc="writing shards", unit="shard"))
+    run_config = dataclasses.asdict(Config(model=config, parallel=parallel, training=training))
+    return _write_import(save_dir, overwrite, lambda progress: cio.write_layout(
+        save_dir, 0, full, specs, dataclasses.asdict(config), tp=tp, pp=pp, vpp=vpp, config=run_config,
+        progress=progress))
+
+
+def _write_import(save_dir: str, overwrite: bool, write: Callable[[Callable], str]) -> str:
+    """`write(progress)` into `save_dir` holding its lock, as training does, so a live run's directory is refused
+    (issue 51); and only where no earlier history is (`save_history`: refused in one line, or deleted first with
+    --overwrite-save), so the imported iteration 0 is the one a later --load takes. The directory is created only
+    now, once the HF input has been read and checked."""
+    from tqdm import tqdm
+    lock = save_lock.acquire(save_dir)
+    try:
+        check_history(save_dir, None, overwrite, resume_hint=False)
+        return write(lambda grid: tqdm(grid, desc="writing shards", unit="shard"))
+    finally:
+        lock.release()
 
 
 def export_hf(load: str, hf_dir: str, tokenizer_model: str | None = None,
@@ -137,8 +159,9 @@ def export_hf(load: str, hf_dir: str, tokenizer_model: str | None = None,
     os.makedirs(hf_dir, exist_ok=True)
     for name in ("model.safetensors", "config.json") + TOKENIZER_FILES:   # refuse a planted link before writing
         check_target(os.path.join(hf_dir, name))
-    replace_with(os.path.join(hf_dir, "model.safetensors"), lambda tmp: save_file(
-        {k: v.contiguous() for k, v in hf_state_dict.items()}, tmp, metadata={"format": "pt"}))
+    # our writer, not safetensors': that one leaves mode 0600, the other files 0666 less the umask (issue 51)
+    replace_with(os.path.join(hf_dir, "model.safetensors"), lambda tmp: write_safetensors(
+        tmp, {k: v.contiguous() for k, v in hf_state_dict.items()}, {"format": "pt"}))
     with replace_atomically(os.path.join(hf_dir, "config.json"), "w") as fh:
         json.dump(hf_config, fh, indent=2)
     written = write_hf_tokenizer(tokenizer, hf_dir, config.max_position_embeddings,
@@ -178,6 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="virtual stages per pipeline rank (newer Megatron's spelling of VPP)")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                      help="vocabulary padding multiple (x TP), as training will use")
+    imp.add_argument("--overwrite-save", action="store_true", help="delete the checkpoints already in --save "
+                     "first; without it an import into a directory holding checkpoints is refused")
     exp = sub.add_parser("export", help="llamapipe checkpoint -> HF directory (weights, config and tokenizer)",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     exp.add_argument("--load", required=True, help="a save directory (its newest complete checkpoint is taken) "
@@ -200,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
                     raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
             out = import_hf(args.hf_dir, args.save, args.tensor_model_parallel_size,
                             args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage,
-                            args.make_vocab_size_divisible_by, args.num_virtual_stages_per_pipeline_rank)
+                            args.make_vocab_size_divisible_by, args.num_virtual_stages_per_pipeline_rank,
+                            overwrite=args.overwrite_save)
             print(f"wrote {out}")
         else:
             out, tokenizer_files = export_hf(args.load, args.hf_dir, args.tokenizer_model, args.tokenizer_type)

@@ -19,6 +19,7 @@ import torch
 
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.model.families import ModelFamily
+from llamapipe.model.llama.config import trainable_defect
 
 _SIZES = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
           "max_position_embeddings")
@@ -50,6 +51,37 @@ def check_sizes(hf_config: dict[str, Any], path: str) -> None:
             raise ValueError(f"{path} {said}; it must be a positive whole number")
 
 
+_HF_KEYS = {"rope_theta": "rope_theta", "norm_epsilon": "rms_norm_eps", "rope_scaling_factor": "rope_scaling factor",
+            "rope_low_freq_factor": "rope_scaling low_freq_factor",
+            "rope_high_freq_factor": "rope_scaling high_freq_factor",
+            "rope_original_max_position_embeddings": "rope_scaling original_max_position_embeddings"}
+
+
+def check_numbers(hf_config: dict[str, Any], path: str) -> None:
+    """rms_norm_eps and rope_theta are numbers and the RoPE parameters an object, before they are converted
+    (issue 51: "abc" was imported as the norm epsilon, and a rope_scaling string ended in an AttributeError)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if hf_config.get(key) is not None and not isinstance(hf_config[key], dict):
+            raise ValueError(f"{path} gives {key} {hf_config[key]!r}; it must be an object such as "
+                             '{"rope_type": "llama3", "factor": 8.0, ...} or null')
+    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    for where, key in ((hf_config, "rms_norm_eps"), (hf_config, "rope_theta"), (params, "rope_theta"),
+                       *((params, k) for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                               "original_max_position_embeddings"))):
+        value = where.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise ValueError(f"{path} gives {key} {value!r}; it must be a number")
+
+
+def check_trainable(config: Any, path: str) -> None:
+    """The model config.json describes is one training runs and can set (`trainable_defect`, the trainer's check)."""
+    defect = trainable_defect(config)
+    if defect is not None:
+        field, value, must = defect
+        raise ValueError(f"{path} gives {_HF_KEYS.get(field, field)} {value!r}; it must be {must}, or training "
+                         "refuses the imported checkpoint")
+
+
 def expected_shapes(family: ModelFamily, config: Any) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape of the model `config` describes, from the family's model and adapter."""
     try:
@@ -79,20 +111,28 @@ def check_weights(weights: dict[str, torch.Tensor], hf_config: dict[str, Any], e
         found = tuple(weights[name].shape) if name in weights else shape
         if found != shape:
             dim = next(i for i, (a, b) in enumerate(zip(found, shape)) if a != b) if len(found) == len(shape) else 0
-            raise ValueError(f"{path} does not match the weights: {name} is {list(found)}, but {_source(hf_config, shape[dim])} "
-                             f"makes it {list(shape)}")
+            raise ValueError(f"{path} does not match the weights: {name} is {list(found)}, but "
+                             f"{_source(hf_config, name, dim, shape[dim])} makes it {list(shape)}")
 
 
-def _source(hf_config: dict[str, Any], size: int) -> str:
-    """Which config.json keys give a tensor dimension of `size`."""
+# (a part of a tensor's name, its dimension) -> the config.json key that sizes it; a dimension not listed is the
+# hidden size. By the tensor's role, not by the value: 4 heads x head_dim 12 is 48 like an intermediate_size 48,
+# and the key named must be the heads (issue 51).
+_ROLES = {("q_proj", 0): "heads", ("o_proj", 1): "heads", ("k_proj", 0): "kv", ("v_proj", 0): "kv",
+          ("gate_proj", 0): "intermediate_size", ("up_proj", 0): "intermediate_size",
+          ("down_proj", 1): "intermediate_size", ("embed_tokens", 0): "vocab_size", ("lm_head", 0): "vocab_size"}
+
+
+def _source(hf_config: dict[str, Any], name: str, dim: int, size: int) -> str:
+    """The config.json key(s) that give dimension `dim` (of `size`) of tensor `name`."""
     heads, kv = hf_config["num_attention_heads"], hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
-    sources = {"vocab_size": hf_config["vocab_size"], "hidden_size": hf_config["hidden_size"],
-               "intermediate_size": hf_config["intermediate_size"],
-               f"num_attention_heads {heads} x head_dim {head_dim}": heads * head_dim,
-               f"num_key_value_heads {kv} x head_dim {head_dim}": kv * head_dim}
-    keys = [key if " x " in key else f"{key} {value}" for key, value in sources.items() if value == size]
-    return " and ".join(keys[:1]) or "config.json"
+    role = next((r for (part, d), r in _ROLES.items() if d == dim and f"{part}." in name + "."), "hidden_size")
+    if role == "heads":
+        return f"num_attention_heads {heads} x head_dim {head_dim}"
+    if role == "kv":
+        return f"num_key_value_heads {kv} x head_dim {head_dim}"
+    return f"{role} {hf_config[role]}" if hf_config[role] == size else "config.json"
 
 
 def _spans(values: list[int]) -> str:

@@ -24,6 +24,7 @@ class CheckpointConfig:
     use_checkpoint_opt_param_scheduler: bool = False  # the LR schedule comes from the checkpoint
     async_save: bool = False                         # write checkpoints on a background thread
     allow_tokenizer_change: bool = False             # resume a checkpoint trained with another tokenizer
+    overwrite_save: bool = False                     # a fresh run deletes the checkpoints already in --save
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,14 @@ the planner and the memory check use too.
 from __future__ import annotations
 
 import contextlib
+import errno
 import dataclasses
 import importlib.util
 import json
 import os
 import resource
 import socket
+import stat
 import time
 from typing import Any, Optional
 
@@ -194,8 +196,41 @@ class MetricsWriter:
                 setattr(self, sink, None)
 
 
+class _JsonlFile:
+    """An appended JSONL file that holds whole lines only (issue 51): each record goes in one write, and a write
+    the disk cuts short is taken back (the file truncated to where the record began) before the error is raised;
+    a file that ends mid-line (an older run's cut-short record) gets a newline first, so ours starts a line."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        st = os.fstat(fd)
+        self._regular = stat.S_ISREG(st.st_mode)
+        if self._regular and st.st_size and os.pread(fd, 1, st.st_size - 1) != b"\n":
+            self.write("\n")
+
+    def write(self, text: str) -> None:
+        data = text.encode()
+        start = os.fstat(self.fd).st_size if self._regular else 0
+        try:
+            written = os.write(self.fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({written} of {len(data)} bytes written)")
+        except OSError:
+            if self._regular:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.fd, start)
+            raise
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 def _open_jsonl(path: str) -> Any:
     """Appended to, never through a link (a link, FIFO or directory there is refused; /dev/null is fine)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd = open_existing(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, devices=True)
-    return os.fdopen(fd, "a", buffering=1)    # line-buffered: each record reaches the file when it is written
+    fd = open_existing(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, devices=True)    # read: its last byte
+    try:
+        return _JsonlFile(fd)
+    except BaseException:
+        os.close(fd)
+        raise

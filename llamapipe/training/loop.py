@@ -116,7 +116,8 @@ class Trainer:
         from llamapipe.core.optimizer import OptimizerParamScheduler, build_optimizer
         from llamapipe.training.setup import build_forward_backward_func, build_runtime_options
         from llamapipe.training.checkpointing.save_lock import hold_save_dir
-        self.save_lock = hold_save_dir(config.checkpoint.save)    # one run per --save directory, before any work
+        ckpt = config.checkpoint      # one run per --save directory, and one history in it, before any work
+        self.save_lock = hold_save_dir(ckpt.save, ckpt.load, ckpt.overwrite_save)
         self.config, self.model_cfg, self.ps, self.device = config, model_cfg, ps, device
         self.chunks, self.roles = build_model_chunks(config, model_cfg, ps, device)
         self.optimizer = build_optimizer(self.chunks, config.optimizer, ps)

@@ -138,6 +138,13 @@ def _edited(hf_dir, tmp_path, change=None, config_text=None, extra=None) -> str:
     return str(out)
 
 
+def _old_rope(config: dict, **keys) -> None:
+    """`keys` as the RoPE settings of config.json in the form Meta's checkpoints ship (rope_theta and rope_scaling
+    at the top, transformers < 5), in place of transformers 5's rope_parameters."""
+    config.pop("rope_parameters", None)
+    config.update(keys)
+
+
 @pytest.mark.parametrize("case, edit, says", [
     ("fewer layers", dict(change=lambda c: c.update(num_hidden_layers=2)),
      "{cfg} gives num_hidden_layers 2 but the weights hold layers 0-3"),
@@ -156,6 +163,23 @@ def _edited(hf_dir, tmp_path, change=None, config_text=None, extra=None) -> str:
     ("unknown tensor", dict(extra={"model.vision_tower.weight": torch.zeros(2, 2)}),
      "the weights hold model.vision_tower.weight, which {cfg} does not describe"),
     ("cut short", dict(config_text='{"model_type": "llama", "hidden_si'), "{cfg} is not valid JSON (Unterminated string"),
+    # issue 51: the key that sizes the tensor is named, not another of the same value (48 is intermediate_size too)
+    ("head_dim", dict(change=lambda c: c.update(head_dim=12)),
+     "{cfg} does not match the weights: model.layers.0.self_attn.q_proj.weight is [32, 32], but num_attention_heads "
+     "4 x head_dim 12 makes it [48, 32]"),
+    ("eps a string", dict(change=lambda c: c.update(rms_norm_eps="abc")),
+     "{cfg} gives rms_norm_eps 'abc'; it must be a number"),
+    ("rope_scaling a string", dict(change=lambda c: c.update(rope_scaling="llama3")),
+     "{cfg} gives rope_scaling 'llama3'; it must be an object"),
+    ("theta 0", dict(change=lambda c: _old_rope(c, rope_theta=0)),
+     "{cfg} gives rope_theta 0.0; it must be a finite positive number, or training refuses the imported checkpoint"),
+    ("theta NaN", dict(change=lambda c: _old_rope(c, rope_theta=float("nan"))),
+     "{cfg} gives rope_theta nan; it must be"),
+    *((f"original {n}", dict(change=lambda c, n=n: _old_rope(c, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=n))),
+       f"{{cfg}} gives rope_scaling original_max_position_embeddings {n}; it must be 8192, the only value training "
+       "sets, or training refuses the imported checkpoint") for n in (0, 64)),
 ])
 def test_import_refuses_a_config_that_disagrees_with_the_weights_and_writes_nothing(
         hf_model, tmp_path, capsys, case, edit, says):
@@ -185,6 +209,16 @@ def test_export_refuses_a_link_in_the_output_directory_and_leaves_its_target(hf_
     assert err == f"convert_hf.py: error: {out / 'config.json'} is a symbolic link; llamapipe writes only regular " \
                   "files, never through a link (remove it or choose another path)"
     assert victim.read_text() == "precious" and sorted(os.listdir(out)) == ["config.json"]
+
+
+def test_export_gives_every_file_the_same_mode(hf_model, tmp_path):
+    """Issue 51: model.safetensors was 0600 (safetensors' own writer) while config.json was 0666 less the umask."""
+    convert_hf.import_hf(hf_model[1], str(tmp_path / "ckpt"), 1, 1, None)
+    convert_hf.export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    modes = {name: os.stat(tmp_path / "out" / name).st_mode & 0o777 for name in ("model.safetensors", "config.json")}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    torch.testing.assert_close(reloaded.lm_head.weight, hf_model[0].lm_head.weight, rtol=0, atol=0)
 
 
 # --- a trained run exported whole: every vocabulary row, the tokenizer, generation (issue 33) -----------------
@@ -246,3 +280,36 @@ def test_trained_tp2_run_exports_every_vocabulary_row_and_its_tokenizer(trained_
         for _ in range(generated.shape[1] - prompt.shape[1]):
             greedy = torch.cat([greedy, ours(input_ids=greedy)[:, -1:].argmax(-1)], 1)
     assert generated.shape[1] > prompt.shape[1] and torch.equal(generated, greedy)
+
+
+def test_import_into_a_used_or_locked_save_directory_is_refused(hf_model, tmp_path, capsys):
+    """Issue 51: an import into a directory holding training checkpoints exited 0 and moved the tracker to 0,
+    and a later --load resumed the old iteration 4 anyway (the import silently lost); an import ignored the lock
+    of a training run writing the same directory. Now both are refused in one line; --overwrite-save deletes the
+    earlier checkpoints first."""
+    from llamapipe.training.checkpointing import catalog
+    from tests.unit.test_checkpoint_integrity import save
+    from tests.unit.test_save_lock import _holder
+    ckpt = tmp_path / "ckpt"
+    save(ckpt, 4)
+    capsys.readouterr()
+    argv = ["import", "--hf-dir", hf_model[1], "--save", str(ckpt)]
+    with pytest.raises(SystemExit) as info:
+        convert_hf.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and err == (
+        f"convert_hf.py: error: --save {ckpt} already holds 1 checkpoint(s) of an earlier run, the newest iteration "
+        "4; give another --save, or --overwrite-save to delete them first (mixing two runs' checkpoints would make "
+        "a later --load resume the wrong one)"), err
+    assert catalog.list_iterations(str(ckpt)) == [4] and catalog.read_tracker(str(ckpt)) == 4
+    holder = _holder(ckpt)
+    try:
+        with pytest.raises(SystemExit):
+            convert_hf.main(argv + ["--overwrite-save"])
+        assert f"--save {ckpt} is in use by another run (host" in capsys.readouterr().err
+        assert catalog.list_iterations(str(ckpt)) == [4]
+    finally:
+        holder.kill()
+        holder.wait()
+    convert_hf.main(argv + ["--overwrite-save"])
+    assert catalog.list_iterations(str(ckpt)) == [0] and catalog.read_tracker(str(ckpt)) == 0

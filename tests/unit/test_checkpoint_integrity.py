@@ -174,6 +174,30 @@ def test_prune_runs_after_the_commit_and_spares_new_and_newer_checkpoints(tmp_pa
     assert catalog.list_iterations(str(tmp_path)) == [3, 5], "a failed save pruned something"
 
 
+def test_prune_names_a_linked_checkpoint_keeps_it_and_prunes_the_rest(tmp_path):
+    """Issue 51: an iter_* entry that is a symbolic link made every save print 'pruning failed' without naming it,
+    and nothing more was pruned (the disk filled). Now it is named and kept (its target too), the rest pruned."""
+    save_dir, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    for iteration in (1, 2, 3):
+        save(save_dir, iteration)
+    elsewhere.mkdir()
+    os.rename(save_dir / "iter_0000001", elsewhere / "iter_0000001")
+    (save_dir / "iter_0000001").symlink_to(elsewhere / "iter_0000001")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("llamapipe").addHandler(handler)
+    try:
+        save(save_dir, 4, keep_last_n=1)
+    finally:
+        logging.getLogger("llamapipe").removeHandler(handler)
+    assert catalog.list_iterations(str(save_dir)) == [1, 4] and (elsewhere / "iter_0000001" / catalog.METADATA).exists()
+    said = [r.getMessage() for r in records if "iter_0000001" in r.getMessage()]
+    assert said == [f"--keep-last-n 1: kept {save_dir / 'iter_0000001'}: {save_dir / 'iter_0000001'} is a symbolic "
+                    "link, not a checkpoint directory of this run; pruning removes neither it nor its target (remove "
+                    "the link yourself)"], [r.getMessage() for r in records]
+
+
 def test_pending_save_is_finalized_by_the_next_save(tmp_path):
     save(tmp_path, 1, async_save=True)
     assert writer.pending_iteration() == 1

@@ -66,6 +66,40 @@ def test_cache_is_reused_and_keyed_by_settings(tmp_path):
     assert len(os.listdir(cache)) == 6
 
 
+@pytest.mark.parametrize("damage, says", [
+    ("shuffle_idx out of range", "holds sample numbers from "),
+    ("shuffle_idx truncated", "cannot be read ("),
+    ("sample_idx windows", "holds windows of other than --seq-length 8 tokens"),
+    ("doc_idx of another split", "names documents outside this split's 0:20"),
+])
+def test_a_damaged_index_cache_is_named_with_the_fix(tmp_path, damage, says):
+    """Issue 51: a shuffle index pointing past the samples gave an IndexError from a DataLoader worker, a cut-short
+    one numpy's "mmap length is greater than file size" naming no file. Now: one line naming the file, and the fix."""
+    prefix, _ = write_docs(tmp_path / "d", 20)
+    cache = tmp_path / "cache"
+    GPTDataset(IndexedDataset(prefix), (0, 20), 30, 8, 1, "train", str(cache))
+    name = damage.split()[0]
+    (path,) = cache.glob(f"*-{name}.npy")
+    array = np.load(path)
+    if damage == "shuffle_idx truncated":
+        path.write_bytes(path.read_bytes()[:-16])
+    else:
+        array = array.copy()
+        if name == "shuffle_idx":
+            array[0] = 10 ** 6
+        elif name == "sample_idx":
+            array[1, 1] += 1 if array[1, 1] + 1 < 2 else -1
+        else:
+            array[0] = 25
+        np.save(path, array)
+    with pytest.raises(ValueError) as info:
+        GPTDataset(IndexedDataset(prefix), (0, 20), 30, 8, 1, "train", str(cache))
+    message = str(info.value)
+    assert message.startswith(f"data index cache {path} {says}") and "\n" not in message, message
+    assert message.endswith("; delete it (the three " + path.name.rsplit("-", 1)[0] + "-*.npy files) and it is "
+                            "rebuilt from the data"), message
+
+
 def test_same_seed_same_samples_other_seed_other_order(tmp_path):
     prefix, _ = write_docs(tmp_path / "d", 40)
 

@@ -105,7 +105,8 @@ LLAMAPIPE_ONLY = ("--model", "--parallel-order", "--pipeline-trace", "--pipeline
                   "--pipeline-profile-iters", "--release-host-memory", "--skip-nonfinite-steps", "--keep-last-n",
                   "--metrics-jsonl", "--tie-embeddings-and-output-weights", "--compile",
                   "--enable-optimizer-post-validation", "--enable-vocab-parallel",
-                  "--pipeline-schedule-file", "--pipeline-profile", "--allow-tokenizer-change", "--dry-run")
+                  "--pipeline-schedule-file", "--pipeline-profile", "--allow-tokenizer-change", "--dry-run",
+                  "--overwrite-save")
 
 
 def cfg(argv, world=1) -> Config:

@@ -98,3 +98,31 @@ def test_skipped_iterations_get_a_record_each_and_end_console_intervals(tmp_path
                        "skip_reason": "inf/nan in gradients", "run_id": writer.run_id}
     lines = [line for line in log_lines if line.startswith("iteration")]
     assert len(lines) == 2 and "lm loss: 2.900000E+00" in lines[0] and "lm loss: 2.700000E+00" in lines[1]
+
+
+def test_jsonl_cut_short_by_a_full_disk_keeps_whole_lines_and_a_resume_starts_a_fresh_line(
+        tmp_path, log_lines, monkeypatch):  # noqa: F811
+    """Issue 51: a record the disk cut short stayed half-written, and the resumed run's first record was
+    appended onto it (an unparseable line). Now the cut record is taken back; a file an older version left
+    mid-line gets a newline before the first record."""
+    path = tmp_path / "m.jsonl"
+    writer = MetricsWriter(LoggingConfig(metrics_jsonl=str(path), tensorboard_dir=None), enabled=True)
+    writer.write(dict(RECORD, iteration=1))
+    real_write = os.write
+
+    def disk_fills(fd: int, data: bytes) -> int:   # the jsonl's fd takes 5 bytes, then the disk is full
+        return real_write(fd, data[:5]) if fd == writer._jsonl.fd else real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", disk_fills)
+    writer.write(dict(RECORD, iteration=2))
+    monkeypatch.undo()
+    writer.close()
+    assert len(_warnings(log_lines, f"--metrics-jsonl {path}")) == 1, log_lines
+    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1]
+    with open(path, "a") as fh:     # what an older version's cut-short record left
+        fh.write('{"iteration": 2, "lm_')
+    resumed = MetricsWriter(LoggingConfig(metrics_jsonl=str(path), tensorboard_dir=None), enabled=True)
+    resumed.write(dict(RECORD, iteration=2))
+    resumed.close()
+    lines = path.read_text().splitlines()
+    assert lines[1] == '{"iteration": 2, "lm_' and json.loads(lines[2])["iteration"] == 2, lines

@@ -14,16 +14,16 @@ from llamapipe.training.arguments.parser import ArgumentError, build_parser, con
 VOCAB, ORIGINAL = 1003, 64      # a context of 64 "trained" positions, scaled up to 512
 
 
-def _hf(tie: bool, factor: float, head_dim: int = 16) -> transformers.LlamaForCausalLM:
+def _hf(tie: bool, factor: float, head_dim: int = 16, original: int = ORIGINAL) -> transformers.LlamaForCausalLM:
     """A random-weight HF model of Llama 3.1's (untied, factor 8) or 3.2's (tied, factor 32) kind, small: with
     rope_theta 5e5 and head dim 16 its frequencies fall in all three of the scaling's bands (kept, interpolated,
     divided by the factor)."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=4 * head_dim, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=8 * ORIGINAL, rope_theta=500000.0,
+        num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=8 * original, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": ORIGINAL},
+                      "original_max_position_embeddings": original},
         rms_norm_eps=1e-5, tie_word_embeddings=tie, attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -172,7 +172,7 @@ def test_convert_hf_import_at_tp2_pp2_and_export_give_the_directory_back(tmp_pat
     import json
     from safetensors.torch import load_file
     from llamapipe.tools.convert_hf import export_hf, import_hf
-    hf = _hf(True, 32.0)
+    hf = _hf(True, 32.0, original=8192)    # the original context training sets (an import refuses others: issue 51)
     hf.save_pretrained(tmp_path / "hf")
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), 2, 2, None)
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))

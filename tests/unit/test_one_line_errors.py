@@ -4,6 +4,8 @@ from the command line as the user types it: a layout whose repeat count would ex
 --rope-theta, --use-torch-fsdp2 with a typed no_shard, and a timers window that ends before it starts."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from llamapipe.training.arguments.parser import parse_args
@@ -47,6 +49,19 @@ def test_save_naming_a_file_is_one_line(tmp_path, capsys):
     path.write_text("x")
     assert error_line(TINY + ["--save", str(path)], capsys) == \
         f"--save {path} is a file, not a directory; checkpoints go into a directory"
+
+
+def test_a_dangling_save_link_and_a_fifo_tokenizer_are_named_for_what_they_are(tmp_path, capsys):
+    """Issue 51: a dangling --save link was reported "is a file", a FIFO --tokenizer-model "does not exist"."""
+    link, fifo = tmp_path / "ckpt", tmp_path / "tok.model"
+    link.symlink_to(tmp_path / "gone")
+    os.mkfifo(fifo)
+    assert error_line(TINY + ["--save", str(link)], capsys) == \
+        f"--save {link} is a dangling symbolic link (to {tmp_path / 'gone'}, which does not exist); create that " \
+        "directory or give another --save"
+    assert error_line(TINY + ["--tokenizer-model", str(fifo)], capsys) == \
+        f"--tokenizer-model {fifo} is a FIFO (named pipe), not a regular file (a tokenizer model) or a directory " \
+        "(an HF tokenizer)"
 
 
 def test_a_binary_schedule_file_is_named(tmp_path, capsys):

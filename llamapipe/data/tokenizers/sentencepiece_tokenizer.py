@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 import sentencepiece as spm
 
 from llamapipe.data.tokenizers.base import Tokenizer
+from llamapipe.safe_files import kind_of
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -17,7 +18,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def __init__(self, model_path: str) -> None:
         if not os.path.isfile(model_path):
-            raise ValueError(f"--tokenizer-model {model_path} does not exist")
+            what = (f"is {kind_of(model_path)}, not a regular file" if os.path.lexists(model_path)
+                    else "does not exist")
+            raise ValueError(f"--tokenizer-model {model_path} {what}")
         self.model_path = model_path
         try:
             self._sp = spm.SentencePieceProcessor(model_file=model_path)

@@ -9,8 +9,9 @@ config.json files; the parameter counts are tests/unit/test_model_llama3.py's).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,28 @@ class LlamaConfig:
         if name not in PRESETS:
             raise ValueError(f"--model {name} is not a known preset; choose one of {', '.join(PRESETS)}")
         return cls(**PRESETS[name])
+
+
+_SCALING_FIXED = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings")
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def trainable_defect(c: LlamaConfig) -> Optional[tuple[str, Any, str]]:
+    """(field, its value, what it must be) for the first value of `c` that training cannot run or set, else None.
+    The one check behind the trainer's (model_args.check_model) and convert-hf import's (hf_import_checks), so an
+    import never writes a model that training then refuses (issue 51: rope_theta 0 or NaN, Llama 3 scaling with
+    original_max_position_embeddings 0 or 64 were imported)."""
+    for field in ("rope_theta", "norm_epsilon") + (("rope_scaling_factor",) if c.use_rope_scaling else ()):
+        if not _positive_number(getattr(c, field)):
+            return field, getattr(c, field), "a finite positive number"
+    default = LlamaConfig()
+    for field in _SCALING_FIXED if c.use_rope_scaling else ():
+        if getattr(c, field) != getattr(default, field):    # Megatron's --use-rope-scaling fixes them, as do presets
+            return field, getattr(c, field), f"{getattr(default, field):g}, the only value training sets"
+    return None
 
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072, num_query_groups=8,

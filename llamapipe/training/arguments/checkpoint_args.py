@@ -4,18 +4,21 @@ As in Megatron, shape flags the user did not give are filled from the checkpoint
 head sizes, positions, sequence length, vocabulary), while the architecture switches are always taken
 from it (the model family, query groups and --group-query-attention, RoPE base, percent and scaling, tied
 embeddings). With no
-checkpoint in --load yet, the command line stands (Megatron prints the same and goes on).
+checkpoint in --load yet, the command line stands (Megatron prints the same and goes on); a --load that holds
+only unusable checkpoints, or whose model_config lacks a field or holds a string or NaN, is one line.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 from llamapipe.core.config import ArgumentError
 from llamapipe.model.families import family_named, qkv_bias_family
 from llamapipe.model.llama import LlamaConfig
-from llamapipe.training.checkpointing.io import METADATA, latest_checkpoint
+from llamapipe.training.checkpointing.io import METADATA, iter_dir
+from llamapipe.training.checkpointing.selection import scan, unusable
 
 _FILLED = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
            "num_attention_heads": "num_attention_heads", "kv_channels": "kv_channels",
@@ -36,14 +39,14 @@ def with_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> argpar
         return args
     if args.load is None:
         raise ArgumentError("--use-checkpoint-args needs --load DIR, the checkpoint to take the model arguments from")
-    found = latest_checkpoint(args.load) if os.path.isdir(args.load) else None
+    found = _newest_complete(args.load)
     if found is None:
         notices.append(f"notice: --use-checkpoint-args: no checkpoint in --load {args.load} yet; "
                        "using the model arguments of the command line")
         return args
     with open(os.path.join(found[1], METADATA)) as fh:
         meta = json.load(fh)
-    model = meta["model_config"]
+    model = _checked_model(meta["model_config"], found[1])
     values = {flag: model.get(field) for field, flag in _FILLED.items() if getattr(args, flag) is None}
     if args.vocab_size is None and (args.tokenizer_model is not None or args.tokenizer_type == "NullTokenizer"):
         # with a tokenizer the vocabulary follows from it and the run's own --vocab-size (NullTokenizer's is
@@ -53,7 +56,7 @@ def with_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> argpar
         values["seq_length"] = ((meta.get("config") or {}).get("training") or {}).get("seq_length")
     values.update({flag: model.get(field) for field, flag in _FORCED.items()})
     if model.get("use_rope_scaling"):     # Llama 3.1's RoPE scaling: switched on with the checkpoint's factor
-        values["rope_scaling_factor"] = model["rope_scaling_factor"]
+        values["rope_scaling_factor"] = model.get("rope_scaling_factor")
     values = {flag: value for flag, value in values.items() if value is not None}
     taken = ", ".join(f"--{flag.replace('_', '-')} {value}" for flag, value in values.items())
     notices.append(f"--use-checkpoint-args: {taken} from {found[1]}")
@@ -65,6 +68,43 @@ def with_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> argpar
                                  "group_query_attention": model["num_query_groups"] != model["num_attention_heads"],
                                  "add_qkv_bias": (model.get("family") == qkv_bias_family().name
                                                   or getattr(args, "add_qkv_bias", False))})
+
+
+_REAL_FIELDS = ("norm_epsilon", "rope_theta", "rotary_percent", "rope_scaling_factor")
+
+
+def _checked_model(model: dict, path: str) -> dict:
+    """`model` (a checkpoint's model_config) when every field taken from it is there and a finite number of the
+    flag's kind; else one line naming the field and the value (issue 51: `{}` gave a KeyError, a string a
+    TypeError in the checks after)."""
+    where = f"--use-checkpoint-args: {os.path.join(path, METADATA)}"
+    for field in ("num_attention_heads", "num_query_groups"):
+        if field not in model:
+            raise ArgumentError(f"{where} has no model_config {field}; give the model's flags without "
+                                "--use-checkpoint-args")
+    for field in (*_FILLED, *_FORCED, "rope_scaling_factor"):
+        value = model.get(field)
+        real = field in _REAL_FIELDS
+        if value is None or (isinstance(value, (float, int) if real else int) and not isinstance(value, bool)
+                             and math.isfinite(value)):
+            continue
+        raise ArgumentError(f"{where} records model_config {field} {value!r}, not a finite "
+                            f"{'number' if real else 'integer'}; give the model's flags without --use-checkpoint-args")
+    return model
+
+
+def _newest_complete(load_dir: str):
+    """(iteration, path) of the newest complete checkpoint, None when `load_dir` holds none yet; when it holds
+    only unusable ones (a Megatron-layout directory, say), the loader's one line now, not 'none yet' here and
+    'none is usable' from the loader after it (issue 51)."""
+    if not os.path.isdir(load_dir):
+        return None
+    found = scan(load_dir)
+    complete = [iteration for iteration, defect in found if defect is None]
+    if found and not complete:
+        raise ArgumentError(unusable(load_dir, [f"{os.path.basename(iter_dir(load_dir, i))} ({defect})"
+                                                for i, defect in found]))
+    return (complete[0], iter_dir(load_dir, complete[0])) if complete else None
 
 
 # Model fields a checkpoint fixes, with the flag that sets each (RoPE base and norm epsilon change the

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 from llamapipe.core.config import ArgumentError, DataConfig
 from llamapipe.data.tokenizers.base import Tokenizer
+from llamapipe.safe_files import kind_of
 
 DEFAULT_SPLIT = "969,30,1"      # Megatron's legacy default when --data-path comes without --split
 _PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path")
@@ -78,6 +79,10 @@ def _sources(args: argparse.Namespace) -> list[str]:
 def _check_tokenizer(args: argparse.Namespace) -> None:
     if args.tokenizer_model is not None and not os.path.exists(args.tokenizer_model):
         raise ArgumentError(f"--tokenizer-model {args.tokenizer_model} does not exist")
+    if args.tokenizer_model is not None and not (os.path.isfile(args.tokenizer_model)
+                                                 or os.path.isdir(args.tokenizer_model)):
+        raise ArgumentError(f"--tokenizer-model {args.tokenizer_model} is {kind_of(args.tokenizer_model)}, not a "
+                            "regular file (a tokenizer model) or a directory (an HF tokenizer)")
     if args.tokenizer_type == "NullTokenizer":
         if args.vocab_size is None:
             raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size (its token ids are below it)")

@@ -42,6 +42,9 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--load", default=None, help="directory to resume from (its newest complete checkpoint)")
+    g.add_argument("--overwrite-save", action="store_true",
+                   help="a run that does not --load its --save directory deletes the checkpoints already there "
+                        "first; without it such a run is refused, so two runs' checkpoints never mix")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model shape (layers, sizes, heads, groups, RoPE, seq length) from the --load "
                         "checkpoint: flags not given are filled, the architecture switches are overridden")

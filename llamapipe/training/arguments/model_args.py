@@ -19,6 +19,7 @@ from llamapipe.data.tokenizers.base import Tokenizer
 from llamapipe.model.recompute import LGD, MEGATRON_MODULES, NOT_DENSE
 from llamapipe.model import families
 from llamapipe.model.llama import LlamaConfig
+from llamapipe.model.llama.config import trainable_defect
 from llamapipe.model.families import PRESETS
 from llamapipe.training.arguments.pipeline import check_layer_split
 
@@ -213,6 +214,10 @@ def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig, s
     _check_recompute(args, m)
     if m.use_rope_scaling and m.rope_scaling_factor <= 0:
         raise ArgumentError(f"--rope-scaling-factor {m.rope_scaling_factor:g} must be positive")
+    defect = trainable_defect(m)     # the check convert-hf import makes too
+    if defect is not None:
+        field, value, must = defect
+        raise ArgumentError(f"the model's {field} is {value!r}; it must be {must}")
 
 
 def _check_context_parallel_length(par: ParallelConfig, seq_length: int) -> None:

@@ -175,13 +175,17 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
     if args.load is not None and not os.path.isdir(args.load) and args.load != args.save:
         raise ArgumentError(f"--load {args.load} is not a directory")
     if args.save is not None and os.path.lexists(args.save) and not os.path.isdir(args.save):
+        if os.path.islink(args.save) and not os.path.exists(args.save):
+            raise ArgumentError(f"--save {args.save} is a dangling symbolic link (to {os.readlink(args.save)}, which "
+                                "does not exist); create that directory or give another --save")
         raise ArgumentError(f"--save {args.save} is a file, not a directory; checkpoints go into a directory")
     return CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
                             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
                             finetune=args.finetune, keep_last_n=args.keep_last_n,
                             override_opt_param_scheduler=args.override_opt_param_scheduler,
                             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-                            async_save=args.async_save, allow_tokenizer_change=args.allow_tokenizer_change)
+                            async_save=args.async_save, allow_tokenizer_change=args.allow_tokenizer_change,
+                            overwrite_save=args.overwrite_save)
 
 
 def logging_config(args: argparse.Namespace) -> LoggingConfig:

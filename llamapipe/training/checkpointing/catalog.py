@@ -18,7 +18,7 @@ import shutil
 from typing import Any, Optional
 
 from llamapipe.core.logger import get_logger
-from llamapipe.safe_files import check_target, clear_leftover, create_new
+from llamapipe.safe_files import UnsafePathError, check_target, clear_leftover, create_new, read_regular
 
 FORMAT_VERSION = 2          # 2: files carry sha256 checksums; 1 (sizes only) still loads
 READABLE_VERSIONS = (1, 2)
@@ -41,8 +41,7 @@ def fsync_path(path: str) -> None:
 
 
 def read_metadata(ckpt_dir: str) -> dict:
-    with open(os.path.join(ckpt_dir, METADATA)) as fh:
-        return json.load(fh)
+    return json.loads(read_regular(os.path.join(ckpt_dir, METADATA)))
 
 
 def _digest(meta: dict) -> str:
@@ -67,6 +66,8 @@ def checked_metadata(ckpt_dir: str) -> tuple[Optional[dict], Optional[str]]:
     they cannot disagree about a checkpoint."""
     try:
         meta = read_metadata(ckpt_dir)
+    except UnsafePathError as err:
+        return None, f"metadata.json is {err.kind}, not a regular file"
     except (OSError, ValueError):
         return None, "metadata.json is missing or unreadable"
     if not isinstance(meta, dict) or meta.get("format_version") not in READABLE_VERSIONS:
@@ -131,11 +132,15 @@ def list_iterations(save_dir: str) -> list[int]:
 
 
 def read_tracker(save_dir: str) -> Optional[int]:
+    """The iteration the tracker names; None when there is none, or it is unreadable or not a regular file (a
+    FIFO there must not hang the reader: it is named in a warning and ignored)."""
     try:
-        with open(os.path.join(save_dir, TRACKER)) as fh:
-            return int(fh.read().strip())
+        return int(read_regular(os.path.join(save_dir, TRACKER)).decode().strip())
+    except UnsafePathError as err:
+        get_logger().warning(f"{err}; ignored (the newest complete checkpoint is used)")
     except (OSError, ValueError):
-        return None
+        pass
+    return None
 
 
 def commit(tmp_dir: str, save_dir: str, iteration: int) -> str:
@@ -190,9 +195,19 @@ def prune(save_dir: str, keep_last_n: int, saved: int) -> list[int]:
     older = [i for i in list_iterations(save_dir)
              if i < saved and incomplete_reason(iter_dir(save_dir, i)) is None]
     doomed = older[:len(older) - max(keep_last_n - 1, 0)]
-    for iteration in doomed:
-        shutil.rmtree(iter_dir(save_dir, iteration))
-    return doomed
+    deleted = []
+    for iteration in doomed:    # one entry that cannot go is named and kept; the rest are still pruned (issue 51)
+        path = iter_dir(save_dir, iteration)
+        try:
+            if os.path.islink(path):
+                raise OSError(f"{path} is a symbolic link, not a checkpoint directory of this run; pruning "
+                              "removes neither it nor its target (remove the link yourself)")
+            shutil.rmtree(path)
+        except OSError as err:
+            get_logger().warning(f"--keep-last-n {keep_last_n}: kept {path}: {err}")
+            continue
+        deleted.append(iteration)
+    return deleted
 
 
 def remove_stale_tmp(save_dir: str) -> None:

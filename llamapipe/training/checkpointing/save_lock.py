@@ -26,7 +26,8 @@ import time
 from typing import Any, Optional
 
 from llamapipe.core.logger import get_logger
-from llamapipe.safe_files import UnsafePathError, open_existing, pid_alive
+from llamapipe.safe_files import UnsafePathError, check_target, open_existing, pid_alive
+from llamapipe.training.checkpointing.catalog import TRACKER
 
 LOCK_FILE = "llamapipe.lock"
 _held: dict[str, "SaveDirLock"] = {}     # realpath of the directory -> this process's lock on it
@@ -51,15 +52,17 @@ class SaveDirLock:
         _held.pop(os.path.realpath(os.path.dirname(self.path)), None)
 
 
-def hold_save_dir(save_dir: Optional[str]) -> SaveDirLock:
+def hold_save_dir(save_dir: Optional[str], load_dir: Optional[str] = None, overwrite: bool = False) -> SaveDirLock:
     """Collective: rank 0 locks `save_dir` (nothing to lock without one); every rank raises the same
-    one-line ValueError when the directory is in use."""
+    one-line ValueError when the directory is in use, or holds another run's checkpoints (`save_history`)."""
     import torch.distributed as dist
     distributed = dist.is_available() and dist.is_initialized()
     lock, refusal = SaveDirLock("", None), None
     if save_dir and (not distributed or dist.get_rank() == 0):
         try:
             lock = acquire(save_dir)
+            _check_tracker(save_dir, lock)
+            _check_history(save_dir, load_dir, overwrite, lock)
         except ValueError as err:
             refusal = str(err)
         except UnsafePathError as err:
@@ -73,6 +76,31 @@ def hold_save_dir(save_dir: Optional[str]) -> SaveDirLock:
     if refusal is not None:
         raise ValueError(refusal)
     return lock
+
+
+def _check_tracker(save_dir: str, lock: SaveDirLock) -> None:
+    """A link, FIFO or directory at the tracker is refused now, like one at the lock, not at the first save after
+    training (issue 51); the lock just taken is let go."""
+    try:
+        check_target(os.path.join(save_dir, TRACKER))
+    except UnsafePathError as err:
+        lock.release()
+        raise ValueError(f"--save {save_dir}: its tracker {err}") from None
+
+
+def _check_history(save_dir: str, load_dir: Optional[str], overwrite: bool, lock: SaveDirLock) -> None:
+    """Another run's checkpoints in `save_dir` are refused (or, with --overwrite-save, deleted) now, before any
+    work (issue 51); the lock just taken is let go on a refusal."""
+    from llamapipe.training.checkpointing.save_history import OVERWRITE_FLAG, check_history
+    try:
+        check_history(save_dir, load_dir, overwrite)
+    except ValueError:
+        lock.release()
+        raise
+    except OSError as err:
+        lock.release()
+        raise ValueError(f"--save {save_dir}: {OVERWRITE_FLAG} could not delete the earlier checkpoints "
+                         f"({err})") from None
 
 
 def acquire(save_dir: str) -> SaveDirLock:

@@ -95,12 +95,20 @@ def choose_checkpoint(load_dir: str, layout: Optional[dict] = None, *, verify: b
         skipped.append(f"{os.path.basename(path)} ({defect})")
     if not candidates:
         return None
-    raise ValueError(f"--load {load_dir} holds checkpoints but none is usable: {'; '.join(skipped)}; repair or "
-                     "remove them, or point --load elsewhere")
+    raise ValueError(unusable(load_dir, skipped))
+
+
+def unusable(load_dir: str, skipped: list[str]) -> str:
+    """The one line for a --load whose checkpoints are all unusable (`skipped`: 'iter_X (why)' each)."""
+    return (f"--load {load_dir} holds checkpoints but none is usable: {'; '.join(skipped)}; repair or remove them, "
+            "or point --load elsewhere")
 
 
 def _warn_tracker(load_dir: str, iteration: int, rank: int) -> None:
     tracked = catalog.read_tracker(load_dir)
     if rank == 0 and tracked is not None and tracked != iteration:
-        get_logger().warning(f"{load_dir}/{catalog.TRACKER} names iteration {tracked}; loading iteration "
-                             f"{iteration}, the newest checkpoint that verifies")
+        # issue 51: an import or a fresh run that moved the tracker back was silently undone by this choice
+        why = (f"; to resume iteration {tracked}, move the newer iter_* directories away" if tracked < iteration
+               else f" (there is no iteration {tracked})")
+        get_logger().warning(f"warning: {load_dir}/{catalog.TRACKER} names iteration {tracked}, but loading "
+                             f"iteration {iteration}: the newest checkpoint that verifies is the one resumed{why}")
