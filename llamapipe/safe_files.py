@@ -198,8 +198,8 @@ def replace_atomically(path: str, mode: str = "wb") -> Iterator[IO]:
         os.fsync(out.fileno())
 
 
-def read_regular(path: str, what: str, max_bytes: Optional[int] = None) -> bytes:
-    """The bytes of the regular file at `path` (`what` names it in errors, e.g. "schedule file x.csv"): a FIFO
+def read_regular_named(path: str, what: str, max_bytes: Optional[int] = None) -> bytes:
+    """`read_regular` for a tool's input, its errors `OSError`s naming `what` (e.g. "schedule file x.csv"): a FIFO
     cannot block the open (O_NONBLOCK), and a FIFO, device or directory, or a file over `max_bytes`, is refused
     before a byte is read, with an `OSError` whose strerror is one line naming `what`."""
     try:

@@ -15,7 +15,7 @@ from typing import Any
 
 from llamapipe.core.pipeline_parallel.schedule_ir import KINDS as ACTION_KINDS, Plan
 from llamapipe.core.pipeline_parallel.trace import TRACKS
-from llamapipe.safe_files import read_regular
+from llamapipe.safe_files import read_regular_named
 
 # json.load holds ~10x the file's size as Python objects; 10^6 actions take ~200 MB of trace
 MAX_TRACE_BYTES = 512 * 2 ** 20
@@ -28,7 +28,7 @@ class TraceError(ValueError):
 def read_json(path: str) -> Any:
     """The JSON value in the regular file at `path` (a FIFO does not block the open; it is refused)."""
     try:
-        raw = read_regular(path, f"trace {path}", MAX_TRACE_BYTES)
+        raw = read_regular_named(path, f"trace {path}", MAX_TRACE_BYTES)
     except OSError as err:
         hint = "; trace fewer iterations (--profile-step-start/end)" if err.errno == errno.EFBIG else ""
         raise TraceError(f"{err.strerror}{hint}") from None

@@ -11,7 +11,7 @@ import os
 from typing import Optional
 
 from llamapipe.core.config import ArgumentError
-from llamapipe.safe_files import read_regular
+from llamapipe.safe_files import read_regular_named
 from llamapipe.core.pipeline_parallel.schedule_csv import from_csv, to_csv
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.simulator import PlanError
@@ -24,7 +24,7 @@ def read_schedule_file(path: str, *, name: Optional[str] = None) -> Plan:
     the rank and the action for anything wrong with it."""
     label = f"schedule file {path}"
     try:
-        text = read_regular(path, label).decode("utf-8")
+        text = read_regular_named(path, label).decode("utf-8")
     except UnicodeDecodeError as err:
         raise PlanError(f"{label} is not UTF-8 text (byte {err.start}); give a torch CSV schedule") from None
     except OSError as err:
