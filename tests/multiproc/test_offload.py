@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.multiproc.test_pipeline_llama import CONFIG, _sgd_steps, assert_match_single_rank
+from tests.multiproc.test_pipeline_llama import CONFIG, _sgd_steps, assert_match_single_rank, llama_chunks
 
 
 class _Moved:
@@ -63,20 +63,13 @@ def offload_worker(rank: int, world: int, pp: int, cases: list) -> dict:
     from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
     from llamapipe.core.pipeline_parallel.offload_plan import OffloadOptions
     from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
-    from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
-    from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
-    from llamapipe.model.llama import LlamaModel
     ps0 = initialize_model_parallel(1, pp)
     out = {}
     try:
         for schedule, vpp, m, chunk_num in cases:
             ps = dataclasses.replace(ps0, vpp_size=vpp)
-            placement, stages = SPECS[schedule].placement(vpp), pp * vpp
-            per = CONFIG.num_layers // stages
-            chunks = [LlamaModel(CONFIG, ps, layer_range=(s * per, (s + 1) * per), pre_process=s == 0,
-                                 post_process=s == stages - 1)
-                      for s in (stage_of(ps.pp_rank, c, pp, placement) for c in range(vpp))]
+            chunks = llama_chunks(ps, schedule, pp, vpp)
             probe, moved = ActivationProbe(chunks), _Moved()
             offload = OffloadOptions(chunk_num, reload_lead=0) if chunk_num else None   # as training on CPU
             options = RuntimeOptions(profile_iters=1, observers=(probe, moved), offload=offload)

@@ -65,23 +65,28 @@ def _sgd_steps(chunks: list, fb, ps, m: int) -> tuple[list[float], dict]:
     return losses, first
 
 
+def llama_chunks(ps, schedule: str, pp: int, vpp: int) -> list:
+    """This rank's LlamaModel chunks of CONFIG under the schedule's placement, an even layer split."""
+    from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
+    from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
+    from llamapipe.model.llama import LlamaModel
+    placement, stages = SPECS[schedule].placement(vpp), pp * vpp
+    per = CONFIG.num_layers // stages
+    return [LlamaModel(CONFIG, ps, layer_range=(s * per, (s + 1) * per), pre_process=s == 0,
+                       post_process=s == stages - 1)
+            for s in (stage_of(ps.pp_rank, c, pp, placement) for c in range(vpp))]
+
+
 def llama_worker(rank: int, world: int, tp: int, pp: int, cases: list) -> dict:
     from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
-    from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
-    from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
     from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
-    from llamapipe.model.llama import LlamaModel
     ps0 = initialize_model_parallel(tp, pp)
     out = {}
     try:
         for schedule, vpp, m in cases:
             ps = dataclasses.replace(ps0, vpp_size=vpp)
-            placement, stages = SPECS[schedule].placement(vpp), pp * vpp
-            per = CONFIG.num_layers // stages
-            chunks = [LlamaModel(CONFIG, ps, layer_range=(s * per, (s + 1) * per), pre_process=s == 0,
-                                 post_process=s == stages - 1)
-                      for s in (stage_of(ps.pp_rank, c, pp, placement) for c in range(vpp))]
+            chunks = llama_chunks(ps, schedule, pp, vpp)
             fb = get_forward_backward_func(ps, schedule, options=RuntimeOptions(profile_iters=1))
             out[(schedule, vpp, m)] = _sgd_steps(chunks, fb, ps, m)
     finally:
