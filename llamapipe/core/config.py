@@ -58,6 +58,7 @@ class ParallelConfig:
     offload_fraction: float = 1.0                   # --activation-offload-fraction
     offload_min_numel: int = 0                      # --min-offloaded-tensor-size (fine-grained offloading)
     offload_rank_delta_bytes: int = 0               # --delta-offload-bytes-across-pp-ranks
+    offload_held: bool = False                      # --offload-weight-grad-inputs: OW/RW from B to W too
     ddp_bucket_size: int = 25_000_000               # elements per DP all-reduce bucket
 
     @property

@@ -141,9 +141,15 @@ def verified_plan(schedule: str, pp: int, vpp: int, m: int) -> Plan:
 @functools.lru_cache(maxsize=None)
 def offload_plan(schedule: str, pp: int, vpp: int, m: int, offload: int) -> Plan:
     """The verified plan with the O/R of `offload` chunks per rank, as the executor places them on a GPU (the reload
-    one backward ahead); the plan itself when `offload` is 0."""
+    one backward ahead), and on a zero-bubble schedule the OW/RW of what its deferred Ws hold
+    (--offload-weight-grad-inputs); the plan itself when `offload` is 0."""
     plan = verified_plan(schedule, pp, vpp, m)
-    return with_offload(plan, offload, reload_lead=1) if offload else plan
+    return with_offload(plan, offload, reload_lead=1, held=splits_backward(plan)) if offload else plan
+
+
+def splits_backward(plan: Plan) -> bool:
+    """Whether `plan` runs B and W apart (a zero-bubble schedule): --offload-weight-grad-inputs has work there."""
+    return any(a.kind == "W" for acts in plan.actions for a in acts)
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,7 +206,8 @@ def plan_peaks(plan: Plan, chunk_bytes: list[list[tuple[float, float]]]) -> list
             stage = plan.stage_of(rank, a.chunk)
             if a.kind == "BW" and stage > 0 and plan.rank_chunk_of(stage - 1)[0] != rank:
                 peak = max(peak, level - m_b + m_w)
-            level += {"F": m_b, "B": m_w - m_b, "W": -m_w, "BW": -m_b, "O": -m_b, "R": m_b}[a.kind]
+            level += {"F": m_b, "B": m_w - m_b, "W": -m_w, "BW": -m_b, "O": -m_b, "R": m_b,
+                      "OW": -m_w, "RW": m_w}[a.kind]
             peak = max(peak, level)
         peaks.append(peak)
     return peaks

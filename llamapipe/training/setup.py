@@ -143,7 +143,8 @@ def offload_options(config: Config, chunks: list[torch.nn.Module]) -> Optional[O
         share = measured_offload_time(saved * layers, flops, device)
     return OffloadOptions(par.offload_chunk_num, share, reload_lead=0 if device.type == "cpu" else 1,
                           modules=module_paths(par.offload_modules), fraction=par.offload_fraction,
-                          min_numel=par.offload_min_numel, rank_delta_bytes=par.offload_rank_delta_bytes)
+                          min_numel=par.offload_min_numel, rank_delta_bytes=par.offload_rank_delta_bytes,
+                          held=par.offload_held)
 
 
 def build_forward_backward_func(config: Config, ps: ParallelState, options: RuntimeOptions = RuntimeOptions()):

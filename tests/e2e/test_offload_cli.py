@@ -1,6 +1,7 @@
 """The memory levers through the CLI: --cpu-offload (PipeOffload, the zero-bubble fork's flags), Megatron's
 fine-grained offloading, --recompute-modules and the fork's --recompute-lgd: every schedule and layout with them
-reproduces the single-process losses (fp32, rel 1e-5) over 5 iterations; a checkpoint saved with offload resumes in
+reproduces the single-process losses (fp32, rel 1e-5) over 5 iterations (with --offload-weight-grad-inputs on the
+zero-bubble ones); a checkpoint saved with offload resumes in
 another layout with the uninterrupted losses; auto under a tight cap offloads."""
 import math
 
@@ -16,13 +17,15 @@ OFF = ["--cpu-offload"]
 LAYOUTS = {
     "pp2-interleaved": (2, PP2 + V2 + OFF),
     "pp2-zbv-both-chunks": (2, PP2 + V2 + ["--pipeline-schedule", "zbv"] + OFF + ["--offload-chunk-num", "2"]),
-    "pp2-zbh1-time": (2, PP2 + ["--pipeline-schedule", "zb-h1"] + OFF + ["--offload-time", "0.05"]),
+    "pp2-zbh1-time-weight-grad-inputs": (2, PP2 + ["--pipeline-schedule", "zb-h1"] + OFF
+                                         + ["--offload-time", "0.05", "--offload-weight-grad-inputs"]),
     "pp2-auto": (2, PP2 + ["--pipeline-schedule", "auto", "--pipeline-profile-iters", "2"] + OFF),
-    "tp2-sp-pp2-zbv": (4, PP2 + V2 + ["--pipeline-schedule", "zbv", "--tensor-model-parallel-size", "2",
-                                      "--sequence-parallel"] + OFF),
+    "tp2-sp-pp2-zbv-weight-grad-inputs": (4, PP2 + V2 + ["--pipeline-schedule", "zbv", "--tensor-model-parallel-size",
+                                                         "2", "--sequence-parallel"] + OFF
+                                          + ["--offload-weight-grad-inputs"]),
     "cp2-pp2-interleaved": (4, PP2 + V2 + ["--context-parallel-size", "2"] + OFF),
     "pp2-dp2-zero3-zbv": (4, PP2 + V2 + ["--pipeline-schedule", "zbv", "--data-parallel-sharding-strategy",
-                                         "optim_grads_params"] + OFF),
+                                         "optim_grads_params"] + OFF + ["--offload-weight-grad-inputs"]),
     "pp2-zbv-megatron-fine-grained": (2, PP2 + V2 + ["--pipeline-schedule", "zbv",
                                                      "--fine-grained-activation-offloading", "--offload-modules",
                                                      "core_attn", "attn_proj", "mlp_norm", "--min-offloaded-tensor-size",

@@ -21,7 +21,7 @@ class _Moved:
     def __init__(self) -> None:
         from llamapipe.core.pipeline_parallel.runtime import StepObserver
         self.__class__ = type("Moved", (StepObserver,), dict(vars(_Moved)))
-        self.store, self.moved, self.plan = None, {}, None
+        self.store, self.moved, self.plan, self.held = None, {}, None, 0
 
     def offload_begin(self, store) -> None:
         self.store = store
@@ -34,6 +34,8 @@ class _Moved:
             host = self.store.host_bytes()
             if action.kind == "O":
                 self.moved[action.chunk] = host - self.host
+            elif action.kind == "OW":
+                self.held += host - self.host
             self.host = host
 
 
@@ -67,19 +69,21 @@ def offload_worker(rank: int, world: int, pp: int, cases: list) -> dict:
     ps0 = initialize_model_parallel(1, pp)
     out = {}
     try:
-        for schedule, vpp, m, chunk_num in cases:
+        for case in cases:
+            schedule, vpp, m, chunk_num, *held = case
             ps = dataclasses.replace(ps0, vpp_size=vpp)
             chunks = llama_chunks(ps, schedule, pp, vpp)
             probe, moved = ActivationProbe(chunks), _Moved()
-            offload = OffloadOptions(chunk_num, reload_lead=0) if chunk_num else None   # as training on CPU
+            offload = (OffloadOptions(chunk_num, reload_lead=0, held=bool(held))   # reload_lead 0: as training on CPU
+                       if chunk_num else None)
             options = RuntimeOptions(profile_iters=1, observers=(probe, moved), offload=offload)
             fb = get_forward_backward_func(ps, schedule, options=options)
             losses, grads = _sgd_steps(chunks, fb, ps, m)
             units = probe.units[-len([a for a in moved.plan.actions[ps.pp_rank] if a.kind == "F"]):]
             if chunk_num:       # the offloaded forwards' units: what the run without offload measured
                 units = out[(schedule, vpp, m, 0)][3]
-            out[(schedule, vpp, m, chunk_num)] = (losses, grads, probe.peaks[-1], units,
-                                                  predicted_peak(moved.plan, ps.pp_rank, units, moved.moved))
+            out[case] = (losses, grads, probe.peaks[-1], units,
+                         predicted_peak(moved.plan, ps.pp_rank, units, moved.moved), moved.held)
     finally:
         destroy_model_parallel()
     return out
@@ -87,11 +91,12 @@ def offload_worker(rank: int, world: int, pp: int, cases: list) -> dict:
 
 CASES = [("interleaved", 2, 4, 0), ("interleaved", 2, 4, 1), ("zbv", 2, 4, 0), ("zbv", 2, 4, 1),
          ("1f1b", 1, 4, 0), ("1f1b", 1, 4, 1)]
+HELD = ("zbv", 2, 4, 2, True)       # --offload-weight-grad-inputs: what deferred Ws hold goes to the host too
 
 
 @pytest.mark.slow
 def test_offload_keeps_the_numbers_and_frees_the_device():
-    results = run_distributed(offload_worker, 2, 2, CASES, timeout=240)
+    results = run_distributed(offload_worker, 2, 2, CASES + [HELD], timeout=240)
     three = [case[:3] for case in CASES]
     assert_match_single_rank([{c[:3]: r[c][:2] for c in CASES if c[3]} for r in results], three[1::2], dp=1)
     for r in results:
@@ -99,6 +104,9 @@ def test_offload_keeps_the_numbers_and_frees_the_device():
             assert r[base][0] == r[off][0], f"{off}: losses not bit-identical to the run without offload"
             for name, grad in r[base][1].items():
                 assert (grad == r[off][1][name]).all(), f"{off} {name}: gradient differs"
+        zbv = r[("zbv", 2, 4, 0)]
+        assert r[HELD][0] == zbv[0] and all((g == r[HELD][1][n]).all() for n, g in zbv[1].items()), HELD
+    assert sum(r[HELD][5] for r in results) > 0, "no OW moved what a deferred W holds"
     for base, off in zip(CASES[0::2], CASES[1::2]):
         for rank, r in enumerate(results):
             before, after, predicted = r[base][2], r[off][2], r[off][4]

@@ -41,7 +41,7 @@ FLAGS = """
 --reset-position-ids --reset-attention-mask --eod-mask-loss
 --use-rope-scaling --rope-scaling-factor
 --decoupled-lr --decoupled-min-lr
---cpu-offload --offload-chunk-num --offload-time --auto-offload-time --offload-overlap-sr
+--cpu-offload --offload-chunk-num --offload-time --auto-offload-time --offload-overlap-sr --offload-weight-grad-inputs
 --fine-grained-activation-offloading --offload-modules --activation-offload-fraction --min-offloaded-tensor-size
 --delta-offload-bytes-across-pp-ranks --use-tp-pp-dp-mapping --microbatch-group-size-per-virtual-pipeline-stage
 --recompute-modules --recompute-lgd

@@ -101,7 +101,7 @@ ALWAYS_ON = ("--disable-bias-linear",)
 # --offload-chunk-num (None: 1 under --cpu-offload; the fork's 0 is an assertion) and --offload-time (None: 0).
 FORK_OFFLOAD = ("--cpu-offload", "--offload-chunk-num", "--offload-time", "--auto-offload-time", "--offload-overlap-sr",
                 "--recompute-lgd")
-LLAMAPIPE_ONLY = ("--model", "--parallel-order", "--pipeline-trace", "--pipeline-schedule", "--pipeline-memory-limit",
+LLAMAPIPE_ONLY = ("--model", "--offload-weight-grad-inputs", "--parallel-order", "--pipeline-trace", "--pipeline-schedule", "--pipeline-memory-limit",
                   "--pipeline-profile-iters", "--release-host-memory", "--skip-nonfinite-steps", "--keep-last-n",
                   "--metrics-jsonl", "--tie-embeddings-and-output-weights", "--compile",
                   "--enable-optimizer-post-validation", "--enable-vocab-parallel",

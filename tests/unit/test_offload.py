@@ -102,6 +102,58 @@ def test_store_round_trip_gives_autograds_gradients():
     assert before > 0 and host > 0 and device < before      # the relu output and its views went to the host
 
 
+def test_weight_grad_inputs_go_between_b_and_w_and_lower_the_last_ranks_peak():
+    """--offload-weight-grad-inputs: an OW after each split B, its RW before the W, verified; on ZB-V's last rank
+    (the cool-down runs the Bs before the Ws) the simulated peak falls below offload without it."""
+    plan = build("zbv", 4, 2, 8)
+    held = with_offload(plan, 2, held=True, reload_lead=0)
+    verify(held)
+    for acts in held.actions:
+        pos = {(a.kind, a.chunk, a.microbatch): i for i, a in enumerate(acts)}
+        for (kind, chunk, mb), i in pos.items():
+            if kind == "OW":
+                assert pos[("B", chunk, mb)] == i - 1 and i < pos[("RW", chunk, mb)] < pos[("W", chunk, mb)]
+    assert any(a.kind == "OW" for a in held.actions[3])
+    assert simulate(held).peak_memory[3] < simulate(with_offload(plan, 2, reload_lead=0)).peak_memory[3]
+    f, b, w = Action("F", 0, 0), Action("B", 0, 0), Action("W", 0, 0)
+    ow, rw = Action("OW", 0, 0), Action("RW", 0, 0)
+    for acts in [(f, ow, b, rw, w), (f, b, ow, w, rw), (f, b, ow, w), (f, b, rw, ow, w)]:
+        with pytest.raises(PlanError):
+            verify(Plan("x", 1, 1, 1, "interleaved", (acts,)))
+
+
+def _deferred_linear_step(offload: bool):
+    """One deferred weight gradient of a parallel linear (as a B of a zero-bubble plan queues it), its inputs moved
+    to the host store and back between the B and the W when `offload`."""
+    from llamapipe.core.tensor_parallel.layers import parallel_linear
+    from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 8))
+    x = torch.randn(4, 1, 8, requires_grad=True)
+    grads, store = WeightGradStore(), OffloadStore([torch.nn.Linear(1, 1)])
+    with grads.active():
+        (y,) = parallel_linear(torch.tanh(x), [weight], None, "parallel")
+    with grads.capture("k"):
+        y.square().sum().backward()
+    activations = lambda: [t for t in grads.held_tensors("k") if not isinstance(t, torch.nn.Parameter)]  # noqa: E731
+    held_before = sum(t.untyped_storage().nbytes() for t in activations())
+    moved = None
+    if offload:
+        store.offload_held("k", grads)
+        moved = store.host_bytes(), store.device_bytes(), activations()
+        store.reload_held("k", grads)
+    grads.run("k")
+    store.release_held("k")
+    return weight.grad, x.grad, held_before, moved
+
+
+def test_store_moves_what_a_deferred_weight_gradient_holds_and_gives_the_same_gradient():
+    g, gx, held, (host, device, left) = _deferred_linear_step(offload=True)
+    r, rx, _, _ = _deferred_linear_step(offload=False)
+    assert torch.equal(g, r) and torch.equal(gx, rx)
+    assert held > 0 and host == held and device == 0 and not left     # the input and output gradient went
+
+
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters",
         "3", "--mock-data", "--vocab-size", "256"]
@@ -166,6 +218,10 @@ def test_megatron_module_filter_and_fraction_in_the_store():
       "1.5"], "--activation-offload-fraction 1.5 must be within [0, 1]"),
     (["--pipeline-model-parallel-size", "2", "--activation-offload-fraction", "0.5"],
      "--activation-offload-fraction tunes --fine-grained-activation-offloading"),
+    (["--pipeline-model-parallel-size", "2", "--offload-weight-grad-inputs"],
+     "--offload-weight-grad-inputs tunes --cpu-offload"),
+    (["--pipeline-model-parallel-size", "2", "--cpu-offload", "--offload-weight-grad-inputs"],
+     "--pipeline-schedule 1f1b runs them together; use a zero-bubble schedule"),
 ])
 def test_offload_flag_mistakes_are_one_line(flags, words):
     world = 2 if "2" in flags else 1
@@ -200,6 +256,10 @@ def test_dry_run_counts_offloaded_activations_and_the_plans_peak():
         assert after.step.offloaded > 0
     assert offload_lines(off) and not offload_lines(base)
     assert "node 0 (8 ranks) needs" in offload_lines(off)[0]
+    held = result("--cpu-offload", "--offload-chunk-num", "2", "--offload-weight-grad-inputs")
+    both = result("--cpu-offload", "--offload-chunk-num", "2")
+    last = [next(r for r in res.reports if r.role.coords["pp"] == 1) for res in (both, held)]
+    assert last[1].activations < last[0].activations, "what the deferred Ws hold stayed on the device"
 
 
 def test_planner_counts_offload_in_the_plans_peak():

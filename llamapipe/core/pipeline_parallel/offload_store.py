@@ -9,7 +9,9 @@ input (both leaves that need a gradient) and tensors under `min_numel` elements 
 plan's O action moves the key's storages to host memory (up to `fraction` of their bytes, less `rank_delta_bytes`
 x pipeline rank spread over the step's offloaded forwards: Megatron's --activation-offload-fraction and
 --delta-offload-bytes-across-pp-ranks), its R moves them back, and the backward unpacks them; a tensor still on the
-host when the backward asks (no R yet) is copied back then.
+host when the backward asks (no R yet) is copied back then. What a deferred weight gradient holds from its B to
+its W goes the same way (`offload_held` for the plan's OW, `reload_held` for its RW, `release_held` after the W):
+the tensors in the W closures' cells become stand-ins while their storages are on the host.
 
 On CUDA the host copies are pinned buffers from a pool (kept across steps, as on a CPU) and both directions run
 on one copy stream with events,
@@ -80,6 +82,7 @@ class OffloadStore:
                         for t in list(c.parameters()) + list(c.buffers())}     # None: a storage FSDP freed
         self._keys: dict[Hashable, dict[int, _Storage]] = {}
         self._kept: dict[Hashable, dict[int, int]] = {}     # bytes of the other saved storages (stay on device)
+        self._held: dict[Hashable, dict[int, _Storage]] = {}    # what deferred Ws hold, from their OW to their W
         self._cuda = any(p.is_cuda for c in model_chunks for p in c.parameters())
         self._stream = torch.cuda.Stream() if self._cuda else None
         self.copied_bytes = 0                               # bytes moved either way, over the store's life
@@ -159,6 +162,38 @@ class OffloadStore:
         for storage in self._keys.pop(key, {}).values():
             self._recycle(storage)
 
+    def offload_held(self, key: Hashable, grads) -> None:
+        """The OW action: what the W closures queued under `key` in `grads` (a `WeightGradStore`) hold, to host
+        memory; the closures keep stand-ins until `reload_held`."""
+        storages = self._held.setdefault(key, {})
+
+        def pack(item):
+            if not isinstance(item, torch.Tensor) or not self._held_offloadable(item):
+                return item
+            ptr = item.untyped_storage()._cdata
+            if ptr not in storages:
+                storages[ptr] = _Storage(item)
+            return _View(storages[ptr], item)
+
+        grads.swap_held(key, pack)
+        for storage in storages.values():
+            if storage.dev is not None:
+                self._to_host(storage)
+
+    def reload_held(self, key: Hashable, grads) -> None:
+        """The RW action: the held storages of `key` back to the device, the closures' tensors rebuilt."""
+        grads.swap_held(key, self._unpack)
+
+    def release_held(self, key: Hashable) -> None:
+        """After `key`'s W: forget its held storages."""
+        for storage in self._held.pop(key, {}).values():
+            self._recycle(storage)
+
+    def _held_offloadable(self, tensor: torch.Tensor) -> bool:
+        if not tensor.is_floating_point() or isinstance(tensor, nn.Parameter) or tensor.numel() < self.min_numel:
+            return False
+        return storage_id(tensor.untyped_storage()) not in self._params and tensor.untyped_storage().nbytes() > 0
+
     def recorded_bytes(self, key: Hashable) -> int:
         """What the forward of `key` saved, wherever it is now (its unit, as the probe counts an unhooked one)."""
         return sum(self._kept.get(key, {}).values()) + sum(s.nbytes for s in self._keys.get(key, {}).values())
@@ -167,12 +202,16 @@ class OffloadStore:
         """Bytes of what the recorded forwards saved that is now on the device (the storages they keep there
         included: the chunk's input, tensors under `min_bytes`)."""
         kept = sum(n for storages in self._kept.values() for n in storages.values())
-        return kept + sum(s.nbytes for storages in self._keys.values() for s in storages.values()
-                          if s.dev is not None)
+        return kept + sum(s.nbytes for s in self._storages() if s.dev is not None)
 
     def host_bytes(self) -> int:
         """Bytes of recorded storages now in host memory."""
-        return sum(s.nbytes for storages in self._keys.values() for s in storages.values() if s.host is not None)
+        return sum(s.nbytes for s in self._storages() if s.host is not None)
+
+    def _storages(self) -> Iterator[_Storage]:
+        for table in (self._keys, self._held):
+            for storages in table.values():
+                yield from storages.values()
 
     def _to_host(self, storage: _Storage) -> None:
         host = self._host_buffer(storage.nbytes, storage.device)

@@ -15,7 +15,9 @@ the softmax statistics of every rank's S (the one collective), and the last stag
 every rank's T (its input-gradient partials, summed).
 Offload (PipeOffload, arXiv 2503.01328): O copies the activations the forward of (chunk, microbatch) saved for its
 backward from the device to host memory, R copies them back; neither sends a message. A builder pass
-(`offload_plan.with_offload`) places them: O right after the F, R one backward before the B.
+(`offload_plan.with_offload`) places them: O right after the F, R one backward before the B. OW and RW do the
+same for what a deferred weight gradient holds between its B and its W (the layer inputs and output gradients
+that W multiplies; zero-bubble schedules): OW right after the B, RW before the W.
 Placements: "interleaved" (Megatron, arXiv 2104.04473): stage v on rank v % pp, chunk v // pp.
 "v" (ZB-V, arXiv 2401.10241): chunk 0 of rank r is stage r, chunk 1 is stage 2*pp-1-r.
 """
@@ -57,11 +59,16 @@ KIND_SPECS: dict[str, KindSpec] = {spec.name: spec for spec in (
     KindSpec("T", ("T",), 0, None, Dep("stats", "S", ALL)),
     KindSpec("O", ("O",), 0, None),
     KindSpec("R", ("R",), 0, None),
+    KindSpec("OW", ("OW",), 0, None),
+    KindSpec("RW", ("RW",), 0, None),
 )}
 KINDS = tuple(KIND_SPECS)
 PASSES = ("F", "B", "W")                                  # what every (chunk, microbatch) gets exactly once
 VOCAB_PASSES = ("S", "T")                                 # what every microbatch gets once per rank (vocab plans)
-OFFLOAD_PASSES = ("O", "R")                               # at most once per (chunk, microbatch): after F, before B
+OFFLOAD_PASSES = ("O", "R", "OW", "RW")                   # at most once per (chunk, microbatch), see OFFLOAD_ORDER
+OFFLOAD_ORDER = {"O": ("F", "B"), "R": ("O", "B"),        # kind: (the pass it follows, the pass it precedes)
+                 "OW": ("B", "W"), "RW": ("OW", "W")}
+OFFLOAD_PAIRS = {"O": "R", "OW": "RW"}                    # every offload has its reload
 BACKWARD_KINDS = tuple(k for k, spec in KIND_SPECS.items() if "B" in spec.parts)   # compute an input gradient
 PRODUCER = {"act": "F", "grad": "B"}                     # the pass whose result each payload is
 

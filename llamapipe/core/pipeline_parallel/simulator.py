@@ -10,7 +10,8 @@ backward: on the last stage's F/B, or in a vocabulary-parallel plan (arXiv 2411.
 the S/T actions of every rank. A collective (T's softmax statistics, the last stage's summed input
 gradient) is there `comm` after every rank's producing action ended.
 Offload (PipeOffload, arXiv 2503.01328): an O moves `offload_share` of its unit's M_B to host memory and an R
-brings it back; each takes `offload` on its rank's timeline (0: the copies overlap compute on their own
+brings it back; an OW moves the M_W a deferred W holds and its RW brings that back; each takes `offload` on its
+rank's timeline (0: the copies overlap compute on their own
 stream, as on a GPU; on a CPU they are memcpy on the compute cores).
 
 Execution model (the executor's): each rank runs its list strictly in order; an action starts once its
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llamapipe.core.pipeline_parallel.schedule_ir import (ALL, KIND_SPECS, KINDS, OFFLOAD_PASSES, PASSES, PRODUCER,
+from llamapipe.core.pipeline_parallel.schedule_ir import (ALL, KIND_SPECS, KINDS, OFFLOAD_ORDER, OFFLOAD_PAIRS,
+                                                          OFFLOAD_PASSES, PASSES, PRODUCER,
                                                           VOCAB_PASSES, Action, Plan, needs, sends, vocab_needs)
 
 
@@ -57,9 +59,11 @@ class Costs:
         # lookup tables: the simulator and the greedy builder ask these for every action
         moved = self.act_mem * self.offload_share
         object.__setattr__(self, "_duration", {"F": self.f, "B": self.b, "W": self.w, "BW": self.b + self.w,
-                                               "O": self.offload, "R": self.offload})
+                                               "O": self.offload, "R": self.offload,
+                                               "OW": self.offload, "RW": self.offload})
         object.__setattr__(self, "_mem_delta", {"F": self.act_mem, "B": self.w_mem - self.act_mem,
-                                                "W": -self.w_mem, "BW": -self.act_mem, "O": -moved, "R": moved})
+                                                "W": -self.w_mem, "BW": -self.act_mem, "O": -moved, "R": moved,
+                                                "OW": -self.w_mem, "RW": self.w_mem})
 
     def duration(self, kind: str) -> float:
         return self._duration[kind]
@@ -144,23 +148,26 @@ def _check_rank_order(plan: Plan, rank: int) -> None:
 
 
 def _check_offload_order(plan: Plan, rank: int) -> None:
-    """An O after its F and before its B, an R after its O and before its B, each once; every O has its R."""
-    done: dict[str, set] = {part: set() for part in ("F", "B") + OFFLOAD_PASSES}
+    """Each offload kind once, after the pass it follows and before the one it precedes (`OFFLOAD_ORDER`: an O
+    between F and B, its R between O and B, an OW between B and W, its RW between OW and W); every O has its R."""
+    done: dict[str, set] = {part: set() for part in PASSES + OFFLOAD_PASSES}
     for i, a in enumerate(plan.actions[rank]):
         key, where = (a.chunk, a.microbatch), f"rank {rank} action #{i} {a}"
         if a.kind in OFFLOAD_PASSES:
-            before = "F" if a.kind == "O" else "O"
+            after, before = OFFLOAD_ORDER[a.kind]
             if key in done[a.kind]:
                 raise PlanError(f"{where}: duplicated {a.kind} for chunk {a.chunk} microbatch {a.microbatch}")
-            if key not in done[before] or key in done["B"]:
-                raise PlanError(f"{where}: {a.kind} must come after its {before} and before its B")
+            if key not in done[after] or key in done[before]:
+                raise PlanError(f"{where}: {a.kind} must come after its {after} and before its {before}")
         for part in KIND_SPECS[a.kind].parts:
             if part in done:
                 done[part].add(key)
-    missing = done["O"] - done["R"]
-    if missing:
-        chunk, mb = min(missing)
-        raise PlanError(f"rank {rank}: O of chunk {chunk} microbatch {mb} has no R before its B")
+    for out, back in OFFLOAD_PAIRS.items():
+        missing = done[out] - done[back]
+        if missing:
+            chunk, mb = min(missing)
+            raise PlanError(f"rank {rank}: {out} of chunk {chunk} microbatch {mb} has no {back} before its "
+                            f"{OFFLOAD_ORDER[back][1]}")
 
 
 def _check_vocab_order(plan: Plan, rank: int) -> None:

@@ -62,8 +62,9 @@ class RankStep:
         self.store = WeightGradStore()
         self.vocab = vocab                   # S/T of a vocabulary-parallel plan
         self.offloaded = frozenset() if forward_only else offloaded_keys(plan, pp_rank)
+        held = not forward_only and any(a.kind == "OW" for a in plan.actions[pp_rank])
         self.offload = (OffloadStore(model_chunks, offload, pp_rank, len(self.offloaded))
-                        if self.offloaded else None)   # O/R: the offloaded forwards' saved tensors
+                        if self.offloaded or held else None)   # O/R, OW/RW: what goes to host memory
         for observer in observers if self.offload is not None else ():
             observer.offload_begin(self.offload)
 
@@ -181,5 +182,11 @@ class RankStep:
             self.offload.offload((action.chunk, action.microbatch))
         elif action.kind == "R":
             self.offload.reload((action.chunk, action.microbatch))
+        elif action.kind == "OW":
+            self.offload.offload_held((action.chunk, action.microbatch), self.store)
+        elif action.kind == "RW":
+            self.offload.reload_held((action.chunk, action.microbatch), self.store)
         else:
             self.store.run((action.chunk, action.microbatch))
+            if self.offload is not None:
+                self.offload.release_held((action.chunk, action.microbatch))

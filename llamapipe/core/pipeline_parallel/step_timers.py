@@ -41,7 +41,8 @@ RECV_TIMERS = {"F": "forward-recv", "B": "backward-recv", "BW": "backward-recv",
                "S": "output-layer-recv", "T": "output-layer-recv"}
 SPLIT = ("compute", "communication", "idle")
 LEVEL1 = ("iteration", "forward-backward", "optimizer", *SPLIT)
-COPY_TIMERS = {"O": "activation-offload", "R": "activation-reload"}   # PipeOffload's copies: communication
+COPY_TIMERS = {"O": "activation-offload", "R": "activation-reload", "OW": "activation-offload",
+               "RW": "activation-reload"}   # PipeOffload's copies: communication
 LEVEL2 = ("forward-compute", "backward-compute", "backward-weight-compute", "output-layer-compute",
           "embedding-compute", "forward-recv", "backward-recv", "output-layer-recv", "pipeline-send-recv",
           "activation-offload", "activation-reload", "all-grads-sync")

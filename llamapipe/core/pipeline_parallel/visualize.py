@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from llamapipe.core.pipeline_parallel.schedule_ir import KINDS, Plan
+from llamapipe.core.pipeline_parallel.schedule_ir import KINDS, OFFLOAD_PASSES, Plan
 from llamapipe.core.pipeline_parallel.simulator import Result
 from llamapipe.core.pipeline_parallel.simulator_iterations import IterationsResult
 
@@ -36,6 +36,8 @@ _COLOURS = {
     "T": ("#e377c2",) * 4,
     "O": ("#636363",) * 4,    # offload (device to host) dark grey, reload light grey: thin marks when overlapped
     "R": ("#bdbdbd",) * 4,
+    "OW": ("#636363",) * 4,   # the same copies for what a deferred W holds (B to W)
+    "RW": ("#bdbdbd",) * 4,
 }
 _MARK = 0.08          # drawn width of an O/R that takes no time on the rank's timeline (copies overlap compute)
 _OPTIMIZER = "#fec44f"
@@ -122,7 +124,7 @@ def _draw_boxes(ax, groups: dict[tuple, list], edge: float) -> None:
     only, so the hatch never runs through the microbatch number above it."""
     from matplotlib.collections import PolyCollection
     for (kind, shade, odd), boxes in groups.items():
-        if kind in ("O", "R"):
+        if kind in OFFLOAD_PASSES:
             boxes = [(r, s, max(e, s + _MARK), a) for r, s, e, a in boxes]
         ax.add_collection(PolyCollection([_box(r, s, e) for r, s, e, _ in boxes], facecolors=_COLOURS[kind][shade],
                                          edgecolors="black", linewidths=edge), autolim=False)

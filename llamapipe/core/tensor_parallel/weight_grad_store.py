@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Callable, Hashable, Iterator, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
 
@@ -120,6 +120,25 @@ class WeightGradStore:
                 for item in value if isinstance(value, (tuple, list)) else (value,):
                     if isinstance(item, torch.Tensor):
                         yield item
+
+    def swap_held(self, key: Hashable, swap: Callable[[Any], Any]) -> None:
+        """Replace, in their closure cells, everything `held_tensors(key)` looks at by `swap(item)` (tuples and
+        lists rebuilt around it): the offload store's OW puts host-side stand-ins there and its RW the tensors
+        back, so between the two the device memory is free. `swap` returns an item it does not take unchanged."""
+        seen: set[int] = set()
+        for fn, _ in self._pending.get(key, ()):
+            for cell in getattr(fn, "__closure__", None) or ():
+                if id(cell) in seen:
+                    continue
+                seen.add(id(cell))
+                try:
+                    value = cell.cell_contents
+                except ValueError:           # an empty cell
+                    continue
+                if isinstance(value, (tuple, list)):
+                    cell.cell_contents = type(value)(swap(item) for item in value)
+                else:
+                    cell.cell_contents = swap(value)
 
     def assert_empty(self) -> None:
         assert not self._pending, f"weight gradients still queued at step end: {sorted(map(str, self._pending))}"

@@ -40,6 +40,9 @@ def add_offload_flags(p: argparse.ArgumentParser) -> None:
                    help="set --offload-time from this device's measured copy and matmul speeds")
     g.add_argument("--offload-overlap-sr", action="store_true",
                    help="no effect: on CUDA the copies always run on their own stream")
+    g.add_argument("--offload-weight-grad-inputs", action="store_true",
+                   help="with --cpu-offload on a schedule that splits B and W (zero bubble): also offload what each "
+                        "deferred weight gradient holds from its B to its W (the layer inputs and output gradients)")
     g.add_argument("--fine-grained-activation-offloading", action="store_true",
                    help="Megatron's: offload what --offload-modules save, on every model chunk of a pipeline rank")
     g.add_argument("--offload-modules", nargs="+", default=None, metavar="NAME",
@@ -63,7 +66,8 @@ def check_offload(args: argparse.Namespace, pp: int, vpp: int) -> tuple[int, Opt
                                 "--recompute-granularity")
         return vpp, DEFAULT_OFFLOAD_TIME if args.offload_time is None else args.offload_time
     given = [f for f, v in (("--offload-chunk-num", args.offload_chunk_num), ("--offload-time", args.offload_time),
-                            ("--auto-offload-time", args.auto_offload_time)) if v not in (None, False)]
+                            ("--auto-offload-time", args.auto_offload_time),
+                            ("--offload-weight-grad-inputs", args.offload_weight_grad_inputs)) if v not in (None, False)]
     if not args.cpu_offload:
         if given:
             raise ArgumentError(f"{given[0]} tunes --cpu-offload, which is not given; add --cpu-offload")

@@ -18,7 +18,7 @@ from llamapipe.core.context_parallel import COMM_TYPES
 from llamapipe.core.parallel_state import AXES, DEFAULT_ORDER, full_order
 from llamapipe.training.arguments.offload_args import check_offload, check_offload_modules
 from llamapipe.training.arguments.memory_limit import MemoryBytes
-from llamapipe.core.pipeline_parallel.schedule_specs import default_schedule
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
 from llamapipe.training.arguments.pipeline import grouped_schedule, schedule_chunks, vpp_size
 from llamapipe.training.flag_names import flag_message
 from llamapipe.training.schedule_file import load_schedule
@@ -98,6 +98,10 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
         raise ArgumentError(f"--ddp-bucket-size must be a positive number of elements, got {args.ddp_bucket_size}")
     strategy = data_parallel_sharding_strategy(args)
     offload_chunks, offload_time = check_offload(args, pp, vpp)
+    if args.offload_weight_grad_inputs and schedule in SPECS and not SPECS[schedule].zero_bubble:
+        raise ArgumentError(f"--offload-weight-grad-inputs moves what a deferred weight gradient holds from its B to "
+                            f"its W, but --pipeline-schedule {schedule} runs them together; use a zero-bubble schedule "
+                            "(zb-h1, zbv, v-half, auto)")
     modules, fraction, min_numel, delta = check_offload_modules(args)
     limit = args.pipeline_memory_limit
     return ParallelConfig(world_size=world_size, tp_size=tp, pp_size=pp, vpp_size=vpp,
@@ -116,6 +120,7 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
                           vocab_parallel=args.enable_vocab_parallel and pp > 1,   # pp 1: a notice (noop.py)
                           offload_chunk_num=offload_chunks, offload_time=offload_time, offload_modules=modules,
                           offload_fraction=fraction, offload_min_numel=min_numel, offload_rank_delta_bytes=delta,
+                          offload_held=args.offload_weight_grad_inputs,
                           ddp_bucket_size=args.ddp_bucket_size or ParallelConfig.ddp_bucket_size)
 
 
