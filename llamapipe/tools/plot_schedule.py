@@ -86,6 +86,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="PipeOffload: add O/R actions for the local chunks below N (as --cpu-offload does)")
     p.add_argument("--offload-time", type=float, default=0.0,
                    help="with --offload-chunk-num: one copy's time as a share of F + B + W (default 0: overlapped)")
+    p.add_argument("--offload-weight-grad-inputs", action="store_true",
+                   help="with --offload-chunk-num: OW/RW actions for what deferred weight gradients hold (B to W)")
     p.add_argument("--vocab-parallel", action="store_true",
                    help="split the output layer over every rank: its S/T actions (arXiv 2411.05288) in the plan")
     p.add_argument("--head-costs", default=None, help="HF,HB: the output layer's forward and backward time over "
@@ -129,7 +131,8 @@ def _build(args: argparse.Namespace, costs: Costs):
         check_target(args.export_csv)   # a planted link is refused, not written through
         write_schedule_file(plan, args.export_csv)
     if args.offload_chunk_num:          # torch's format has no offload action: the file holds the compute plan
-        plan = with_offload(plan, args.offload_chunk_num, costs, args.offload_time)
+        plan = with_offload(plan, args.offload_chunk_num, costs, args.offload_time,
+                            held=args.offload_weight_grad_inputs)
     return plan
 
 
