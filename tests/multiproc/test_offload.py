@@ -90,7 +90,7 @@ def offload_worker(rank: int, world: int, pp: int, cases: list) -> dict:
 
 
 CASES = [("interleaved", 2, 4, 0), ("interleaved", 2, 4, 1), ("zbv", 2, 4, 0), ("zbv", 2, 4, 1),
-         ("1f1b", 1, 4, 0), ("1f1b", 1, 4, 1)]
+         ("1f1b", 1, 4, 0), ("1f1b", 1, 4, 1), ("group-interleaved", 2, 4, 0), ("group-interleaved", 2, 4, 1)]
 HELD = ("zbv", 2, 4, 2, True)       # --offload-weight-grad-inputs: what deferred Ws hold goes to the host too
 
 
@@ -112,5 +112,6 @@ def test_offload_keeps_the_numbers_and_frees_the_device():
             before, after, predicted = r[base][2], r[off][2], r[off][4]
             assert abs(after - predicted) <= 0.05 * predicted, f"{off} rank {rank}: {after} bytes, plan {predicted}"
             assert r[base][2] == r[base][4], f"{base} rank {rank}: the accounting itself"
-            if base[0] == "zbv":      # interleaved at pp 2 keeps chunk 1's warm-up: 0.6 of it on rank 0 (simulator)
+            if base[0] in ("zbv", "group-interleaved"):     # 2 chunks a rank; interleaved at pp 2 keeps chunk 1's
+                # warm-up: 0.6 on rank 0 (the simulator's bound for that schedule); 1f1b has one chunk
                 assert after <= 0.55 * before, f"{off} rank {rank}: {after} of {before} bytes"
