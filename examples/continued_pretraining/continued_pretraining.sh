@@ -9,11 +9,16 @@
 # meta-llama/Llama-3.2-1B; the model's shape is read from its config.json. Without HF_CHECKPOINT the script
 # first writes a random-weight checkpoint of Llama 3.2 1B's shape with a tokenizer trained on the corpus, so
 # the recipe runs offline; its shape shrinks through NUM_LAYERS, HIDDEN_SIZE, FFN_HIDDEN_SIZE, NUM_HEADS,
-# NUM_KV_HEADS, VOCAB_SIZE, MAX_POSITION_EMBEDDINGS and TOKENIZER_VOCAB, e.g. (a few minutes on 2 CPU cores):
+# NUM_KV_HEADS, VOCAB_SIZE, MAX_POSITION_EMBEDDINGS and TOKENIZER_VOCAB, e.g. (about a minute on 2 CPU cores; a
+# random model learns fast, hence the higher LR):
 #
 #   NUM_LAYERS=4 HIDDEN_SIZE=64 FFN_HIDDEN_SIZE=256 NUM_HEADS=4 NUM_KV_HEADS=2 VOCAB_SIZE=1024 \
-#   MAX_POSITION_EMBEDDINGS=256 TOKENIZER_VOCAB=512 CORPUS_MB=0.5 SEQ_LENGTH=128 TRAIN_ITERS=8 \
+#   MAX_POSITION_EMBEDDINGS=16384 TOKENIZER_VOCAB=512 CORPUS_MB=0.5 SEQ_LENGTH=128 TRAIN_ITERS=8 LR=3e-3 \
 #       bash examples/continued_pretraining/continued_pretraining.sh
+#
+# MAX_POSITION_EMBEDDINGS stays above 8192, the RoPE scaling's original_max_position_embeddings (the context
+# before scaling, which training fixes at 8192 as Megatron's --use-rope-scaling does); its cos/sin tables are
+# small at a shrunk head size.
 #
 # Other knobs: CORPUS (a directory or files of {"text": ...} jsonl/parquet records; default: a sample corpus
 # made from text on this machine), RUN_DIR (runs/continued_pretraining), SEQ_LENGTH (4096), MICRO_BATCH_SIZE
@@ -47,12 +52,16 @@ from llamapipe.data.tokenizer import build_tokenizer
 out = sys.argv[1]
 tokenizer = build_tokenizer(out)
 env = lambda name, default: int(os.environ.get(name, default))
+ORIGINAL = 8192     # Llama 3.2's original_max_position_embeddings, the only value training sets
+if env("MAX_POSITION_EMBEDDINGS", 131072) <= ORIGINAL:
+    sys.exit(f"continued_pretraining: MAX_POSITION_EMBEDDINGS {env('MAX_POSITION_EMBEDDINGS', 131072)} must exceed "
+             f"{ORIGINAL}, the RoPE scaling's original_max_position_embeddings; give 16384 for a shrunk run")
 config = LlamaConfig(num_hidden_layers=env("NUM_LAYERS", 16), hidden_size=env("HIDDEN_SIZE", 2048),
                      intermediate_size=env("FFN_HIDDEN_SIZE", 8192), num_attention_heads=env("NUM_HEADS", 32),
                      num_key_value_heads=env("NUM_KV_HEADS", 8), vocab_size=env("VOCAB_SIZE", 128256),
                      max_position_embeddings=env("MAX_POSITION_EMBEDDINGS", 131072),
                      rope_parameters={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL,
                                       "rope_theta": 500000.0},
                      rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True, initializer_range=0.02,
                      bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)

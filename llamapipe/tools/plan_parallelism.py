@@ -25,7 +25,7 @@ from llamapipe.training.flag_parser import FlagParser
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.families import FAMILIES, PRESETS, family_of_preset
-from llamapipe.tools import profile_plan
+from llamapipe.tools import launch_line, profile_plan
 from llamapipe.training import profile_schema
 from llamapipe.tools.parallel_estimate import DEVICES, GIB, Estimate, Layout, estimate
 
@@ -175,18 +175,16 @@ def _with_offload(m: LlamaConfig, lay: Layout, args: argparse.Namespace, dev,
     return found
 
 
-def command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig] = None) -> str:
-    """A torchrun command line for one node of `lay` (`m`: the model, whose position limit a long
-    --seq-length raises)."""
+def trainer_flags(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig] = None) -> list[str]:
+    """pretrain_llama.py's flags for one job of `lay` (`m`: the model, whose position limit a long --seq-length
+    raises)."""
     shape = [f"--model {args.model}"] if args.model else [
         f"--{n.replace('_', '-')} {getattr(args, n)}" for n in ("num_layers", "hidden_size", "ffn_hidden_size",
                                                                    "num_attention_heads", "num_query_groups",
                                                                    "vocab_size") if getattr(args, n) is not None]
     if m is not None and args.seq_length > m.max_position_embeddings:
         shape.append(f"--max-position-embeddings {args.seq_length}")
-    parts = [f"torchrun --nproc-per-node {min(args.gpus, 8)}" + (f" --nnodes {args.gpus // 8}" if args.gpus > 8
-                                                                   else ""), "pretrain_llama.py", *shape,
-             f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
+    parts = [*shape, f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
     if lay.cp > 1:
         parts.append(f"--context-parallel-size {lay.cp}")
     if lay.pp > 1:
@@ -197,13 +195,18 @@ def command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig] = No
               f"--seq-length {args.seq_length}", "--bf16"] + (["--sequence-parallel"] if lay.tp > 1 else [])
     parts += RECOMPUTE_FLAGS[lay.recompute] + (["--use-distributed-optimizer"] if lay.dist_opt else [])
     parts += [f"--cpu-offload --offload-chunk-num {lay.offload}"] if lay.offload else []
-    return " ".join(parts + [profile_plan.MOCK_DATA])
+    return parts + [profile_plan.MOCK_DATA]
+
+
+def command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig] = None) -> str:
+    """The command line of `lay`'s job: torchrun on one node, scripts/launch_multi_node.sh on each of several."""
+    return " ".join([launch_line.launcher(args.gpus), *trainer_flags(args, lay, m)])
 
 
 def dry_run_command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig] = None) -> str:
     """The `llamapipe dry-run` of `command`'s job on all its ranks (docs/dry_run.md), with mock data as `command`
     has it: the run's own --data-path and --tokenizer-model go in its place to check them too."""
-    flags = command(args, lay, m).split(" pretrain_llama.py ", 1)[1]
+    flags = " ".join(trainer_flags(args, lay, m))
     return f"llamapipe dry-run --world-size {args.gpus} --gpu-memory-gb {args.gpu_memory_gb:g} {flags}"
 
 
@@ -272,9 +275,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"time model: FLOPs at {dev.efficiency:.0%} of {args.device}'s peak (no --profile; `llamapipe profile` "
           "measures this machine)")
     print(table(rows, args.top))
-    print(f"\n{profile_plan.DATA_NOTE}\n{len(rows)} layouts fit. Check the top row on this machine first (every "
+    print(f"\n{launch_line.RUN_NOTE}\n{profile_plan.DATA_NOTE}\n{len(rows)} layouts fit. Check the top row on this machine first (every "
           f"rank's setup and one step on meta tensors, docs/dry_run.md):\n  {dry_run_command(args, rows[0][0], m)}")
-    print(f"Top row:\n  {command(args, rows[0][0], m)}")
+    print(launch_line.top_row(args.gpus, command(args, rows[0][0], m)))
     return 0
 
 

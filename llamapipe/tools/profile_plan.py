@@ -17,6 +17,7 @@ from typing import Optional
 
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.training import profile_schema
+from llamapipe.tools import launch_line
 from llamapipe.tools.parallel_estimate import Layout
 from llamapipe.tools.profile_predict import Prediction, balanced_counts, layer_counts, layout_string, predict
 
@@ -129,7 +130,7 @@ def layout_flags(lay: Layout) -> list[str]:
 
 
 def command(profile: dict, lay: Layout, global_batch: int, post_validation: bool) -> str:
-    flags = [f"torchrun --nproc-per-node {lay.tp * lay.pp * lay.dp} pretrain_llama.py", *shape_flags(profile),
+    flags = [launch_line.launcher(lay.tp * lay.pp * lay.dp), *shape_flags(profile),
              *layout_flags(lay), "--global-batch-size", str(global_batch)]
     flags += (["--bf16"] if profile["dtype"] == "bf16" else []) + (
         ["--enable-optimizer-post-validation"] if post_validation else []) + [MOCK_DATA]
@@ -187,6 +188,7 @@ def run(args: argparse.Namespace, layouts_fn, asked: Optional[LlamaConfig] = Non
     if close > 1:
         print(f"note: rows 1-{close} are predicted within {TIE:.0%} of each other, closer than the model separates "
               "on measurement (docs/planner.md, Accuracy): measure them before choosing")
-    print(f"\n{DATA_NOTE}\n{len(rows)} layouts predicted. Top row:\n  "
-          f"{command(profile, rows[0][0], args.global_batch_size, args.post_validation)}")
+    top = command(profile, rows[0][0], args.global_batch_size, args.post_validation)
+    print(f"\n{launch_line.RUN_NOTE}\n{DATA_NOTE}\n{len(rows)} layouts predicted. "
+          f"{launch_line.top_row(rows[0][0].tp * rows[0][0].pp * rows[0][0].dp, top)}")
     return 0

@@ -181,7 +181,8 @@ class Trainer:
 
     def train(self) -> int:
         cfg, st = self.config.training, self.state
-        log.info(start_line(cfg.train_iters, st.iteration))   # the layout is in the "run:" lines
+        log.info(start_line(cfg.train_iters, st.iteration, cfg.train_samples, cfg.global_batch_size,
+                            cfg.rampup_batch_size is not None))   # the layout is in the "run:" lines
         with manual_gc(cfg.manual_gc):
             status = self._train_loop()
         if self.trace is not None and status is None:

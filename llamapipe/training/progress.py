@@ -26,16 +26,27 @@ SKIPPED_ALL_HINT = ("; no update was applied: the fp16 loss scale starts at --in
                     "use --bf16")
 
 
-def start_line(train_iters: int, start: int) -> str:
+def start_line(train_iters: int, start: int, train_samples: Optional[int] = None, global_batch_size: int = 0,
+               rampup: bool = False) -> str:
     """What the run is about to train: the count of iterations it will run, and where a resumed run takes over
-    (--train-iters is the last iteration, not a count from the checkpoint)."""
+    (the length is the last iteration, not a count from the checkpoint), in the flag the user gave: --train-iters,
+    or --train-samples (`train_samples`) with the iterations it makes at `global_batch_size` or through the
+    --rampup-batch-size ramp (`rampup`)."""
     left = train_iters - start
+    if train_samples is None:
+        given, ends = f"--train-iters {train_iters}", "--train-iters is the last iteration"
+    else:
+        batches = "through --rampup-batch-size" if rampup else f"at global batch {global_batch_size}"
+        given = f"--train-samples {train_samples} = {train_iters} iterations {batches}"
+        ends = f"--train-samples {train_samples} ends at iteration {train_iters}"
     if left <= 0:
-        return f"nothing to train: resumed at iteration {start}, and --train-iters {train_iters} is the last iteration"
+        last = (f"--train-iters {train_iters} is the last iteration" if train_samples is None else
+                f"--train-samples {train_samples} ({train_iters} iterations) is the last iteration")
+        return f"nothing to train: resumed at iteration {start}, and {last}"
     count = f"training {left} iteration{'' if left == 1 else 's'}"
     if start == 0:
-        return f"{count} (--train-iters {train_iters})"
-    return f"{count}, {start + 1} to {train_iters} (resumed at iteration {start}; --train-iters is the last iteration)"
+        return f"{count} ({given})"
+    return f"{count}, {start + 1} to {train_iters} (resumed at iteration {start}; {ends})"
 
 
 class TrainingProgress:

@@ -1,7 +1,8 @@
 """examples/continued_pretraining/continued_pretraining.sh run as its header says (the shrunk random-weight Llama
 3.2 1B shape, offline): it imports the HF checkpoint, packs the corpus, trains at tp 2 x pp 2 under ZB-V with
 packed documents, exports, and transformers generates from the export. The export has the checkpoint's
-tensor names and shapes, and training changed its weights."""
+tensor names and shapes, training changed its weights and its loss falls, and transformers warns of nothing in the
+RoPE scaling (issue 50: its original_max_position_embeddings was once over the shrunk position limit)."""
 import json
 import math
 import os
@@ -48,9 +49,12 @@ def test_recipe_runs_offline_as_its_header_says(tmp_path):
     assert "continued_pretraining: the export keeps the checkpoint's shape; transformers generates: 'The" in output
     assert "run: packed documents: attention within each document, positions restart at each document" in output
     assert "run: 4 ranks = tp 2 x pp 2 x dp 1" in output and "run: schedule zbv" in output
+    assert "original_max_position_embeddings" not in output, "transformers' RoPE scaling warning (issue 50)"
     records = [json.loads(line) for line in open(run / "metrics.jsonl")]
     losses = [r["lm_loss"] for r in records if "lm_loss" in r]
     assert len(losses) == int(env["TRAIN_ITERS"]) and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.3, f"the shrunk run's loss does not fall visibly: {losses}"
+    assert output.rstrip().count(": the loss is falling") == 1
     assert any("valid_lm_loss" in r for r in records)
     base = load_file(str(run / "random-llama-3.2-1b" / "model.safetensors"))
     exported = load_file(str(run / "hf" / "model.safetensors"))

@@ -85,7 +85,7 @@ def test_the_top_rows_dry_run_command_is_printed_and_accepted(capsys):
     line = out.split("docs/dry_run.md):\n")[1].splitlines()[0]
     cmd = shlex.split(line)
     assert cmd[:4] == ["llamapipe", "dry-run", "--world-size", "16"] and "--mock-data" in cmd
-    torchrun = shlex.split(out.split("Top row:")[1].strip())
-    assert cmd[6:] == torchrun[torchrun.index("pretrain_llama.py") + 1:]       # the same job's flags (mock data too)
+    launch = shlex.split(out.split("Top row:")[1].strip())       # 16 GPUs: two nodes, the multi-node script
+    assert cmd[6:] == launch[launch.index("scripts/launch_multi_node.sh") + 1:]   # the same job's flags (mock data too)
     args = build_parser().parse_args(cmd[2:] + ["--train-iters", "1"])
     assert dry_run_config(args).parallel.world_size == 16

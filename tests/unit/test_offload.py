@@ -289,7 +289,7 @@ def test_plan_lists_405b_on_1024_h100_only_with_offload_and_says_why():
     assert without > 0.9 * 80 * 2 ** 30, "the top row would fit without offload"
     assert "without it this layout does not fit" in explain(lay, est)
     cmd = shlex.split(command(args, lay, model))
-    config = config_from_args(build_parser().parse_args(cmd[cmd.index("pretrain_llama.py") + 1:]), 1024)
+    config = config_from_args(build_parser().parse_args(cmd[cmd.index("scripts/launch_multi_node.sh") + 1:]), 1024)
     assert config.parallel.offload_chunk_num == lay.offload
 
 

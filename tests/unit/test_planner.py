@@ -120,8 +120,7 @@ def test_context_parallel_layouts_split_the_sequence_and_print_a_command_the_tra
     out = capsys.readouterr().out
     cmd = shlex.split(out.split("Top row:")[1].strip())
     assert "--context-parallel-size" in cmd
-    config = config_from_args(build_parser().parse_args(cmd[cmd.index("pretrain_llama.py") + 1:] + ["--mock-data"]),
-                              16)
+    config = config_from_args(build_parser().parse_args(cmd[cmd.index("scripts/launch_multi_node.sh") + 1:]), 16)
     par = config.parallel
     assert par.cp_size > 1 and par.tp_size * par.cp_size * par.pp_size * par.dp_size == 16
 
