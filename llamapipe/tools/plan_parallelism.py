@@ -195,6 +195,7 @@ def trainer_flags(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig
               f"--seq-length {args.seq_length}", "--bf16"] + (["--sequence-parallel"] if lay.tp > 1 else [])
     parts += RECOMPUTE_FLAGS[lay.recompute] + (["--use-distributed-optimizer"] if lay.dist_opt else [])
     parts += [f"--cpu-offload --offload-chunk-num {lay.offload}"] if lay.offload else []
+    parts += ["--offload-weight-grad-inputs"] if lay.offload and SPECS[lay.schedule].zero_bubble else []
     return parts + [profile_plan.MOCK_DATA]
 
 
@@ -231,8 +232,10 @@ def _offload_text(lay: Layout) -> str:
 
 def explain(lay: Layout, e: Estimate) -> str:
     offload = ([f"  offload: the activations of chunk{'s' if lay.offload > 1 else ''} 0-{lay.offload - 1} of every "
-                f"rank go to host memory between forward and backward (--cpu-offload, PipeOffload): without it "
-                f"this layout does not fit"] if lay.offload else [])
+                f"rank go to host memory between forward and backward (--cpu-offload, PipeOffload)"
+                + (" and what deferred weight gradients hold between B and W (--offload-weight-grad-inputs)"
+                   if SPECS[lay.schedule].zero_bubble else "") + ": without it this layout does not fit"]
+               if lay.offload else [])
     if lay.recompute == "lgd":
         offload.append("  recompute lgd: each layer's norms and SwiGLU activation are recomputed instead of kept "
                        "(--recompute-lgd, element-wise work, no GEMM): without it this layout does not fit")
