@@ -24,4 +24,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llamapipe.process_exit import exit_process
+    exit_process(main())      # without the interpreter's teardown of torch (llamapipe/process_exit.py)

@@ -1,0 +1,31 @@
+"""Leaving a finished process without the interpreter's teardown of its modules.
+
+Python's own exit tears every module down one by one; with torch and torch._dynamo loaded (each optimizer's
+construction imports dynamo), that alone takes 1.2-1.4 s of CPU here, paid by every rank of every run after its
+work is done, for nothing: the operating system frees the memory anyway. `exit_process(code)` does what an orderly
+exit does that matters (waits for the threads that are not daemons, such as a checkpoint writer, runs the atexit
+handlers: logging's, tensorboard's, wandb's, multiprocessing's; flushes stdout and stderr) and then ends the
+process with `code` at once. Only a normal return goes this way: an exception or SystemExit exits as Python does.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from typing import NoReturn, Optional
+
+
+def exit_process(code: Optional[int]) -> NoReturn:
+    """End the process with `code` (None: 0) after its threads, atexit handlers and output are done."""
+    main = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):       # a closed or broken pipe: nothing more can be written there
+            pass
+    os._exit(code or 0)
