@@ -10,11 +10,15 @@ ZeRO-1's padded flat shard. The job's commands keep the default bucket size and 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 from llamapipe.core.comm_memory import grad_bucket_bytes, p2p_receive_bytes, zero1_gather_bytes
 from llamapipe.core.config import ParallelConfig
 from llamapipe.core.optimizer.distrib_optimizer import ShardLayout
 from llamapipe.model.llama import LlamaConfig
+
+if TYPE_CHECKING:       # parallel_estimate imports this module
+    from llamapipe.tools.parallel_estimate import Layout
 
 
 def _layer_numels(m: LlamaConfig, tp: int) -> tuple[int, ...]:
@@ -43,10 +47,10 @@ def _params_and_buckets(m: LlamaConfig, tp: int, chunks: tuple[tuple[int, bool, 
     return sum(numels), grad_bucket_bytes(numels, ParallelConfig.ddp_bucket_size, ParallelConfig.overlap_grad_reduce)
 
 
-def rank_comm_bytes(m: LlamaConfig, lay, seq: int, stage_ranks: list[int], stage_layers: list[int],
-                    param_bytes: int) -> list[float]:
-    """Communication buffers of each pipeline rank of `lay` (a `parallel_estimate.Layout`) under `comm_memory`'s
-    model; `stage_ranks`, `stage_layers`: the rank and decoder layers of each virtual stage."""
+def rank_comm_bytes(m: LlamaConfig, lay: Layout, seq: int, stage_ranks: list[int], stage_layers: list[int],
+                    param_bytes: int) -> list[int]:
+    """Communication buffers of each pipeline rank of `lay` under `comm_memory`'s model; `stage_ranks`,
+    `stage_layers`: the rank and decoder layers of each virtual stage."""
     message = seq // lay.cp // lay.tp * lay.micro_batch * m.hidden_size * param_bytes   # sequence parallel
     last = len(stage_ranks) - 1
     out = []
