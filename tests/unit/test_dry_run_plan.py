@@ -75,7 +75,7 @@ PUBLISHED = {
 }
 
 
-@pytest.mark.slow      # the dry run's steps on meta: about 10 s (70B) and 25 s (405B) here
+@pytest.mark.slow      # the dry run's steps on meta: 10-15 s (70B) and 25-55 s (405B) on 2 shared cores
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_plans_estimate_is_within_3_percent_of_the_dry_runs_busiest_rank(name):
     """The planner's GiB for the layout (its most loaded rank, what it holds under the headroom) against the
