@@ -18,6 +18,9 @@ tests/multiproc/test_planner_memory.py, docs/planner.md):
   column-parallel linears and the gradients of the row-parallel outputs are sequence-gathered), also under full
   recompute. The schedule's plan is walked action by action with these per-chunk bytes (F adds M_B, B swaps it
   for M_W, W frees M_W), so uneven layouts and the V placement's two different chunks are exact.
+- communication buffers: the pipeline receives posted ahead, the gradient reduction's fp32 buckets and ZeRO-1's
+  all-gather of the updated parameters, counted by core/comm_memory.py, the one model `llamapipe dry-run` counts
+  them with (tools/comm_estimate.py supplies the layout's side).
 
 Time: a step's FLOPs (the model family's, llamapipe.model.families; LLaMA's and Qwen2's: 6 x matmul weights x tokens plus attention, plus one forward
 again under full recompute) at `efficiency` x the device's peak, per-action costs fed to the simulator for
@@ -39,6 +42,7 @@ from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, run_timeline, verify
 from llamapipe.model.llama import LlamaConfig
+from llamapipe.tools.comm_estimate import rank_comm_bytes
 from llamapipe.model.llama.counts import layer_matmul_parameters
 from llamapipe.model.families import flops_per_token
 from llamapipe.model.recompute import LGD, saved_bytes_per_token
@@ -88,10 +92,11 @@ class RankMemory:
     optimizer: float
     activations: float
     peak_units: float           # the activation peak in microbatches of the rank's largest chunk
+    comm: float                 # communication buffers (core/comm_memory.py, the dry run's model)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations + self.comm
 
 
 @dataclass(frozen=True)
@@ -103,10 +108,11 @@ class Estimate:
     step_s: float
     mfu: float
     peak_units: float           # microbatch-chunk activations the plan holds on that rank
+    comm: float = 0.0           # communication buffers beside them
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations + self.comm
 
 
 def layer_act_bytes(m: LlamaConfig, seq: int, mbs: int, recompute: str, precision: str = "bf16",
@@ -231,8 +237,9 @@ def rank_memory(m: LlamaConfig, lay: Layout, seq: int, global_batch: int) -> lis
     per_stage = _chunk_act_bytes(m, lay, seq)
     largest = max(b for b, _ in per_stage)
     opt_bytes = OPTIMIZER_BYTES[lay.precision] / (lay.dp * lay.cp if lay.dist_opt else 1)   # ZeRO-1 over dp x cp
-    return [RankMemory(PARAM_BYTES[lay.precision] * p, GRAD_BYTES * p, opt_bytes * p, act, act / largest)
-            for p, act in zip(rank_params(m, lay), activation_peaks(m, lay, seq, micro))]
+    comm = rank_comm_bytes(m, lay, seq, stage_ranks(lay), _stage_layers(m, lay), PARAM_BYTES[lay.precision])
+    return [RankMemory(PARAM_BYTES[lay.precision] * p, GRAD_BYTES * p, opt_bytes * p, act, act / largest, c)
+            for p, act, c in zip(rank_params(m, lay), activation_peaks(m, lay, seq, micro), comm)]
 
 
 def estimate(m: LlamaConfig, lay: Layout, seq: int, global_batch: int, dev: Device) -> Estimate:
@@ -244,7 +251,7 @@ def estimate(m: LlamaConfig, lay: Layout, seq: int, global_batch: int, dev: Devi
     model_flops = flops_per_token(m, seq, lay.tp) * global_batch * seq
     mfu = model_flops / (step * lay.tp * lay.pp * lay.dp * lay.cp * dev.tflops * 1e12)
     return Estimate(best.params, best.grads, best.optimizer, best.activations, step_s=step, mfu=mfu,
-                    peak_units=best.peak_units)
+                    peak_units=best.peak_units, comm=best.comm)
 
 
 def _allreduce_s(nbytes: float, ranks: int, gbps: float) -> float:

@@ -214,12 +214,13 @@ def dry_run_command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConf
 def table(rows: list[tuple[Layout, Estimate]], top: int) -> str:
     width = max([11] + [len(lay.schedule) for lay, _ in rows[:top]])     # group-interleaved is longer
     head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<{width}} {'mbs':>3} {'recompute':<9} "
-            f"{'offload':<7} {'distopt':<7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} {'step s':>8} {'MFU':>6}")
-    memory = head.index("params") - 1         # the unit of the five memory columns, over them
+            f"{'offload':<7} {'distopt':<7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'comm':>7} {'total':>7} {'step s':>8} "
+            f"{'MFU':>6}")
+    memory = head.index("params") - 1         # the unit of the six memory columns, over them
     lines = [" " * memory + "GiB on the most loaded GPU".center(len(head) - memory - 16).rstrip(), head,
              "-" * len(head)]
     for i, (lay, e) in enumerate(rows[:top], 1):
-        gib = [x / GIB for x in (e.params, e.grads, e.optimizer, e.activations, e.total)]
+        gib = [x / GIB for x in (e.params, e.grads, e.optimizer, e.activations, e.comm, e.total)]
         lines.append(f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>3} {lay.schedule:<{width}} {lay.micro_batch:>3} "
                      f"{lay.recompute:<9} {_offload_text(lay):<7} {'yes' if lay.dist_opt else 'no':<7} "
                      + " ".join(f"{x:>7.1f}" for x in gib) + f" {e.step_s:>8.2f} {e.mfu:>6.1%}")
@@ -236,6 +237,7 @@ def explain(lay: Layout, e: Estimate) -> str:
                 + (" and what deferred weight gradients hold between B and W (--offload-weight-grad-inputs)"
                    if SPECS[lay.schedule].zero_bubble else "") + ": without it this layout does not fit"]
                if lay.offload else [])
+    zero1 = ", ZeRO-1's gather" if lay.dist_opt and lay.dp * lay.cp > 1 else ""
     if lay.recompute == "lgd":
         offload.append("  recompute lgd: each layer's norms and SwiGLU activation are recomputed instead of kept "
                        "(--recompute-lgd, element-wise work, no GEMM): without it this layout does not fit")
@@ -248,6 +250,7 @@ def explain(lay: Layout, e: Estimate) -> str:
         f"  optimizer (fp32 master, m, v: 12 B{'/dp' if lay.dist_opt else ''}) {e.optimizer / GIB:8.2f} GiB",
         f"  activations (peak of the plan, {e.peak_units:.2f} x the largest chunk's microbatch) "
         f"{e.activations / GIB:8.2f} GiB",
+        f"  communication buffers (p2p receives, gradient buckets{zero1}; the dry run's model) {e.comm / GIB:8.2f} GiB",
         f"  total on the most loaded rank        {e.total / GIB:8.2f} GiB",
         f"  step {e.step_s:.3f} s, MFU {e.mfu:.1%}", *offload])
 

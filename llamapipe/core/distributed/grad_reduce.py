@@ -64,15 +64,17 @@ def _model_params(model_chunks: list[torch.nn.Module]) -> list[torch.nn.Paramete
 
 
 def bucket_groups(grads: list[torch.Tensor], bucket_size: int,
-             dtype_of: Callable[[torch.Tensor], torch.dtype] = lambda t: t.dtype) -> list[list[torch.Tensor]]:
+                  dtype_of: Callable[[torch.Tensor], torch.dtype] = lambda t: t.dtype,
+                  numel_of: Callable[[torch.Tensor], int] = lambda t: t.numel()) -> list[list[torch.Tensor]]:
     """Group grads (reverse order, as backward produces them) into buckets of >= bucket_size elements, one
-    dtype per bucket (`dtype_of`: e.g. a parameter's grad dtype, to bucket parameters before they have grads)."""
+    dtype per bucket (`dtype_of`: e.g. a parameter's grad dtype, to bucket parameters before they have grads;
+    `numel_of`: the planner buckets plain element counts, core/comm_memory.py)."""
     buckets: list[list[torch.Tensor]] = []
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in reversed(grads):
         current = by_dtype.setdefault(dtype_of(g), [])
         current.append(g)
-        if sum(t.numel() for t in current) >= bucket_size:
+        if sum(numel_of(t) for t in current) >= bucket_size:
             buckets.append(current)
             by_dtype[dtype_of(g)] = []
     buckets.extend(b for b in by_dtype.values() if b)

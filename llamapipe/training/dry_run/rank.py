@@ -12,19 +12,17 @@ steps are the same on meta: the step runs once per distinct shard and the others
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from llamapipe.core.comm_memory import fsdp_gather_bytes, grad_bucket_bytes, p2p_receive_bytes, zero1_gather_bytes
 from llamapipe.core.config import FSDP_STRATEGIES
 from llamapipe.core.distributed.fsdp import apply_data_parallel_sharding, is_sharded, local_tensor
-from llamapipe.core.distributed.grad_reduce import bucket_groups
 from llamapipe.core.optimizer import build_optimizer
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel.activation_memory import storage_id
-from llamapipe.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from llamapipe.training.config import Config
 from llamapipe.training.dry_run import checkpoint as ckpt
 from llamapipe.training.dry_run.messages import MessageLedger
@@ -34,7 +32,6 @@ from llamapipe.training.dry_run.world import GridGroups, Role, check_groups, gri
 from llamapipe.training.setup import build_model_chunks, chunk_stages
 
 META = torch.device("meta")
-LOOKAHEAD = inspect.signature(P2PCommunicator).parameters["lookahead"].default   # receives posted per peer
 
 
 @dataclass
@@ -142,27 +139,24 @@ def optimizer_state_bytes(optimizer, params: list[torch.Tensor]) -> int:
 
 
 def _comm_bytes(config: Config, ps: ParallelState, chunks: list[torch.nn.Module], ledger: MessageLedger) -> int:
-    """Communication buffers beside the activations: the receives posted ahead (`LOOKAHEAD` per peer, each the
-    peer's largest message), the data-parallel reduction's flat fp32 buckets (one at a time; all at once when
-    overlapped) or, under ZeRO-2/3, FSDP's gathered weights (every unit's under ZeRO-2, which keeps them from
-    forward to backward; two units' under ZeRO-3: the one running and the one prefetched)."""
-    p2p = LOOKAHEAD * sum(ledger.largest_from_peers(ps.pp_rank).values())
+    """Communication buffers beside the activations, as `comm_memory` counts them (the planner's model too): the
+    receives posted ahead for the largest message of each peer, and the data-parallel reduction's flat buckets or,
+    under ZeRO-2/3, FSDP's gathered weights."""
+    p2p = p2p_receive_bytes(ledger.largest_from_peers(ps.pp_rank).values())
     par = config.parallel
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     if par.data_parallel_sharding_strategy in FSDP_STRATEGIES and ps.dp_cp_size > 1:
         units = [sum(p.numel() * p.dtype.itemsize for p in unit.parameters()) for chunk in chunks
                  for unit in chunk.layers.values()]
-        gathered = sum(units) if par.data_parallel_sharding_strategy == "optim_grads" else 2 * max(units, default=0)
-        return p2p + gathered
-    buckets = [sum(p.numel() for p in bucket) * 4 for bucket in bucket_groups(params, par.ddp_bucket_size)]
-    return p2p + (sum(buckets) if par.overlap_grad_reduce else max(buckets, default=0))
+        return p2p + fsdp_gather_bytes(units, par.data_parallel_sharding_strategy)
+    return p2p + grad_bucket_bytes([p.numel() for p in params], par.ddp_bucket_size, par.overlap_grad_reduce)
 
 
 def _zero1_gather_bytes(optimizer, params: list[torch.Tensor]) -> int:
-    """ZeRO-1's all-gather of the updated parameters: the whole padded flat model shard, in the parameters' dtype."""
+    """ZeRO-1's all-gather of the updated parameters (`comm_memory.zero1_gather_bytes`)."""
     if not optimizer.sharded:
         return 0
-    return optimizer.layout.padded_total * max(p.dtype.itemsize for p in params)
+    return zero1_gather_bytes(optimizer.layout.padded_total, max(p.dtype.itemsize for p in params))
 
 
 def _zero_text(optimizer, chunks: list[torch.nn.Module], ps: ParallelState) -> str:
