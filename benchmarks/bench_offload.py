@@ -2,7 +2,7 @@
 
 The shape of issue 47: 8 layers, hidden 256 (FFN 688, 8 heads), sequence 1024, micro-batch 1, 8 microbatches, fp32
 on gloo. Variants (each only where this checkout has its flags): the plain run; `--cpu-offload --offload-chunk-num
-1`; Megatron's `--fine-grained-activation-offloading`; `--recompute-granularity selective --recompute-modules
+1`, and with `--offload-weight-grad-inputs`; Megatron's `--fine-grained-activation-offloading`; `--recompute-granularity selective --recompute-modules
 core_attn mlp`; `--recompute-lgd`. Alternating rounds (every variant once per round), each run's median time per
 iteration over its steady iterations (the first two dropped); per round the ratio to that round's plain run; the
 table gives the median ratio with its spread, each rank's compute / communication / idle from the timers
@@ -10,6 +10,7 @@ table gives the median ratio with its spread, each rank's compute / communicatio
 activation-reload, communication on the rank's timeline since on a CPU a copy is a memcpy on the compute cores).
 
     python -m benchmarks.bench_offload --rounds 3 --out benchmarks/results/offload.json
+    python -m benchmarks.bench_offload --only "offload chunk 0 + W inputs"     # with the plain run, as always
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ SHAPE = ["--mock-data", "--num-layers", "8", "--hidden-size", "256", "--ffn-hidd
 VARIANTS = {
     "plain": [],
     "offload chunk 0": ["--cpu-offload", "--offload-chunk-num", "1"],
+    "offload chunk 0 + W inputs": ["--cpu-offload", "--offload-chunk-num", "1", "--offload-weight-grad-inputs"],
     "megatron fine-grained": ["--fine-grained-activation-offloading", "--min-offloaded-tensor-size", "0"],
     "recompute core_attn mlp": ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp"],
     "recompute lgd": ["--recompute-lgd"],
@@ -64,9 +66,12 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--out", default=None)
+    p.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="VARIANT",
+                   help=f"run these variants (and the plain run): {', '.join(map(repr, VARIANTS))}")
     args = p.parse_args(argv)
-    variants = {name: flags for name, flags in VARIANTS.items() if available(flags)}
-    missing = sorted(set(VARIANTS) - set(variants))
+    chosen = {name: VARIANTS[name] for name in VARIANTS if name == "plain" or name in args.only}
+    variants = {name: flags for name, flags in chosen.items() if available(flags)}
+    missing = sorted(set(chosen) - set(variants))
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, flags in variants.items():
