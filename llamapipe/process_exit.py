@@ -3,9 +3,9 @@
 Python's own exit tears every module down one by one; with torch and torch._dynamo loaded (each optimizer's
 construction imports dynamo), that alone takes 1.2-1.4 s of CPU here, paid by every rank of every run after its
 work is done, for nothing: the operating system frees the memory anyway. `exit_process(code)` does what an orderly
-exit does that matters (waits for the threads that are not daemons, such as a checkpoint writer, runs the atexit
-handlers: logging's, tensorboard's, wandb's, multiprocessing's; flushes stdout and stderr) and then ends the
-process with `code` at once. Only a normal return goes this way: an exception or SystemExit exits as Python does.
+exit does that matters (stops thread pools and waits for the threads that are not daemons, such as a checkpoint
+writer; runs the atexit handlers: logging's, tensorboard's, wandb's, multiprocessing's; flushes stdout and stderr)
+and then ends the process with `code` at once. Only a normal return goes this way: an exception or SystemExit exits as Python does.
 """
 from __future__ import annotations
 
@@ -18,10 +18,15 @@ from typing import NoReturn, Optional
 
 def exit_process(code: Optional[int]) -> NoReturn:
     """End the process with `code` (None: 0) after its threads, atexit handlers and output are done."""
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
+    # What the interpreter's own exit does first: run the threading module's exit hooks (concurrent.futures stops
+    # its pools there: torch.compile's workers) and join every thread that is not a daemon.
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:       # not CPython: join what would keep the process alive
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
