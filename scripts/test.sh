@@ -5,4 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PY=${PYTHON:-python3}
-"$PY" -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
+# Two pytest workers (pytest-xdist, each test file whole on one worker): a torchrun test leaves about half of two
+# cores idle (rendezvous, process start-up and exit), so two at a time end the suite sooner. TEST_WORKERS=N sets
+# the number, TEST_WORKERS=0 runs everything in this one process.
+WORKERS=${TEST_WORKERS:-2}
+XDIST=()
+if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadfile); fi
+"$PY" -m pytest -q -p no:cacheprovider --durations=15 ${XDIST[@]+"${XDIST[@]}"} tests "$@"
