@@ -43,7 +43,9 @@ def check_chrome_trace(trace: dict) -> None:
     for ident, [s] in starts.items():
         [f] = finishes[ident]
         assert f["bp"] == "e" and s["pid"] != f["pid"], (s, f)
-        assert f["ts"] >= s["ts"] - 200.0, f"a message received {s['ts'] - f['ts']:.0f} us before it was sent"
+        # the ranks' clocks are aligned NTP-style, good to half the shortest of 32 round trips: on two cores that
+        # two test workers' ranks share, up to about a millisecond
+        assert f["ts"] >= s["ts"] - 1000.0, f"a message received {s['ts'] - f['ts']:.0f} us before it was sent"
 
 
 @pytest.fixture(scope="module")

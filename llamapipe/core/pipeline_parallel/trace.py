@@ -115,10 +115,11 @@ class TraceRecorder(StepObserver):
                 "events": self.events, "plans": self.plans, "steps": self.steps}
 
 
-def common_zero(rounds: int = 8) -> float:
+def common_zero(rounds: int = 32) -> float:
     """A time origin all ranks share, in this rank's `time.perf_counter()`: rank 0's clock now, shifted by this
     rank's clock offset to rank 0, measured NTP-style (rank r and rank 0 exchange timestamps `rounds` times; the
-    round with the shortest round trip gives the offset, good to about half of it). A barrier alone would leave the
+    round with the shortest round trip gives the offset, good to about half of it; 32 rounds, a few milliseconds
+    once per trace, so that a loaded machine still gets a short one). A barrier alone would leave the
     ranks as far apart as they leave the barrier (a millisecond on a loaded machine). Collective over the world."""
     if not dist.is_initialized():
         return time.perf_counter()
