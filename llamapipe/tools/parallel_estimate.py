@@ -38,7 +38,7 @@ from typing import Optional
 
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.core.pipeline_parallel.offload_plan import with_offload
-from llamapipe.core.pipeline_parallel.schedule_ir import Plan
+from llamapipe.core.pipeline_parallel.schedule_ir import Plan, splits_backward
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
 from llamapipe.core.pipeline_parallel.simulator import Costs, run_timeline, verify
 from llamapipe.model.llama import LlamaConfig
@@ -151,11 +151,6 @@ def offload_plan(schedule: str, pp: int, vpp: int, m: int, offload: int) -> Plan
     (--offload-weight-grad-inputs); the plan itself when `offload` is 0."""
     plan = verified_plan(schedule, pp, vpp, m)
     return with_offload(plan, offload, reload_lead=1, held=splits_backward(plan)) if offload else plan
-
-
-def splits_backward(plan: Plan) -> bool:
-    """Whether `plan` runs B and W apart (a zero-bubble schedule): --offload-weight-grad-inputs has work there."""
-    return any(a.kind == "W" for acts in plan.actions for a in acts)
 
 
 @functools.lru_cache(maxsize=None)

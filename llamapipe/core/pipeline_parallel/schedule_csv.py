@@ -20,7 +20,7 @@ import io
 import re
 from typing import Optional
 
-from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan, rank_chunk_of
+from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan, rank_chunk_of, splits_backward
 from llamapipe.core.pipeline_parallel.simulator import Costs, PlanError, Result, simulate
 
 TO_TORCH = {"F": "F", "B": "I", "W": "W", "BW": "B"}
@@ -119,7 +119,7 @@ def verify(plan: Plan, label: str, cells: Optional[list] = None, costs: Costs = 
 def describe(plan: Plan, costs: Costs = Costs()) -> str:
     """One line on a loaded plan: its shape and what the simulator finds at `costs`."""
     result = simulate(plan, costs)
-    split = "B/W split" if any(a.kind == "W" for acts in plan.actions for a in acts) else "fused backward"
+    split = "B/W split" if splits_backward(plan) else "fused backward"
     return (f"pp {plan.pp}, {plan.vpp} model chunk{'s' if plan.vpp > 1 else ''} per rank ({plan.placement} placement), "
             f"{plan.num_microbatches} microbatches, {split}; simulated at unit costs: bubble "
             f"{result.bubble_rate:.1%}, peak {max(result.peak_memory):g} microbatch-chunks of activations")

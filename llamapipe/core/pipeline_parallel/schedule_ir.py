@@ -167,3 +167,8 @@ class Plan:
         actions = tuple(tuple(Action(str(k), int(c), int(m)) for k, c, m in rank) for rank in data["actions"])
         return cls(data["name"], data["pp"], data["vpp"], data["num_microbatches"], data["placement"], actions,
                    bool(data.get("vocab", False)))
+
+
+def splits_backward(plan: Plan) -> bool:
+    """Whether `plan` runs B and W as separate actions (a zero-bubble plan)."""
+    return any(a.kind == "W" for acts in plan.actions for a in acts)

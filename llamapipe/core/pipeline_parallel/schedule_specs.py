@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 from llamapipe.core.config import ConfigError
 from llamapipe.core.pipeline_parallel import auto_plan, builders, builders_dualpipe, builders_grouped, builders_v
-from llamapipe.core.pipeline_parallel.schedule_ir import Plan
+from llamapipe.core.pipeline_parallel.schedule_ir import Plan, splits_backward
 from llamapipe.core.pipeline_parallel.simulator import Costs
 from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
 
@@ -187,7 +187,7 @@ def _file_spec(plan: Plan) -> ScheduleSpec:
             raise ValueError(f"schedule file {path} plans {plan.num_microbatches} microbatches on {plan.pp} pipeline "
                              f"ranks, but this run has {m} microbatches on {pp}")
         return plan
-    split = any(a.kind == "W" for acts in plan.actions for a in acts)
+    split = splits_backward(plan)
     return ScheduleSpec(plan.name, builder, plan.vpp, plan.vpp, plan.vpp, v_placement=plan.placement == "v",
                         zero_bubble=split, planned=False)
 
