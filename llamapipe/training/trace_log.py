@@ -47,21 +47,34 @@ class PipelineTrace:
         self.recorder = TraceRecorder(ps.rank, ps.pp_ranks)
         self.records = ranks is None or ps.rank in ranks
         self.written = False
+        self.started = False        # the window opened (the same on every rank: they count the same iterations)
+        self.last = start           # the last iteration begun inside the window
 
     def before_iteration(self, completed: int) -> None:
         """Called on every rank before each training iteration, with the count of iterations completed."""
         if completed == self.start:
             zero = common_zero()                     # collective: every rank reaches it at the same iteration
+            self.started = True
             if self.records:
                 self.recorder.start(completed + 1, zero)
         elif self.recorder.recording:
             self.recorder.iteration = completed + 1
+        if self.started and completed < self.end:
+            self.last = completed + 1
         if completed == self.end and not self.written:
             self.finish()
 
     def finish(self) -> None:
-        """Stop and write (collective); at the end of training too, when it ended inside the window."""
+        """Stop and write (collective); at the end of training too, when it ended inside the window. A run that
+        never reached the window (it resumed past it) writes nothing and says so: never an empty trace."""
         if self.written or self.start >= self.end:
+            return
+        if not self.started:
+            self.written = True
+            log.warning(f"--pipeline-trace {self.path}: nothing traced and no file written: the window of "
+                        f"iterations {self.start + 1}-{self.end} (--profile-step-start {self.start}, "
+                        f"--profile-step-end {self.end}) opens when {self.start} iterations are complete, and "
+                        "this run did not pass that point (it resumed after it)")
             return
         self.recorder.stop()
         coords = self.ps.coords
@@ -71,14 +84,14 @@ class PipelineTrace:
         self.written = True
         if payloads is None:
             return
-        trace = chrome_trace(payloads, self.schedule, self.start, self.end)
+        trace = chrome_trace(payloads, self.schedule, self.start, self.last)
         try:
             write_trace(self.path, trace)
         except OSError as err:       # a trace is never worth the run: say so and train on
             log.warning(f"--pipeline-trace {self.path}: cannot write the trace ({err}); training goes on")
             return
         actions = sum(1 for e in trace["traceEvents"] if e.get("ph") == "X" and "kind" in e.get("args", {}))
-        log.info(f"pipeline trace: iterations {self.start + 1}-{self.end} of {len(payloads)} ranks ({actions} "
+        log.info(f"pipeline trace: iterations {self.start + 1}-{self.last} of {len(payloads)} ranks ({actions} "
                  f"actions) written to {self.path}; open it in https://ui.perfetto.dev or chrome://tracing, or "
                  f"draw it beside its plan with `llamapipe plot-trace {self.path}`")
 

@@ -91,6 +91,31 @@ def test_a_window_that_traces_nothing_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "t.json").exists()
 
 
+def test_a_window_after_the_run_ends_is_refused_in_one_line(tmp_path):
+    """The default window (iterations 11-12) on a 4-iteration run: refused up front, not an empty file."""
+    proc = subprocess.run([sys.executable, "pretrain_llama.py", *TINY, *ITERS, "--pipeline-trace",
+                           str(tmp_path / "t.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert ("--pipeline-trace: --profile-step-start 10 and --profile-step-end 12 trace iterations 11-12, but the "
+            "run ends at iteration 4; set --profile-step-start 2 --profile-step-end 4") in proc.stderr
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_a_run_that_ends_inside_the_window_traces_its_last_iterations(tmp_path):
+    path = tmp_path / "t.json"
+    proc = subprocess.run([sys.executable, "pretrain_llama.py", *TINY, "--train-iters", "3", "--micro-batch-size",
+                           "1", "--global-batch-size", "2", "--pipeline-trace", str(path), "--profile-step-start",
+                           "1", "--profile-step-end", "5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
+    assert "--pipeline-trace traces iterations 2-3" in out
+    assert "pipeline trace: iterations 2-3 of 1 ranks (" in out and "(0 actions)" not in out
+    trace = json.loads(path.read_text())
+    assert trace["otherData"]["llamapipe"]["iterations"] == [2, 3]
+    ran = {e["args"]["iteration"] for e in trace["traceEvents"] if e["ph"] == "X" and "kind" in e.get("args", {})}
+    assert ran == {2, 3}
+
+
 def test_a_link_at_the_trace_path_is_refused_and_its_target_untouched(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("keep")

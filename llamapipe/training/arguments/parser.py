@@ -108,7 +108,7 @@ def _build_config(args: argparse.Namespace, world_size: int, check_memory: bool)
     data = with_end_of_document(data, tokenizer, post_validation=training.post_validation)
     training = _without_evaluation_if_no_validation_data(args, training, data, notices)
     notices += noop_notices(args, parallel)
-    check_trace(args, world_size, notices)
+    check_trace(args, world_size, notices, training.train_iters)
     if check_memory:
         check_fits_memory(model, parallel, training, args.bf16 or args.fp16,
                           machine_memory_bytes(parallel.distributed_backend),

@@ -204,8 +204,9 @@ def logging_config(args: argparse.Namespace) -> LoggingConfig:
                          profile_ranks=None if args.profile_ranks is None else tuple(args.profile_ranks))
 
 
-def check_trace(args: argparse.Namespace, world_size: int, notices: list[str]) -> None:
-    """--pipeline-trace with Megatron's profile window flags: a window that opens, ranks that exist."""
+def check_trace(args: argparse.Namespace, world_size: int, notices: list[str], train_iters: int) -> None:
+    """--pipeline-trace with Megatron's profile window flags: a window that opens inside the run, ranks that
+    exist. A window that the run ends inside is traced up to the run's last iteration, and said so."""
     window = f"--profile-step-start {args.profile_step_start} and --profile-step-end {args.profile_step_end}"
     if args.pipeline_trace is None:
         given = [f for f, v in (("--profile-step-start", args.profile_step_start != 10),
@@ -222,6 +223,14 @@ def check_trace(args: argparse.Namespace, world_size: int, notices: list[str]) -
         check_target(args.pipeline_trace)
     except UnsafePathError as err:
         raise ArgumentError(f"--pipeline-trace: {err}") from None
+    if args.profile_step_start >= train_iters:
+        raise ArgumentError(f"--pipeline-trace: {window} trace iterations {args.profile_step_start + 1}-"
+                            f"{args.profile_step_end}, but the run ends at iteration {train_iters}; set "
+                            f"--profile-step-start {max(train_iters - 2, 0)} --profile-step-end {train_iters} to "
+                            "trace its last iterations")
+    if args.profile_step_end > train_iters:
+        notices.append(f"notice: the run ends at iteration {train_iters}, inside the window of {window}: "
+                       f"--pipeline-trace traces iterations {args.profile_step_start + 1}-{train_iters}")
     outside = [r for r in args.profile_ranks or () if not 0 <= r < world_size]
     if outside:
         raise ArgumentError(f"--profile-ranks {' '.join(map(str, outside))}: there are ranks 0 to {world_size - 1} "
