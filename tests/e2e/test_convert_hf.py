@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from llamapipe.model.llama import LlamaConfig
@@ -175,11 +176,13 @@ def _old_rope(config: dict, **keys) -> None:
      "{cfg} gives rope_theta 0.0; it must be a finite positive number, or training refuses the imported checkpoint"),
     ("theta NaN", dict(change=lambda c: _old_rope(c, rope_theta=float("nan"))),
      "{cfg} gives rope_theta nan; it must be"),
-    *((f"original {n}", dict(change=lambda c, n=n: _old_rope(c, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=n))),
-       f"{{cfg}} gives rope_scaling original_max_position_embeddings {n}; it must be 8192, the only value training "
-       "sets, or training refuses the imported checkpoint") for n in (0, 64)),
+    ("original 0", dict(change=lambda c: _old_rope(c, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=0))),
+     "{cfg} gives rope_scaling original_max_position_embeddings 0; it must be a finite positive number, or training "
+     "refuses the imported checkpoint"),
+    ("bands crossed", dict(change=lambda c: _old_rope(c, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=4.0, high_freq_factor=2.0, original_max_position_embeddings=32))),
+     "{cfg} gives rope_scaling high_freq_factor 2.0; it must be larger than rope_low_freq_factor (4)"),
 ])
 def test_import_refuses_a_config_that_disagrees_with_the_weights_and_writes_nothing(
         hf_model, tmp_path, capsys, case, edit, says):
@@ -193,6 +196,39 @@ def test_import_refuses_a_config_that_disagrees_with_the_weights_and_writes_noth
     assert len(err.splitlines()) == 1 and err.startswith("convert_hf.py: error: "), err
     assert says.format(cfg=os.path.join(hf_dir, "config.json")) in err, err
     assert not (tmp_path / "ckpt").exists(), "nothing may be written"
+
+
+@pytest.mark.slow
+def test_an_import_with_its_own_rope_scaling_trains_under_use_checkpoint_args(tmp_path):
+    """Issue 49: a Llama-3-style model whose RoPE scaling has its own bands and original context (no flag sets
+    them) trains with --use-checkpoint-args, which takes them; without it the one line says to give it."""
+    cfg = transformers.LlamaConfig(vocab_size=1001, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                   rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0,
+                                                 "high_freq_factor": 8.0, "original_max_position_embeddings": 32})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    convert_hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), 1, 1, None)
+    run = ["pretrain_llama.py", "--load", str(tmp_path / "ckpt"), "--no-load-optim", "--mock-data", "--seq-length",
+           "64", "--train-iters", "2", "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-4",
+           "--eval-iters", "0", "--num-workers", "0"]
+    shape = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48", "--num-attention-heads", "4",
+             "--group-query-attention", "--num-query-groups", "2", "--max-position-embeddings", "128",
+             "--vocab-size", "1001", "--rotary-base", "500000", "--use-rope-scaling", "--rope-scaling-factor", "4"]
+    refused = subprocess.run([sys.executable, *run, *shape], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert ("rope_original_max_position_embeddings 32 but this run has 1.0, 4.0, 8192; give --use-checkpoint-args, "
+            "which takes rope_low_freq_factor, rope_high_freq_factor, rope_original_max_position_embeddings") \
+        in refused.stderr
+    proc = subprocess.run([sys.executable, *run, "--use-checkpoint-args", "--save", str(tmp_path / "out"),
+                           "--save-interval", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("RoPE scaling's low_freq_factor 2, high_freq_factor 8, original_max_position_embeddings 32"
+            in proc.stdout + proc.stderr)
+    saved = json.loads((tmp_path / "out" / "iter_0000002" / "metadata.json").read_text())["model_config"]
+    assert (saved["rope_low_freq_factor"], saved["rope_high_freq_factor"], saved["rope_scaling_factor"],
+            saved["rope_original_max_position_embeddings"]) == (2.0, 8.0, 4.0, 32)
 
 
 def test_export_refuses_a_link_in_the_output_directory_and_leaves_its_target(hf_model, tmp_path, capsys):

@@ -14,7 +14,8 @@ from llamapipe.training.arguments.parser import ArgumentError, build_parser, con
 VOCAB, ORIGINAL = 1003, 64      # a context of 64 "trained" positions, scaled up to 512
 
 
-def _hf(tie: bool, factor: float, head_dim: int = 16, original: int = ORIGINAL) -> transformers.LlamaForCausalLM:
+def _hf(tie: bool, factor: float, head_dim: int = 16, original: int = ORIGINAL,
+        bands: tuple[float, float] = (1.0, 4.0)) -> transformers.LlamaForCausalLM:
     """A random-weight HF model of Llama 3.1's (untied, factor 8) or 3.2's (tied, factor 32) kind, small: with
     rope_theta 5e5 and head dim 16 its frequencies fall in all three of the scaling's bands (kept, interpolated,
     divided by the factor)."""
@@ -22,8 +23,8 @@ def _hf(tie: bool, factor: float, head_dim: int = 16, original: int = ORIGINAL) 
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=4 * head_dim, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=8 * original, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": original},
+        rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": bands[0],
+                      "high_freq_factor": bands[1], "original_max_position_embeddings": original},
         rms_norm_eps=1e-5, tie_word_embeddings=tie, attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -40,15 +41,19 @@ def _ours(hf: transformers.LlamaForCausalLM, **changes) -> LlamaModel:
     return model
 
 
-@pytest.mark.parametrize("tie,factor", [(False, 8.0), (True, 32.0)], ids=["llama3.1-shaped", "llama3.2-tied"])
-def test_logits_match_hf_beyond_the_original_context(tie, factor):
+@pytest.mark.parametrize("tie,factor,bands", [(False, 8.0, (1.0, 4.0)), (True, 32.0, (1.0, 4.0)),
+                                             (False, 4.0, (2.0, 8.0))],
+                         ids=["llama3.1-shaped", "llama3.2-tied", "own-bands"])
+def test_logits_match_hf_beyond_the_original_context(tie, factor, bands):
     """Logits equal HF's within 1e-5 over 320 positions (5x the original context) and at explicit positions far
-    beyond it; without the scaling they differ by 100 times the tolerance (so the comparison sees it)."""
-    hf = _hf(tie, factor)
+    beyond it; without the scaling they differ by 100 times the tolerance (so the comparison sees it). Band factors
+    other than Megatron's 1 and 4 too (a checkpoint's own, which --use-checkpoint-args takes: issue 49)."""
+    hf = _hf(tie, factor, bands=bands)
     ours = _ours(hf)
     config = ours.config
     assert (config.use_rope_scaling, config.rope_scaling_factor, config.tie_word_embeddings) == (True, factor, tie)
     assert config.rope_original_max_position_embeddings == ORIGINAL
+    assert (config.rope_low_freq_factor, config.rope_high_freq_factor) == bands
     ids = torch.randint(0, VOCAB, (2, 5 * ORIGINAL), generator=torch.Generator().manual_seed(1))
     far = torch.arange(7 * ORIGINAL, 8 * ORIGINAL).expand(2, ORIGINAL)
     with torch.no_grad():

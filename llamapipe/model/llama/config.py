@@ -91,7 +91,7 @@ class LlamaConfig:
         return cls(**PRESETS[name])
 
 
-_SCALING_FIXED = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings")
+SCALING_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings")
 
 
 def _positive_number(value: Any) -> bool:
@@ -99,17 +99,21 @@ def _positive_number(value: Any) -> bool:
 
 
 def trainable_defect(c: LlamaConfig) -> Optional[tuple[str, Any, str]]:
-    """(field, its value, what it must be) for the first value of `c` that training cannot run or set, else None.
+    """(field, its value, what it must be) for the first value of `c` that training cannot run, else None.
     The one check behind the trainer's (model_args.check_model) and convert-hf import's (hf_import_checks), so an
     import never writes a model that training then refuses (issue 51: rope_theta 0 or NaN, Llama 3 scaling with
-    original_max_position_embeddings 0 or 64 were imported)."""
-    for field in ("rope_theta", "norm_epsilon") + (("rope_scaling_factor",) if c.use_rope_scaling else ()):
+    original_max_position_embeddings 0 were imported). Llama 3 scaling's band factors and original context are
+    any the model can compute (HF's bounds); Megatron's --use-rope-scaling sets 1, 4 and 8192, and
+    --use-checkpoint-args takes a checkpoint's own (issue 49)."""
+    for field in ("rope_theta", "norm_epsilon") + (("rope_scaling_factor",) + SCALING_FIELDS
+                                                   if c.use_rope_scaling else ()):
         if not _positive_number(getattr(c, field)):
             return field, getattr(c, field), "a finite positive number"
-    default = LlamaConfig()
-    for field in _SCALING_FIXED if c.use_rope_scaling else ():
-        if getattr(c, field) != getattr(default, field):    # Megatron's --use-rope-scaling fixes them, as do presets
-            return field, getattr(c, field), f"{getattr(default, field):g}, the only value training sets"
+    if c.use_rope_scaling and not c.rope_high_freq_factor > c.rope_low_freq_factor:
+        return ("rope_high_freq_factor", c.rope_high_freq_factor,
+                f"larger than rope_low_freq_factor ({c.rope_low_freq_factor:g})")
+    if c.use_rope_scaling and c.rope_original_max_position_embeddings != int(c.rope_original_max_position_embeddings):
+        return ("rope_original_max_position_embeddings", c.rope_original_max_position_embeddings, "a whole number")
     return None
 
 

@@ -17,6 +17,7 @@ import os
 from llamapipe.core.config import ArgumentError
 from llamapipe.model.families import family_named, qkv_bias_family
 from llamapipe.model.llama import LlamaConfig
+from llamapipe.model.llama.config import SCALING_FIELDS
 from llamapipe.training.checkpointing.io import METADATA, iter_dir
 from llamapipe.training.checkpointing.selection import scan, unusable
 
@@ -55,13 +56,18 @@ def with_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> argpar
     if args.seq_length is None:
         values["seq_length"] = ((meta.get("config") or {}).get("training") or {}).get("seq_length")
     values.update({flag: model.get(field) for field, flag in _FORCED.items()})
-    if model.get("use_rope_scaling"):     # Llama 3.1's RoPE scaling: switched on with the checkpoint's factor
+    scaling = {}
+    if model.get("use_rope_scaling"):     # Llama 3.1's RoPE scaling: switched on with the checkpoint's factor...
         values["rope_scaling_factor"] = model.get("rope_scaling_factor")
+        # ...and its bands and original context, which no flag sets (Megatron fixes 1, 4 and 8192)
+        scaling = {field: model[field] for field in SCALING_FIELDS if model.get(field) is not None}
     values = {flag: value for flag, value in values.items() if value is not None}
-    taken = ", ".join(f"--{flag.replace('_', '-')} {value}" for flag, value in values.items())
+    taken = ", ".join([f"--{flag.replace('_', '-')} {value}" for flag, value in values.items()]
+                      + (["RoPE scaling's " + ", ".join(f"{field[5:]} {value:g}" for field, value in scaling.items())]
+                         if scaling else []))
     notices.append(f"--use-checkpoint-args: {taken} from {found[1]}")
     tie = bool(model.get("tie_word_embeddings"))
-    return argparse.Namespace(**{**vars(args), **values, "checkpoint_family": model.get("family", "llama"),
+    return argparse.Namespace(**{**vars(args), **values, **scaling, "checkpoint_family": model.get("family", "llama"),
                                  "tie_embeddings_and_output_weights": tie,
                                  "use_rope_scaling": bool(model.get("use_rope_scaling")),
                                  "untie_embeddings_and_output_weights": not tie,
@@ -70,7 +76,8 @@ def with_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> argpar
                                                   or getattr(args, "add_qkv_bias", False))})
 
 
-_REAL_FIELDS = ("norm_epsilon", "rope_theta", "rotary_percent", "rope_scaling_factor")
+_REAL_FIELDS = ("norm_epsilon", "rope_theta", "rotary_percent", "rope_scaling_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor")
 
 
 def _checked_model(model: dict, path: str) -> dict:
@@ -82,7 +89,7 @@ def _checked_model(model: dict, path: str) -> dict:
         if field not in model:
             raise ArgumentError(f"{where} has no model_config {field}; give the model's flags without "
                                 "--use-checkpoint-args")
-    for field in (*_FILLED, *_FORCED, "rope_scaling_factor"):
+    for field in (*_FILLED, *_FORCED, "rope_scaling_factor", *SCALING_FIELDS):
         value = model.get(field)
         real = field in _REAL_FIELDS
         if value is None or (isinstance(value, (float, int) if real else int) and not isinstance(value, bool)
@@ -115,8 +122,7 @@ _CHECKED = {"family": None, "num_layers": "--num-layers", "hidden_size": "--hidd
             "tie_word_embeddings": "--tie-embeddings-and-output-weights", "rope_theta": "--rotary-base",
             "norm_epsilon": "--norm-epsilon", "kv_channels": "--kv-channels", "rotary_percent": "--rotary-percent",
             "use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "--rope-scaling-factor",
-            **dict.fromkeys(("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings"),
-                            "--model (a preset with this RoPE scaling)")}
+            **dict.fromkeys(SCALING_FIELDS, "")}      # no flag: --use-checkpoint-args takes them
 
 
 def check_saved_model(saved: dict, current: LlamaConfig, path: str) -> None:
@@ -126,10 +132,14 @@ def check_saved_model(saved: dict, current: LlamaConfig, path: str) -> None:
     differ = [field for field in _CHECKED if field in saved and saved[field] != getattr(current, field)]
     if not differ:
         return
-    settings = ", ".join(_family_setting(saved[f]) if f == "family" else f"{_CHECKED[f]} {saved[f]}" for f in differ)
+    settings = ", ".join(_family_setting(saved[f]) if f == "family" else f"{_CHECKED[f]} {saved[f]}" for f in differ
+                         if _CHECKED[f] != "")
+    unflagged = [f for f in differ if _CHECKED[f] == ""]
+    fix = (f"set {settings}, or give --use-checkpoint-args to take the model's shape from the checkpoint"
+           if not unflagged else f"give --use-checkpoint-args, which takes {', '.join(unflagged)} (no flag sets "
+           "them) and the rest of the model's shape from the checkpoint")
     raise ValueError(f"checkpoint {path} was saved with {', '.join(f'{f} {saved[f]}' for f in differ)} but this "
-                     f"run has {', '.join(str(getattr(current, f)) for f in differ)}; set {settings}, or give "
-                     "--use-checkpoint-args to take the model's shape from the checkpoint")
+                     f"run has {', '.join(str(getattr(current, f)) for f in differ)}; {fix}")
 
 
 def _family_setting(name: str) -> str:

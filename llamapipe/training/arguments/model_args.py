@@ -19,7 +19,7 @@ from llamapipe.data.tokenizers.base import Tokenizer
 from llamapipe.model.recompute import LGD, MEGATRON_MODULES, NOT_DENSE
 from llamapipe.model import families
 from llamapipe.model.llama import LlamaConfig
-from llamapipe.model.llama.config import trainable_defect
+from llamapipe.model.llama.config import SCALING_FIELDS, trainable_defect
 from llamapipe.model.families import PRESETS
 from llamapipe.training.arguments.pipeline import check_layer_split
 
@@ -104,6 +104,8 @@ def model_config(args: argparse.Namespace, notices: list[str]) -> LlamaConfig:
         fields["kv_channels"] = None    # one spelling of the default head dim, so checkpoint configs compare
     if args.use_rope_scaling:
         fields["use_rope_scaling"] = True
+        # Llama 3 scaling's bands and original context: no flag; --use-checkpoint-args puts the checkpoint's here
+        fields.update({f: getattr(args, f) for f in SCALING_FIELDS if getattr(args, f, None) is not None})
     if args.rope_scaling_factor is not None and not fields.get("use_rope_scaling"):
         del fields["rope_scaling_factor"]   # the factor of a scaling that is off: the config keeps the default
         notices.append(f"notice: --rope-scaling-factor {args.rope_scaling_factor:g} has no effect without "
