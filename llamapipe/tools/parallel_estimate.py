@@ -36,6 +36,8 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
+
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.core.pipeline_parallel.offload_plan import with_offload
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan, splits_backward
@@ -194,23 +196,40 @@ def _chunk_act_bytes(m: LlamaConfig, lay: Layout, seq: int) -> list[tuple[float,
             for s, n in enumerate(_stage_layers(m, lay))]
 
 
+_DELTA = {"F": (1, 0), "B": (-1, 1), "W": (0, -1), "BW": (-1, 0), "O": (-1, 0), "R": (1, 0), "OW": (0, -1),
+          "RW": (0, 1)}     # what each action adds to a rank's activations, in (M_B, M_W) of its chunk
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak_terms(plan: Plan) -> tuple:
+    """Per rank: each action's chunk, its (M_B, M_W) coefficients, and whether it is a BW that sends (which holds
+    M_W for a moment), as arrays: the part of `plan_peaks` that depends on the plan alone, built once."""
+    rows = []
+    for rank, actions in enumerate(plan.actions):
+        chunks = np.array([a.chunk for a in actions], dtype=np.int64)
+        coef = np.array([_DELTA[a.kind] for a in actions], dtype=np.float64).reshape(-1, 2)
+        sends = np.array([a.kind == "BW" and plan.stage_of(rank, a.chunk) > 0
+                          and plan.rank_chunk_of(plan.stage_of(rank, a.chunk) - 1)[0] != rank for a in actions],
+                         dtype=bool)
+        rows.append((chunks, coef, sends))
+    return tuple(rows)
+
+
 def plan_peaks(plan: Plan, chunk_bytes: list[list[tuple[float, float]]]) -> list[float]:
     """Peak activation bytes of each rank over `plan`: F adds the chunk's M_B, B keeps its M_W instead, W frees
     M_W, BW frees M_B (`chunk_bytes[rank][chunk]`: (M_B, M_W)). A BW that sends to another rank runs as B, send,
     W in the executor, so it holds M_W for a moment: more than M_B under full recompute, whose B re-creates the
     inputs W needs. An O (offload) moves the M_B to host memory and its R brings it back."""
     peaks = []
-    for rank, actions in enumerate(plan.actions):
-        level = peak = 0.0
-        for a in actions:
-            m_b, m_w = chunk_bytes[rank][a.chunk]
-            stage = plan.stage_of(rank, a.chunk)
-            if a.kind == "BW" and stage > 0 and plan.rank_chunk_of(stage - 1)[0] != rank:
-                peak = max(peak, level - m_b + m_w)
-            level += {"F": m_b, "B": m_w - m_b, "W": -m_w, "BW": -m_b, "O": -m_b, "R": m_b,
-                      "OW": -m_w, "RW": m_w}[a.kind]
-            peak = max(peak, level)
-        peaks.append(peak)
+    for (chunks, coef, sends), sizes in zip(_peak_terms(plan), chunk_bytes):
+        if not len(chunks):
+            peaks.append(0.0)
+            continue
+        bytes_ = np.asarray(sizes, dtype=np.float64)[chunks]          # (M_B, M_W) of each action's chunk
+        delta = coef[:, 0] * bytes_[:, 0] + coef[:, 1] * bytes_[:, 1]
+        level = np.cumsum(delta)
+        transient = (level - delta - bytes_[:, 0] + bytes_[:, 1])[sends]
+        peaks.append(float(max(0.0, level.max(), transient.max(initial=0.0))))
     return peaks
 
 
