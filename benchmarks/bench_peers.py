@@ -17,7 +17,7 @@ over rounds), the model FLOPs of one iteration, the first iteration's loss again
 imported or fails is a row with its one-line reason. Peers are the `[peers]` extra (DeepSpeed in a venv that sees
 the global torch; see docs/benchmarks.md):
 
-    /work/peers-venv/bin/python -m benchmarks.bench_peers --rounds 2 --iters 5 --warmup 3
+    /work/peers-venv/bin/python -m benchmarks.bench_peers --rounds 2 --iters 6 --warmup 4   # ~16 min on 2 cores
     python -m benchmarks.bench_peers --section benchmarks/results/bench_peers.json   # the docs section, printed
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 from benchmarks.launch import ROOT, read_metrics, torchrun
 
@@ -127,9 +128,10 @@ def run_case(case: str, vocab: int, iters: int, warmup: int) -> dict:
 def measure(cases: list[str], vocab: int, rounds: int, iters: int, warmup: int) -> list[dict]:
     runnable = [c for c in cases if missing_reason(c) is None]
     runs: dict[str, list[dict]] = {c: [] for c in runnable}
-    for k in range(rounds):
+    for k in range(rounds if runnable else 0):
         for case in runnable[k % len(runnable):] + runnable[:k % len(runnable)]:
-            runs[case].append(run_case(case, vocab, iters, warmup))
+            start = time.perf_counter()
+            runs[case].append({**run_case(case, vocab, iters, warmup), "launch_s": time.perf_counter() - start})
             print(f"  round {k + 1} V={vocab} {case}: {runs[case][-1]}", flush=True)
     rows = [{"case": c, "vocab": vocab, "error": missing_reason(c)} for c in cases if c not in runs]
     for case, got in runs.items():
@@ -138,10 +140,11 @@ def measure(cases: list[str], vocab: int, rounds: int, iters: int, warmup: int) 
             rows.append({"case": case, "vocab": vocab, "error": failed[0]})
             continue
         times = [r["iter_s"] for r in got]
-        rows.append({"case": case, "vocab": vocab, "iter_s": statistics.median(times), "spread_s": [min(times), max(times)],
+        rows.append({"case": case, "vocab": vocab, "iter_s": statistics.median(times),
+                     "spread_s": [min(times), max(times)],
                      "rounds_s": times, "gflops_per_iter": iteration_flops(vocab) / 1e9,
                      "first_loss": got[0]["first_loss"], "ln_vocab": math.log(vocab), "body": BODY[framework(case)],
-                     "patches": got[0].get("patches", [])})
+                     "patches": got[0].get("patches", []), "launch_s": statistics.median(r["launch_s"] for r in got)})
     return rows
 
 
@@ -224,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", choices=list(VOCABS), default=list(VOCABS))
     p.add_argument("--cases", nargs="+", choices=list(OURS) + PEERS, default=list(OURS) + PEERS)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5, help="iterations per launch (ours: --train-iters)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed first iterations (ours' auto profiles in them)")
+    p.add_argument("--iters", type=int, default=6, help="iterations per launch (ours: --train-iters)")
+    p.add_argument("--warmup", type=int, default=4, help="untimed first iterations (ours' auto profiles in them)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_peers.json"))
     p.add_argument("--section", metavar="RESULT_JSON", help="print the docs section of an earlier run and exit")
     args = p.parse_args(argv)

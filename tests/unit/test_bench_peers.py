@@ -62,6 +62,13 @@ def test_missing_peer_gets_one_line_naming_the_case_and_module():
     assert "megatron.core" in bp.missing_reason("megatron-interleaved", find_spec=broken)
 
 
+def test_a_peer_that_cannot_import_is_a_row_with_its_reason_not_a_launch(monkeypatch):
+    monkeypatch.setattr(bp, "missing_reason", lambda case: f"{case}: deepspeed is not importable from x")
+    monkeypatch.setattr(bp, "run_case", lambda *a: pytest.fail("a missing peer must not be launched"))
+    assert bp.measure(["deepspeed-1f1b"], 256, rounds=2, iters=6, warmup=4) == [
+        {"case": "deepspeed-1f1b", "vocab": 256, "error": "deepspeed-1f1b: deepspeed is not importable from x"}]
+
+
 def test_one_line_picks_the_last_error_line():
     out = "loading\nTraceback (most recent call last):\n  File x\nRuntimeError: gloo timed out\n[rank1] exiting\n"
     assert bp.one_line(out) == "RuntimeError: gloo timed out"
