@@ -73,7 +73,8 @@ def build(shape, pp: int, vpp: int) -> tuple[list, list[str]]:
         num_attention_heads=shape.heads, num_query_groups=shape.groups, kv_channels=shape.hidden // shape.heads,
         normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
-        apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
         use_cpu_initialization=True, init_method_std=0.02, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, pipeline_dtype=torch.float32,
         params_dtype=torch.float32, batch_p2p_comm=False, deallocate_pipeline_outputs=False)
