@@ -129,12 +129,13 @@ class Trainer:
         self.state = TrainState()
         resumed = self._load()
         train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles, self.state.consumed_samples)
-        self.timers = build_timers(config.logging.timing_log_level)     # --timing-log-level (None at 0)
+        lcfg = config.logging
+        self.timers = build_timers(lcfg.timing_log_level, lcfg.log_straggler, device.type)   # None at 0 without --log-straggler
         self.trace = build_trace(config, ps)                            # --pipeline-trace (None without)
         observers = tuple(o for o in (self.timers, self.trace and self.trace.recorder) if o is not None)
         self.runtime = build_runtime_options(config, ps, self.chunks, observers=observers)
         fb_func = build_forward_backward_func(config, ps, self.runtime)
-        self.timers_log = None if self.timers is None else TimersLog(self.timers, ps, config.logging.timing_log_option)
+        self.timers_log = None if self.timers is None else self._timers_log()
         self.metrics = MetricsWriter(config.logging, enabled=dist.get_rank() == 0, run_config=config,
                                      save_dir=config.checkpoint.save)
         if resumed is not None:
@@ -151,6 +152,21 @@ class Trainer:
             from llamapipe.training.post_validated import PostValidatedStep
             step_form = PostValidatedStep
         self.step = step_form(self.parts, train_iters)
+
+    def _timers_log(self) -> TimersLog:
+        """--timing-log-level's report and --log-straggler's detector, over one gather per interval."""
+        lcfg, cfg = self.config.logging, self.config.training
+        detector = expected = None
+        if lcfg.log_straggler:
+            from llamapipe.training.straggler import StragglerDetector, expected_work
+            from llamapipe.training.timers_log import replica_keys
+            detector = StragglerDetector(replica_keys(self.ps, self.ps.world_size), lcfg.straggler_minmax_count,
+                                         lcfg.straggler_threshold)
+            expected = expected_work(self.model_cfg, self.chunks, self.roles, pp=self.ps.pp_size, tp=self.ps.tp_size,
+                                     seq_length=cfg.seq_length, micro_batch=cfg.micro_batch_size,
+                                     vocab_parallel=self.config.parallel.vocab_parallel, device=self.device.type)
+        return TimersLog(self.timers, self.ps, lcfg.timing_log_option, report=lcfg.timing_log_level > 0,
+                         straggler=detector, expected=expected or 0.0)
 
     def _load(self) -> Optional[int]:
         """Resume from --load; returns the iteration resumed from (None: nothing loaded)."""
