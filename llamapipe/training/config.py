@@ -46,7 +46,7 @@ class LoggingConfig:
     profile_ranks: Optional[tuple[int, ...]] = None     # the ranks that record (None: all)
     log_straggler: bool = False         # slowest/fastest ranks every interval, a straggler named (training/straggler)
     straggler_minmax_count: int = 1     # how many of the slowest and of the fastest ranks the JSONL lists
-    straggler_threshold: float = 1.1    # compute over the fastest replica's that names a rank (2 intervals in a row)
+    straggler_threshold: float = 1.1    # compute over the fastest replica's that names a rank (3 intervals in a row)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from llamapipe.core.pipeline_parallel.stage_balance import ELEMENT_FLOPS, analyt
 
 log = get_logger()
 
-CONSECUTIVE = 2             # intervals in a row the same rank must be the straggler before it is named
+CONSECUTIVE = 3             # intervals in a row the same rank must be the straggler before it is named
 CROSS_STAGE_MARGIN = 1.5    # across stages the expected costs are a model: a straggler must be this much plainer
 
 
