@@ -2,8 +2,8 @@
 
 Under `torchrun --max-restarts N` a failed worker (SIGKILL, a node lost) makes torchrun start every worker
 again (`TORCHELASTIC_RESTART_COUNT` counts the restarts); with `--load` = `--save` they resume from the newest
-checkpoint that verifies. What torchrun does not say is what the failure cost. So global rank 0 keeps
-`<save>/progress.json` (the iteration reached, what the run was doing: "training", "saving" or "validating",
+checkpoint that verifies. What torchrun does not say is what the failure cost. So global rank 0 of a job torchrun may restart
+(`TORCHELASTIC_MAX_RESTARTS` above 0) keeps `<save>/progress.json` (the iteration reached, what the run was doing: "training", "saving" or "validating",
 the wall time and the attempt), rewritten whole (safe_files: a temporary name, then one rename; no fsync, it is
 advisory) after every iteration and before every save and validation. A restarted attempt reads it after it
 loads and says, in one line and one JSONL record: the restart count, the iteration resumed from, the
@@ -38,12 +38,20 @@ def restart_count() -> int:
         return 0
 
 
+def restartable() -> bool:
+    """Whether torchrun may restart this job (`--max-restarts` above 0: TORCHELASTIC_MAX_RESTARTS)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    except ValueError:
+        return False
+
+
 class ProgressRecord:
-    """`<save>/progress.json`, written by global rank 0 only (`enabled`); a write that fails warns once and
-    stops (the record is advisory: a full disk must not stop training)."""
+    """`<save>/progress.json`, written by global rank 0 only (`enabled`) of a job torchrun may restart; a write
+    that fails warns once and stops (the record is advisory: a full disk must not stop training)."""
 
     def __init__(self, save_dir: Optional[str], enabled: bool) -> None:
-        self.path = os.path.join(save_dir, PROGRESS_FILE) if save_dir and enabled else None
+        self.path = os.path.join(save_dir, PROGRESS_FILE) if save_dir and enabled and restartable() else None
         self.attempt = restart_count()
 
     def note(self, iteration: int, phase: str = "training") -> None:

@@ -13,6 +13,7 @@ from llamapipe.training.restart_record import (PROGRESS_FILE, ProgressRecord, re
 
 def test_a_restarted_attempt_reads_what_the_failed_one_reached_and_says_what_was_lost(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     record = ProgressRecord(str(tmp_path), enabled=True)
     record.note(7)
     record.note(8, "saving")
@@ -31,7 +32,10 @@ def test_a_restarted_attempt_reads_what_the_failed_one_reached_and_says_what_was
 
 def test_no_record_a_damaged_one_or_rank_1_write_nothing_and_report_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     ProgressRecord(str(tmp_path), enabled=False).note(3)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")     # a job torchrun will not restart: no file
+    ProgressRecord(str(tmp_path), enabled=True).note(3)
     assert not os.listdir(tmp_path) and restart_report(str(tmp_path), 0) is None
     (tmp_path / PROGRESS_FILE).write_text("{not json")
     assert read_progress(str(tmp_path)) is None and restart_report(str(tmp_path), 0) is None
@@ -43,6 +47,7 @@ def test_no_record_a_damaged_one_or_rank_1_write_nothing_and_report_nothing(tmp_
 def test_an_unwritable_record_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
     record = ProgressRecord(str(blocker / "ckpt"), enabled=True)
     record.note(1)
     assert record.path is None
