@@ -114,5 +114,5 @@ def line_part(record: dict) -> Optional[str]:
             f"{record['straggler_fastest_rank']}")
     if record.get("straggler_rank", -1) >= 0:
         text = (f"STRAGGLER rank {record['straggler_rank']} ({record['straggler_named_ratio']:.2f}x the compute of "
-                f"its peers for {CONSECUTIVE} intervals), " + text)
+                f"the fastest rank doing its work, {CONSECUTIVE} intervals in a row), " + text)
     return "straggler: " + text
