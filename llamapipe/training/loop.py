@@ -142,6 +142,7 @@ class Trainer:
                                      save_dir=config.checkpoint.save)
         self.resumed_from = resumed
         self.progress_record = ProgressRecord(config.checkpoint.save, enabled=dist.get_rank() == 0)
+        self._train_start, self._first_iteration = time.time(), self.state.iteration    # reset by train()
         if resumed is not None:
             self.metrics.mark_resume(resumed)     # where this run's records take over from the earlier run's
         self.progress = TrainingProgress(self.metrics, model_cfg, seq_length=cfg.seq_length,
