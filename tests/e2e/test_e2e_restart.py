@@ -33,6 +33,7 @@ def test_a_rank_killed_during_a_save_a_validation_and_a_resume_restarts_to_the_u
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
+    assert "Traceback" not in out, out[-5000:]     # the killed attempts' survivors stop in one line each
     # attempt 0: killed saving iteration 4 (the save at 2 is the newest valid); attempt 1: killed validating
     # at 5 (4 saved); attempt 2: killed in its first iteration after resuming at 4
     lines = re.findall(r"restart \d \(torchrun --max-restarts\).*", out)
