@@ -44,6 +44,9 @@ class LoggingConfig:
     profile_step_start: int = 10        # Megatron's: trace from when this many iterations have completed...
     profile_step_end: int = 12          # ...until this many have
     profile_ranks: Optional[tuple[int, ...]] = None     # the ranks that record (None: all)
+    log_straggler: bool = False         # slowest/fastest ranks every interval, a straggler named (training/straggler)
+    straggler_minmax_count: int = 1     # how many of the slowest and of the fastest ranks the JSONL lists
+    straggler_threshold: float = 1.1    # compute over the fastest replica's that names a rank (3 intervals in a row)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ FLAGS = """
 --fine-grained-activation-offloading --offload-modules --activation-offload-fraction --min-offloaded-tensor-size
 --delta-offload-bytes-across-pp-ranks --use-tp-pp-dp-mapping --microbatch-group-size-per-virtual-pipeline-stage
 --recompute-modules --recompute-lgd
+--log-straggler --straggler-minmax-count --straggler-threshold
 """.split()
 COMPAT = [entry.flag for entry in NOTICES + REFUSED] + list(FORK_FLAGS)   # the zero-bubble fork's, pinned there
 

@@ -194,7 +194,14 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
 
 
 def logging_config(args: argparse.Namespace) -> LoggingConfig:
-    return LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
+    if args.straggler_minmax_count < 1:
+        raise ArgumentError(f"--straggler-minmax-count {args.straggler_minmax_count} must be at least 1")
+    if not 1.0 < args.straggler_threshold < float("inf"):
+        raise ArgumentError(f"--straggler-threshold {args.straggler_threshold} must be a ratio above 1 "
+                            "(e.g. 1.1: 10% more compute than the fastest replica)")
+    return LoggingConfig(log_straggler=args.log_straggler, straggler_minmax_count=args.straggler_minmax_count,
+                         straggler_threshold=args.straggler_threshold,
+                         log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
                          metrics_jsonl=args.metrics_jsonl, log_throughput=args.log_throughput,
                          log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
                          wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
