@@ -44,6 +44,8 @@ class LoggingConfig:
     profile_step_start: int = 10        # Megatron's: trace from when this many iterations have completed...
     profile_step_end: int = 12          # ...until this many have
     profile_ranks: Optional[tuple[int, ...]] = None     # the ranks that record (None: all)
+    hang_report_seconds: float = 300.0  # a step without progress this long is reported (training/hang_watch); 0: off
+    hang_report_keep_waiting: bool = False  # after the report, keep waiting instead of exiting
 
 
 @dataclass(frozen=True)
