@@ -14,22 +14,22 @@ def pos(rank, *, current=None, last=None, wait=None, idle=10.0, iteration=3, pha
             "progress_at": 0.0}
 
 
-def p2p(peer, what="gradient of mb 1 (stage 1)"):
+def p2p(peer, what="gradient of mb 1 (for stage 1)"):
     return {"what": what, "peers": [peer], "collective": False}
 
 
 def test_pipeline_chain_names_the_stopped_rank_and_who_waits_on_it():
     positions = [pos(0, current="B mb 1 chunk 0", last="F mb 3 chunk 0", wait=p2p(1), idle=11.0),
                  pos(1, current="F mb 2 chunk 0", last="B mb 0 chunk 0", idle=12.0),
-                 pos(2, current="F mb 3 chunk 0", wait=p2p(1, "activation of mb 3 (stage 2)"), idle=11.5),
-                 pos(3, current="F mb 2 chunk 0", wait=p2p(2, "activation of mb 2 (stage 3)"), idle=11.9)]
+                 pos(2, current="F mb 3 chunk 0", wait=p2p(1, "activation of mb 3 (for stage 2)"), idle=11.5),
+                 pos(3, current="F mb 2 chunk 0", wait=p2p(2, "activation of mb 2 (for stage 3)"), idle=11.9)]
     report = explain(positions, 4)
     assert report["stopped"] == 1
     assert report["chain"] == [0, 2, 3]
     text = report["paragraph"]
     assert text.startswith("hang at iteration 3: rank 1 (pp 1) stopped in F mb 2 chunk 0 (last done: B mb 0 "
                            "chunk 0) and made no progress for 12 s; rank 0 (pp 0) waits in B mb 1 chunk 0 for "
-                           "rank 1's gradient of mb 1 (stage 1)")
+                           "rank 1's gradient of mb 1 (for stage 1)")
     assert "rank 3 (pp 3) waits in F mb 2 chunk 0 for rank 2's activation" in text
     assert "\n" not in text and "Look at rank 1 first" in text
 
@@ -76,7 +76,7 @@ def test_position_follows_the_executor_hooks():
     position.message_waiting(Message("act", 1, 2, 0, 1))
     snap = position.snapshot()
     assert snap["current"] == describe(f) == "F mb 2 chunk 0" and snap["iteration"] == 4
-    assert snap["wait"] == {"what": "activation of mb 2 (stage 1)", "peers": [1], "collective": False}
+    assert snap["wait"] == {"what": "activation of mb 2 (for stage 1)", "peers": [1], "collective": False}
     position.message_received(None, 0.0)
     position.action_done(f, 0.0, 0.0, 0.0)
     with position.waiting("the gradient reduction", [1, 5, 9], collective=True):

@@ -88,7 +88,11 @@ def _stopped_sentence(pos: dict) -> str:
         place = f"between two actions{last}"
     else:
         place = f"{pos['phase']}{last}"
-    return f"{where(pos)} stopped {place} and made no progress for {pos['idle_s']:.0f} s"
+    return f"{where(pos)} stopped {place} and made no progress for {_seconds(pos['idle_s'])}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
 
 
 def _wait_sentence(pos: dict, peers: list[int]) -> str:
@@ -124,6 +128,6 @@ def explain(positions: list[dict], world_size: int) -> dict:
     if idle:
         parts.append("not waiting on it: " + ", ".join(_stopped_sentence(by_rank[r]) for r in idle))
     elapsed = max((p["step_elapsed_s"] for p in positions), default=0.0)
-    text = (head + "; ".join(parts) + f". The step had run {elapsed:.0f} s. Look at rank {root} first: its log, "
+    text = (head + "; ".join(parts) + f". The step had run {_seconds(elapsed)}. Look at rank {root} first: its log, "
             f"and its stack (py-spy dump --pid PID).")
     return {"paragraph": text, "stopped": root, "chain": chain, "cycle": None, "missing": missing}

@@ -93,7 +93,7 @@ class RankPosition(StepObserver):
 
     def message_waiting(self, msg: Any) -> None:
         peer = self.pp_ranks[msg.src] if msg.src < len(self.pp_ranks) else msg.src
-        self.wait = {"what": f"{PAYLOADS.get(msg.kind, msg.kind)} of mb {msg.microbatch} (stage {msg.stage})",
+        self.wait = {"what": f"{PAYLOADS.get(msg.kind, msg.kind)} of mb {msg.microbatch} (for stage {msg.stage})",
                      "peers": [peer], "collective": False}
 
     def message_received(self, msg: Any, when: float) -> None:
