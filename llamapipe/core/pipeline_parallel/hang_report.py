@@ -129,5 +129,5 @@ def explain(positions: list[dict], world_size: int) -> dict:
         parts.append("not waiting on it: " + ", ".join(_stopped_sentence(by_rank[r]) for r in idle))
     elapsed = max((p["step_elapsed_s"] for p in positions), default=0.0)
     text = (head + "; ".join(parts) + f". The step had run {_seconds(elapsed)}. Look at rank {root} first: its log, "
-            f"and its stack (py-spy dump --pid PID).")
+            f"and its stack (py-spy dump of its process).")
     return {"paragraph": text, "stopped": root, "chain": chain, "cycle": None, "missing": missing}

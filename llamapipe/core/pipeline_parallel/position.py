@@ -144,10 +144,6 @@ def install(position: Optional[RankPosition]) -> None:
     _installed = position
 
 
-def installed() -> Optional[RankPosition]:
-    return _installed
-
-
 @contextmanager
 def waiting(what: str, peers: Sequence[int], collective: bool = False) -> Iterator[None]:
     """Record a blocking wait on `peers` in this process's position, if one is installed."""
