@@ -70,7 +70,8 @@ class HangWatch:
     """One rank's position, the test stop, and the watchdog thread that reports a hang."""
 
     def __init__(self, ps: ParallelState, seconds: float, keep_waiting: bool, save_dir: Optional[str],
-                 store: Any, world_size: int, exit_fn: Callable[[int], Any]) -> None:
+                 store: Any, world_size: int, exit_fn: Callable[[int], Any],
+                 alive: Callable[[], bool] = lambda: True) -> None:
         coords = {axis: getattr(ps, f"{axis}_rank") for axis in ("pp", "dp", "cp", "tp")
                   if getattr(ps, f"{axis}_size") > 1}
         self.ps, self.rank, self.world_size = ps, ps.rank, world_size
@@ -78,7 +79,7 @@ class HangWatch:
         spec = os.environ.get(STALL_ENV)
         self.stall = StallHook(spec, ps.rank, self.position) if spec else None
         self.seconds, self.keep_waiting, self.save_dir = seconds, keep_waiting, save_dir
-        self.store, self.exit_fn = store, exit_fn
+        self.store, self.exit_fn, self.alive = store, exit_fn, alive    # alive: the process group still exists
         self.episode = 0                  # hangs reported so far (under --hang-report-keep-waiting)
         self._reported_at: Optional[float] = None    # the progress time of the hang last reported
         install(self.position)
@@ -113,13 +114,16 @@ class HangWatch:
             time.sleep(tick)
             try:
                 self._check()
-            except Exception as err:     # noqa: BLE001 - the store is gone (the job ends): stop watching quietly
-                log.error(f"rank {self.rank}: hang watchdog stopped: {type(err).__name__}: {err}")
+            except Exception as err:     # noqa: BLE001 - the store is gone (the job ends): stop watching
+                if self.position.active:
+                    log.error(f"rank {self.rank}: hang watchdog stopped: {type(err).__name__}: {err}")
                 return
 
     def _check(self) -> None:
         pos = self.position
         if self._reported_at == pos.progress_at:        # this hang was reported; wait for progress
+            return
+        if not pos.active and not self.alive():     # the run is over: nothing to watch, no store to ask
             return
         asked = self.store.check([self._key("ask")])
         if not asked and not (pos.active and pos.idle_s() >= self.seconds):
@@ -197,7 +201,8 @@ def build_hang_watch(config: Any, ps: ParallelState) -> Optional[HangWatch]:
         return None
     from llamapipe.training.checkpointing.save_lock import release_all
     return HangWatch(ps, seconds, config.logging.hang_report_keep_waiting, config.checkpoint.save, store,
-                     dist.get_world_size(), lambda code: exit_from_watchdog(code, then=release_all))
+                     dist.get_world_size(), lambda code: exit_from_watchdog(code, then=release_all),
+                     alive=dist.is_initialized)
 
 
 def hang_region(watch: Optional[HangWatch], name: str, what: str, peers: Sequence[int]):
