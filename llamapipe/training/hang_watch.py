@@ -103,6 +103,7 @@ class HangWatch:
             self.stall.point(name)
         with self.position.waiting(what, peers, collective=True):
             yield
+        self.position.enter(f"after {what}")
 
     # -- the watchdog thread -------------------------------------------------------------------------------
     def _key(self, *parts: Any) -> str:
