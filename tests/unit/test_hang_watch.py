@@ -99,3 +99,23 @@ def test_the_test_stop_fires_only_at_its_rank_iteration_and_action():
     hook.action_begin(Action("F", 0, 1))
     assert fired == ["F"]
     assert (hook.target, hook.iteration, hook.kind, hook.microbatch, hook.chunk) == (1, 2, "F", 1, None)
+
+
+def test_the_flag_defaults_below_the_collective_timeout_and_refuses_one_above_it():
+    from llamapipe.core.config import ArgumentError
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
+    from tests.cli import TINY
+
+    def logging_of(*flags):
+        return config_from_args(build_parser().parse_args(TINY + list(flags)), 1).logging
+
+    assert logging_of().hang_report_seconds == 300.0 and not logging_of().hang_report_keep_waiting
+    assert logging_of("--distributed-timeout-minutes", "4").hang_report_seconds == 120.0
+    assert logging_of("--hang-report-seconds", "0").hang_report_seconds == 0.0
+    with pytest.raises(ArgumentError, match=r"--hang-report-seconds 600 must be below --distributed-timeout-minutes "
+                                            r"10 \(600 s\)"):
+        logging_of("--hang-report-seconds", "600")
+    with pytest.raises(ArgumentError, match="0 \\(off\\) or positive, got -1"):
+        logging_of("--hang-report-seconds", "-1")
+    with pytest.raises(ArgumentError, match="--hang-report-seconds nan is not a finite number"):
+        logging_of("--hang-report-seconds", "nan")
