@@ -40,6 +40,7 @@ from llamapipe.fault_injection import kill_at
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.training.setup import build_model_chunks, build_iterators
 from llamapipe.training.step import StepParts, SynchronousStep, TrainState, run_schedule
+from llamapipe.training.hang_watch import build_hang_watch
 from llamapipe.training.timers_log import TimersLog, build_timers
 from llamapipe.training.trace_log import build_trace
 
@@ -134,7 +135,9 @@ class Trainer:
         lcfg = config.logging
         self.timers = build_timers(lcfg.timing_log_level, lcfg.log_straggler, device.type)   # None at 0 without --log-straggler
         self.trace = build_trace(config, ps)                            # --pipeline-trace (None without)
-        observers = tuple(o for o in (self.timers, self.trace and self.trace.recorder) if o is not None)
+        self.hang = build_hang_watch(config, ps)                        # --hang-report-seconds (None at 0)
+        observers = (self.hang.observers() if self.hang is not None else ()) + tuple(
+            o for o in (self.timers, self.trace and self.trace.recorder) if o is not None)
         self.runtime = build_runtime_options(config, ps, self.chunks, observers=observers)
         fb_func = build_forward_backward_func(config, ps, self.runtime)
         self.timers_log = None if self.timers is None else self._timers_log()
@@ -151,7 +154,7 @@ class Trainer:
                                          interval_fields=self.timers_log and self.timers_log.interval_fields)
         self.exit_signal = ExitSignal(cfg.exit_signal_handler, cfg.exit_signal)
         self.parts = StepParts(config, ps, self.chunks, self.optimizer, self.scheduler, self.batches,
-                               fb_func, self.runtime.grad_sync, self.progress, self.state, self.timers)
+                               fb_func, self.runtime.grad_sync, self.progress, self.state, self.timers, self.hang)
         step_form = SynchronousStep
         if cfg.post_validation:
             from llamapipe.training.post_validated import PostValidatedStep
@@ -293,7 +296,13 @@ class Trainer:
         """One optimizer step (`training/step`); returns an exit status when the run must stop."""
         if self.resumed_from is not None and self.state.iteration == self.resumed_from:
             kill_at("resume", self.state.iteration, resumed=True)     # a test's failure (fault_injection)
-        return self.step.run()
+        if self.hang is None:
+            return self.step.run()
+        self.hang.begin_iteration(self.state.iteration + 1)     # watched for --hang-report-seconds
+        try:
+            return self.step.run()
+        finally:
+            self.hang.end_iteration()
 
     def evaluate(self) -> Optional[float]:
         """Validation loss and perplexity over --eval-iters global batches."""

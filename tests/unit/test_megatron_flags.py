@@ -106,7 +106,8 @@ LLAMAPIPE_ONLY = ("--model", "--offload-weight-grad-inputs", "--parallel-order",
                   "--metrics-jsonl", "--tie-embeddings-and-output-weights", "--compile",
                   "--enable-optimizer-post-validation", "--enable-vocab-parallel",
                   "--pipeline-schedule-file", "--pipeline-profile", "--allow-tokenizer-change", "--dry-run",
-                  "--overwrite-save", "--straggler-threshold")
+                  "--overwrite-save", "--straggler-threshold", "--hang-report-seconds",
+                  "--hang-report-keep-waiting")
 
 
 def cfg(argv, world=1) -> Config:

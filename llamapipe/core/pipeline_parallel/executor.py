@@ -141,6 +141,8 @@ def _phase(step: RankStep, what: str) -> Iterator[None]:
 @contextmanager
 def _comm_call(step: RankStep, what: str) -> Iterator[None]:
     """Time a communication call between actions, for the observers."""
+    for observer in step.observers:
+        observer.comm_begin(what)
     start = time.perf_counter()
     yield
     if step.observers:
@@ -182,6 +184,8 @@ def _loop(step: RankStep, actions: tuple, comm: P2PCommunicator, grad_sync: Opti
             grad_sync.arm(action.chunk)
         if i == last:
             grad_sync.last_action()
+        for observer in step.observers:
+            observer.action_begin(action)
         step.execute(action)
         if slow:
             slow_action(cpu_start)
