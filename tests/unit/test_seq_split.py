@@ -1,0 +1,72 @@
+"""Seq1F1B pieces on one process: the pieces' forwards in order and backwards in reverse give the unsplit
+sequence's loss and gradients (fp32), and the boundaries are right."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llamapipe.core.pipeline_parallel import seq_split
+from llamapipe.core.pipeline_parallel.seq_split import Piece, SeqSplits, piece_bounds, split_batch
+from llamapipe.model.llama import LlamaConfig, LlamaModel
+
+CONFIG = LlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4, num_query_groups=2,
+                     vocab_size=128, max_position_embeddings=64)
+SEQ = 32
+
+
+def _batch(documents: bool = False) -> dict:
+    g = torch.Generator().manual_seed(3)
+    batch = {"tokens": torch.randint(0, CONFIG.vocab_size, (2, SEQ), generator=g),
+             "labels": torch.randint(0, CONFIG.vocab_size, (2, SEQ), generator=g)}
+    if documents:
+        batch["document_ids"] = torch.tensor([[0] * 5 + [1] * 14 + [2] * 13, [0] * 20 + [1] * 12])
+    return batch
+
+
+def _run(model: LlamaModel, batch: dict, splits: SeqSplits | None) -> tuple[float, dict]:
+    model.zero_grad(set_to_none=True)
+    docs = {"document_ids": batch["document_ids"]} if "document_ids" in batch else {}
+    if splits is None:
+        loss = model(input_ids=batch["tokens"], labels=batch["labels"], **docs).sum()
+        loss.backward()
+        total = float(loss.detach())
+    else:
+        pieces, losses = split_batch(batch, splits.bounds(SEQ)), []
+        for i, p in enumerate(pieces):
+            with seq_split.running(Piece(0, i, splits.count)):
+                extra = {"document_ids": p["document_ids"]} if "document_ids" in p else {}
+                losses.append(model(input_ids=p["tokens"], labels=p["labels"], **extra).sum())
+        for i in reversed(range(splits.count)):
+            with seq_split.running(Piece(0, i, splits.count)):
+                losses[i].backward()
+        total = sum(float(x.detach()) for x in losses)
+        assert not any(layer.attention.kv_cache.kv or layer.attention.kv_cache.grads
+                       for layer in model.layers.values()), "cache left after the backwards"
+    return total, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("count,method,documents", [(2, "length", False), (4, "flops", False),
+                                                     (4, "length", True)])
+def test_pieces_equal_unsplit(count: int, method: str, documents: bool) -> None:
+    model = LlamaModel(CONFIG)
+    batch = _batch(documents)
+    ref_loss, ref_grads = _run(model, batch, None)
+    splits = SeqSplits.for_model(count, method, 64, 176, 4, 16, 2)
+    loss, grads = _run(model, batch, splits)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_flops_bounds_shorter_later() -> None:
+    bounds = piece_bounds(4096, 4, "flops", linear=1.0, pair=1.0)
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert bounds[0] == 0 and bounds[-1] == 4096 and lengths == sorted(lengths, reverse=True)
+    cost = [b - a + (b * b - a * a) / 2 for a, b in zip(bounds, bounds[1:])]
+    assert max(cost) / min(cost) < 1.01
+    assert piece_bounds(64, 4, "length") == (0, 16, 32, 48, 64)
+
+
+def test_not_dividing_is_one_line() -> None:
+    with pytest.raises(ValueError, match="--num-seq-splits 3 does not divide the sequence of 64 tokens"):
+        piece_bounds(64, 3)
