@@ -9,7 +9,7 @@ import pytest
 from tests.harness import run_distributed
 from tests.multiproc.test_pipeline_llama import CONFIG, _sgd_steps, assert_match_single_rank, llama_chunks
 
-CASES = [("1f1b", 1, 4, 2), ("1f1b", 1, 4, 4), ("zb-h1", 1, 4, 2), ("zb-h1", 1, 4, 4), ("zbv", 2, 4, 2),
+CASES = [("1f1b", 1, 4, 2), ("1f1b", 1, 4, 4), ("zb-h1", 1, 4, 2), ("zb-h1", 1, 4, 4), ("zbv", 2, 4, 2), ("zbv", 2, 4, 4),
          ("interleaved", 2, 4, 2)]
 
 

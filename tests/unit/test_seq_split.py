@@ -70,3 +70,28 @@ def test_flops_bounds_shorter_later() -> None:
 def test_not_dividing_is_one_line() -> None:
     with pytest.raises(ValueError, match="--num-seq-splits 3 does not divide the sequence of 64 tokens"):
         piece_bounds(64, 3)
+
+
+@pytest.mark.parametrize("schedule,vpp", [("1f1b", 1), ("zb-h1", 1), ("zbv", 2), ("interleaved", 2)])
+@pytest.mark.parametrize("k", [2, 4])
+def test_seq_plans_valid(schedule: str, vpp: int, k: int) -> None:
+    from llamapipe.core.config import ConfigError
+    from llamapipe.core.pipeline_parallel import simulator
+    from llamapipe.core.pipeline_parallel.schedule_specs import build_seq
+    try:
+        plan = build_seq(schedule, 2, vpp, 4, k)
+    except ConfigError as error:       # interleaved's relabelled order deadlocks at pp 2, K 4: one sentence
+        assert (schedule, k) == ("interleaved", 4) and "gives no valid order (deadlock" in error.args[0]
+        return
+    result = simulator.simulate(plan)
+    assert plan.seq_splits == k and plan.num_microbatches == 4 * k
+    if schedule == "zbv":
+        assert result.bubble_rate < 1e-9
+
+
+def test_simulator_refuses_wrong_piece_order() -> None:
+    import dataclasses
+    from llamapipe.core.pipeline_parallel import builders, simulator
+    plain = builders.one_f_one_b(2, 4)     # backwards in unit order: piece 0 before piece 1
+    with pytest.raises(simulator.PlanError, match="B of sequence piece 0 before the B of its next piece"):
+        simulator.verify(dataclasses.replace(plain, seq_splits=2))

@@ -6,19 +6,19 @@ backward gives the key/value gradients of pieces 0..i-1), so the backward stream
 1F1B (the fork's order): rank r warms up with pp - r - 2 + K pieces (the last stage holds K - 1 more pieces than
 1F1B's one so the sequence's last piece has run its forward before the first backward, which is that piece's),
 then F/BW pairs, then the remaining BWs. ZB-H1: the same with one more warmup piece (ZB-H1's B-then-F steady
-state), B and W split and rank r's W's r units behind its B's (arXiv 2401.10241). Interleaved and ZB-V come from
-their own builders for m*K units with the backward units relabelled by `backward_order` and the forwards a
-relabelled backward needs pulled ahead of it (`relabelled`), kept only when the simulator finds no deadlock.
+state), B and W split and rank r's W's r units behind its B's (arXiv 2401.10241). ZB-V: the zero-bubble list
+scheduler on the V placement with the reversed backward order (`seq_zbv`). Interleaved comes from its own
+builder for m*K units with the backward units relabelled by `backward_order` and the forwards a relabelled
+backward needs pulled ahead of it (`relabelled`), kept only when the simulator finds no deadlock.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from llamapipe.core.config import ConfigError
+from llamapipe.core.pipeline_parallel.builders_zb import greedy_plan
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
-
-SEQ_SCHEDULES = ("1f1b", "zb-h1", "interleaved", "zbv")
-
+from llamapipe.core.pipeline_parallel.simulator import Costs
 
 def backward_order(n: int, k: int) -> list[int]:
     """The units in the order their backwards run: each sequence's K pieces reversed, sequences in order."""
@@ -56,30 +56,70 @@ def seq_zb_h1(pp: int, m: int, k: int) -> Plan:
     return Plan("zb-h1", pp, 1, n, "interleaved", tuple(actions), seq_splits=k)
 
 
+def seq_zbv(pp: int, m: int, k: int) -> Plan:
+    """ZB-V's V placement and B/W split for m*K pieces, list-scheduled at unit costs (builders_zb.greedy_plan)
+    with each sequence's B's in reverse, under the smallest activation cap (pieces per rank, from 2p + K - 1 up)
+    whose plan has no bubble at unit costs, else the smallest at which the order does not stall (ZB-V itself
+    holds 2p chunk units of whole microbatches)."""
+    from llamapipe.core.pipeline_parallel.simulator import simulate
+    n, first = m * k, None
+    for cap in range(2 * pp + k - 1, 2 * pp * k + 1):
+        try:
+            plan = dataclasses.replace(greedy_plan("zbv", pp, 2, n, "v", Costs(), cap, backward_order(n, k)),
+                                       seq_splits=k)
+        except AssertionError:      # the cap holds back a forward that a backward needs
+            continue
+        if simulate(plan).bubble_rate < 1e-9:
+            return plan
+        first = first or plan
+    if first is None:
+        raise ConfigError(f"num_seq_splits {k} with pipeline_schedule zbv at pp {pp} and {m} microbatches "
+                          "finds no order", "num_seq_splits")
+    return first
+
+
 def relabelled(plan: Plan, k: int) -> Plan:
     """`plan` (built for m*K units) with every backward pass's unit relabelled so that, per chunk, the
     backwards run each sequence's pieces in reverse; forwards stay in unit order."""
     order = backward_order(plan.num_microbatches, k)
-    actions = tuple(_forwards_first(tuple(a if a.kind == "F" else a._replace(microbatch=order[a.microbatch])
-                                          for a in acts)) for acts in plan.actions)
-    return dataclasses.replace(plan, actions=actions, seq_splits=k)
+    actions = []
+    for rank, acts in enumerate(plan.actions):
+        acts = tuple(a if a.kind == "F" else a._replace(microbatch=order[a.microbatch]) for a in acts)
+        actions.append(_forwards_first(acts, _local_upstream(plan, rank)))
+    return dataclasses.replace(plan, actions=tuple(actions), seq_splits=k)
 
 
-def _forwards_first(acts: tuple) -> tuple:
-    """`acts` with every forward that a backward needs on its own chunk moved to just before it (together with
-    that chunk's earlier forwards, which keep their order): a relabelled backward may be a later piece's."""
-    out, done, moved = [], set(), set()
+def _local_upstream(plan: Plan, rank: int) -> dict:
+    """chunk -> the local chunk holding the stage before it, where that stage is on this rank too."""
+    out = {}
+    for chunk in range(plan.vpp):
+        stage = plan.stage_of(rank, chunk)
+        if stage > 0 and plan.rank_chunk_of(stage - 1)[0] == rank:
+            out[chunk] = plan.rank_chunk_of(stage - 1)[1]
+    return out
+
+
+def _forwards_first(acts: tuple, upstream: dict) -> tuple:
+    """`acts` with every forward that a backward needs on its own chunk moved to just before it, together with
+    that chunk's earlier forwards (in their order) and the forwards they need on an upstream chunk of this rank:
+    a relabelled backward may be a later piece's."""
+    out, done = [], set()
+
+    def pull(chunk: int, unit: int, start: int) -> None:
+        for f in acts[start:]:
+            if (f.chunk, f.microbatch) in done or f.kind != "F" or f.chunk != chunk or f.microbatch > unit:
+                continue
+            if chunk in upstream and (upstream[chunk], f.microbatch) not in done:
+                pull(upstream[chunk], f.microbatch, start)
+            out.append(f)
+            done.add((f.chunk, f.microbatch))
     for i, a in enumerate(acts):
-        if a in moved:
+        if a.kind == "F" and (a.chunk, a.microbatch) in done:
             continue
+        if a.kind == "F" and a.chunk in upstream and (upstream[a.chunk], a.microbatch) not in done:
+            pull(upstream[a.chunk], a.microbatch, i + 1)
         if a.kind != "F" and (a.chunk, a.microbatch) not in done:
-            for f in acts[i + 1:]:
-                if f.kind == "F" and f.chunk == a.chunk and f not in moved and (f.chunk, f.microbatch) not in done:
-                    out.append(f)
-                    moved.add(f)
-                    done.add((f.chunk, f.microbatch))
-                    if f.microbatch == a.microbatch:
-                        break
+            pull(a.chunk, a.microbatch, i + 1)
         if a.kind == "F":
             done.add((a.chunk, a.microbatch))
         out.append(a)
@@ -95,23 +135,14 @@ def no_pipelining(m: int, k: int) -> Plan:
     return Plan("no-pipelining", 1, 1, m * k, "interleaved", (tuple(acts),), seq_splits=k)
 
 
-def build_seq(schedule: str, pp: int, vpp: int, m: int, k: int) -> Plan:
-    """The Seq1F1B plan of --pipeline-schedule `schedule` with K = `k` pieces per microbatch."""
-    from llamapipe.core.pipeline_parallel import builders, simulator
-    if pp == 1:
-        return no_pipelining(m, k)
-    if schedule == "1f1b":
-        return seq_1f1b(pp, m, k)
-    if schedule == "zb-h1":
-        return seq_zb_h1(pp, m, k)
-    if schedule in ("interleaved", "zbv"):
-        base = builders.interleaved(pp, vpp, m * k) if schedule == "interleaved" else builders.zbv(pp, m * k)
-        plan = relabelled(base, k)
-        try:
-            simulator.simulate(plan)
-        except simulator.PlanError as error:
-            raise ConfigError(f"--num-seq-splits {k} with --pipeline-schedule {schedule} at pp {pp} and {m} "
-                              f"microbatches gives no valid order ({error})", "num_seq_splits") from None
-        return plan
-    raise ConfigError(f"--num-seq-splits {k} needs --pipeline-schedule one of {', '.join(SEQ_SCHEDULES)}, "
-                      f"got {schedule}", "num_seq_splits")
+def checked_relabel(base: Plan, k: int) -> Plan:
+    """`relabelled(base, k)` when the simulator finds it valid and deadlock-free, else a ConfigError saying why."""
+    from llamapipe.core.pipeline_parallel import simulator
+    plan = relabelled(base, k)
+    try:
+        simulator.simulate(plan)
+    except simulator.PlanError as error:
+        raise ConfigError(f"num_seq_splits {k} with pipeline_schedule {base.name} at pp {base.pp} and "
+                          f"{base.num_microbatches // k} microbatches gives no valid order ({error})",
+                          "num_seq_splits", "pipeline_schedule") from None
+    return plan

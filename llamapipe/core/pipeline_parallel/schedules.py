@@ -18,9 +18,8 @@ from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel import executor
 from llamapipe.core.pipeline_parallel.auto_schedule import AutoSchedule
 from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
-from llamapipe.core.pipeline_parallel.builders_seq import build_seq
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
-from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build, schedule_spec
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build, build_seq, schedule_spec
 from llamapipe.core.pipeline_parallel.seq_split import piece_iterators
 
 
