@@ -95,3 +95,27 @@ def test_simulator_refuses_wrong_piece_order() -> None:
     plain = builders.one_f_one_b(2, 4)     # backwards in unit order: piece 0 before piece 1
     with pytest.raises(simulator.PlanError, match="B of sequence piece 0 before the B of its next piece"):
         simulator.verify(dataclasses.replace(plain, seq_splits=2))
+
+
+@pytest.mark.parametrize("argv,world,fragment", [
+    (["--pipeline-model-parallel-size", "2", "--num-seq-splits", "3", "--seq-length", "32"], 2,
+     "--num-seq-splits 3 does not divide the sequence of 32 tokens (--seq-length 32)"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe", "--num-seq-splits", "2"], 2,
+     "--num-seq-splits 2 needs --pipeline-schedule one of 1f1b, interleaved, zb-h1, zbv, got gpipe"),
+    (["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--num-seq-splits", "2"], 4,
+     "--num-seq-splits 2 does not run with --context-parallel-size > 1 yet"),
+])
+def test_bad_splits_are_one_line(argv, world, fragment) -> None:
+    from llamapipe.training.arguments.parser import ArgumentError, build_parser, config_from_args
+    with pytest.raises(ArgumentError) as error:
+        config_from_args(build_parser().parse_args(["--mock-data", "--model", "tiny"] + argv), world)
+    message = str(error.value)
+    assert fragment in message and "\n" not in message
+
+
+def test_splits_reach_the_config() -> None:
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
+    argv = ["--mock-data", "--model", "tiny", "--pipeline-model-parallel-size", "2", "--num-seq-splits", "4", "--global-batch-size", "4",
+            "--seq1f1b-balance-method", "length"]
+    par = config_from_args(build_parser().parse_args(argv), 2).parallel
+    assert (par.num_seq_splits, par.seq_split_balance) == (4, "length")
