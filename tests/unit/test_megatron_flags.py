@@ -106,7 +106,7 @@ LLAMAPIPE_ONLY = ("--model", "--offload-weight-grad-inputs", "--parallel-order",
                   "--metrics-jsonl", "--tie-embeddings-and-output-weights", "--compile",
                   "--enable-optimizer-post-validation", "--enable-vocab-parallel",
                   "--pipeline-schedule-file", "--pipeline-profile", "--allow-tokenizer-change", "--dry-run",
-                  "--overwrite-save")
+                  "--overwrite-save", "--seq1f1b-balance-method", "--num-seq-splits")   # the last: the zb fork's
 
 
 def cfg(argv, world=1) -> Config:
