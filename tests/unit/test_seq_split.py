@@ -119,3 +119,20 @@ def test_splits_reach_the_config() -> None:
             "--seq1f1b-balance-method", "length"]
     par = config_from_args(build_parser().parse_args(argv), 2).parallel
     assert (par.num_seq_splits, par.seq_split_balance) == (4, "length")
+
+
+def test_plot_schedule_draws_pieces(tmp_path, capsys) -> None:
+    """plot-schedule --num-seq-splits: boxes named m.i, pieces costing 1/K, less activation memory than whole
+    microbatches under ZB-V."""
+    import json
+    from llamapipe.tools import plot_schedule
+    base = ["--schedule", "zbv", "--pp", "2", "--microbatches", "4"]
+    assert plot_schedule.main(base + ["--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plot_schedule.main(base + ["--num-seq-splits", "2", "--out", str(tmp_path / "s.png")]) == 0
+    text = capsys.readouterr().out
+    assert "F0.0 " in text and "B0.1c1" in text and (tmp_path / "s.png").exists()
+    assert plot_schedule.main(base + ["--num-seq-splits", "2", "--json"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert max(split["peak_activation_memory"]) < max(plain["peak_activation_memory"])
+    assert split["bubble_rate"] <= plain["bubble_rate"] + 1e-9

@@ -172,6 +172,17 @@ class Plan:
                    bool(data.get("vocab", False)), int(data.get("seq_splits", 1)))
 
 
+def unit_label(plan: Plan, unit: int) -> str:
+    """A unit's name in pictures and text: its microbatch, or "m.i" for piece i of microbatch m (Seq1F1B)."""
+    k = plan.seq_splits
+    return f"{unit // k}.{unit % k}" if k > 1 else str(unit)
+
+
+def action_label(plan: Plan, action: Action) -> str:
+    """`str(action)` with the unit named by `unit_label`."""
+    return f"{action.kind}{unit_label(plan, action.microbatch)}" + (f"c{action.chunk}" if action.chunk else "")
+
+
 def splits_backward(plan: Plan) -> bool:
     """Whether `plan` runs B and W as separate actions (a zero-bubble plan)."""
     return any(a.kind == "W" for acts in plan.actions for a in acts)
