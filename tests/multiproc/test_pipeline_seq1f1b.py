@@ -1,5 +1,6 @@
 """Seq1F1B (--num-seq-splits) on the real LlamaModel at pp 2 (tiny, fp32, gloo): 3 SGD steps with each microbatch
-split into K sequence pieces give the single-rank run's per-step losses (rel 1e-5) and first-step gradients."""
+split into K sequence pieces give the single-rank run's per-step losses (rel 1e-5) and first-step gradients; "uneven"
+boundaries (a FLOPs model dominated by attention: pieces of different lengths) too."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,9 @@ def seq_worker(rank: int, world: int, cases: list, method: str) -> dict:
         for schedule, vpp, m, k in cases:
             ps = dataclasses.replace(ps0, vpp_size=vpp)
             chunks = llama_chunks(ps, schedule, world, vpp)
-            splits = SeqSplits.for_model(k, method, CONFIG.hidden_size, CONFIG.ffn_hidden_size,
-                                         CONFIG.num_attention_heads, CONFIG.head_dim, CONFIG.num_query_groups)
+            splits = (SeqSplits(k, "flops", linear=1.0, pair=1.0) if method == "uneven" else   # later pieces shorter
+                      SeqSplits.for_model(k, method, CONFIG.hidden_size, CONFIG.ffn_hidden_size,
+                                          CONFIG.num_attention_heads, CONFIG.head_dim, CONFIG.num_query_groups))
             fb = get_forward_backward_func(ps, schedule, options=RuntimeOptions(seq_splits=splits))
             out[(schedule, vpp, m, k)] = _sgd_steps(chunks, fb, ps, m)
     finally:
@@ -34,9 +36,9 @@ def seq_worker(rank: int, world: int, cases: list, method: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["flops", "length"])
+@pytest.mark.parametrize("method", ["flops", "length", "uneven"])
 def test_seq1f1b_matches_single_rank(method: str) -> None:
-    cases = CASES if method == "flops" else CASES[:2]
+    cases = CASES if method == "flops" else [CASES[1], CASES[5]]
     results = run_distributed(seq_worker, 2, cases, method, timeout=300)
     for case in cases:
         assert_match_single_rank([{case[:3]: r[case]} for r in results], [case[:3]], 1)

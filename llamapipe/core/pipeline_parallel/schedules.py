@@ -9,6 +9,7 @@ the list of this rank's chunks (local chunk order).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -51,16 +52,17 @@ class ForwardBackward:
     def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
                  num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0) -> list[dict]:
         model = list(model) if isinstance(model, (list, tuple)) else [model]
-        splits = self.options.seq_splits
+        splits, options = self.options.seq_splits, self.options
         if splits is not None and splits.count > 1:   # Seq1F1B: the units are the microbatches' pieces
             data_iterator = piece_iterators(data_iterator, splits)
+            options = dataclasses.replace(options, variable_seq_lengths=True)   # FLOPs-balanced: lengths differ
             plan = cached_plan(self.schedule_name, self.ps.pp_size, len(model), num_microbatches, splits.count)
             num_microbatches *= splits.count
         else:
             plan = cached_plan(self.schedule_name, self.ps.pp_size, len(model), num_microbatches)
         return executor.run(plan, model_chunks=model, forward_step_func=forward_step_func,
                             data_iterator=data_iterator, parallel_state=self.ps, num_microbatches=num_microbatches,
-                            forward_only=forward_only, loss_scale=loss_scale, options=self.options)
+                            forward_only=forward_only, loss_scale=loss_scale, options=options)
 
 
 def forward_backward_zero_bubble(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
