@@ -68,7 +68,7 @@ def test_flops_bounds_shorter_later() -> None:
 
 
 def test_not_dividing_is_one_line() -> None:
-    with pytest.raises(ValueError, match="--num-seq-splits 3 does not divide the sequence of 64 tokens"):
+    with pytest.raises(ValueError, match="num_seq_splits 3 does not divide the sequence of 64 tokens"):
         piece_bounds(64, 3)
 
 

@@ -22,6 +22,8 @@ from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 
+from llamapipe.core.config import ConfigError
+
 BALANCE_METHODS = ("flops", "length")
 SLICED = ("tokens", "labels", "loss_mask", "position_ids")   # cut to the piece's tokens
 
@@ -82,10 +84,11 @@ def piece_bounds(seq_len: int, count: int, method: str = "flops", linear: float 
     linear * (b - a) + pair * (b^2 - a^2) / 2 (causal), so bi solves linear * b + pair * b^2 / 2 = i/K of the
     total; boundaries are rounded to multiples of `align`, every piece keeps at least `align` tokens."""
     if count < 1 or seq_len % count or seq_len % (count * align):
-        raise ValueError(f"--num-seq-splits {count} does not divide the sequence of {seq_len} tokens"
-                         + (f" into pieces of multiples of {align} tokens" if align > 1 else ""))
+        raise ConfigError(f"num_seq_splits {count} does not divide the sequence of {seq_len} tokens"
+                          + (f" into pieces of multiples of {align} tokens" if align > 1 else ""), "num_seq_splits")
     if method not in BALANCE_METHODS:
-        raise ValueError(f"--seq1f1b-balance-method {method} is unknown; choose one of {', '.join(BALANCE_METHODS)}")
+        raise ConfigError(f"seq_split_balance {method} is unknown; choose one of {', '.join(BALANCE_METHODS)}",
+                          "seq_split_balance")
     if method == "length" or pair == 0:
         return tuple(i * seq_len // count for i in range(count + 1))
     total = linear * seq_len + pair * seq_len ** 2 / 2

@@ -149,7 +149,7 @@ def check_seq_pieces(par: ParallelConfig, seq_length: int) -> None:
         try:
             piece_bounds(seq_length, par.num_seq_splits, "length", align=par.tp_size if par.sequence_parallel else 1)
         except ValueError as err:
-            raise ArgumentError(f"{err} (--seq-length {seq_length})") from None
+            raise ArgumentError(f"{flag_message(err)} (--seq-length {seq_length})") from None
 
 
 def grouped_schedule(args: argparse.Namespace, schedule: str, pp: int) -> str:
