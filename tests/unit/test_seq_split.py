@@ -45,10 +45,14 @@ def _run(model: LlamaModel, batch: dict, splits: SeqSplits | None) -> tuple[floa
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("count,method,documents", [(2, "length", False), (4, "flops", False),
-                                                     (4, "length", True)])
-def test_pieces_equal_unsplit(count: int, method: str, documents: bool) -> None:
-    model = LlamaModel(CONFIG)
+@pytest.mark.parametrize("count,method,documents,recompute", [
+    (2, "length", False, None), (4, "flops", False, None), (4, "length", True, None), (2, "length", False, "full"),
+    (4, "length", True, "selective")])
+def test_pieces_equal_unsplit(count: int, method: str, documents: bool, recompute) -> None:
+    """Also under full-layer and core-attention recompute: the recomputed forward's new leaves are unused."""
+    import dataclasses
+    config = CONFIG if recompute is None else dataclasses.replace(CONFIG, recompute_granularity=recompute)
+    model = LlamaModel(config)
     batch = _batch(documents)
     ref_loss, ref_grads = _run(model, batch, None)
     splits = SeqSplits.for_model(count, method, 64, 176, 4, 16, 2)
