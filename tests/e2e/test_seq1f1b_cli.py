@@ -12,6 +12,8 @@ CASES = {
                               "--seq1f1b-balance-method", "length"], []),
     "zbv-k4-eval": (PP2 + ["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "zbv",
                            "--num-seq-splits", "4"], ["--eval-iters", "1", "--eval-interval", "2"]),
+    "zbh1-k2-post-validation": (PP2 + ["--pipeline-schedule", "zb-h1", "--num-seq-splits", "2",
+                                       "--enable-optimizer-post-validation"], []),
     "1f1b-k2-packed": (PP2 + ["--num-seq-splits", "2"], ["--reset-attention-mask", "--reset-position-ids",
                                                          "--tokenizer-type", "NullTokenizer"]),
 }
