@@ -244,8 +244,8 @@ class Attention(nn.Module):
         if piece is None:
             out = self.core(q, k, v.permute(1, 2, 0, 3), document_ids)   # (b, heads, s, d)
         else:       # a Seq1F1B piece: also the keys of the sequence's earlier pieces
-            k, v, start = self.kv_cache.extend(piece, k, v.permute(1, 2, 0, 3))
-            out = piece_attention(q, k, v, start, self.groups != self.heads, document_ids)
+            past_k, past_v, k, v = self.kv_cache.extend(piece, k, v.permute(1, 2, 0, 3))
+            out = piece_attention(q, past_k, past_v, k, v, self.groups != self.heads, document_ids)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
 

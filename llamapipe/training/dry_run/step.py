@@ -100,10 +100,8 @@ class LiveActivations(StepObserver):
 
 
 def _flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-    """scaled_dot_product_attention as the flash kernel's op (the grouped k, v taken as they are). A mask is a
-    Seq1F1B piece's causal offset over the earlier pieces' keys: the same shapes and saved tensors, unmasked."""
-    assert not dropout_p, "the flash kernel takes no dropout"
-    is_causal = is_causal and attn_mask is None
+    """scaled_dot_product_attention as the flash kernel's op (the grouped k, v taken as they are)."""
+    assert attn_mask is None and not dropout_p, "the flash kernel takes no mask and no dropout"
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)[0]
 
 
