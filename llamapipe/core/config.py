@@ -60,6 +60,8 @@ class ParallelConfig:
     offload_rank_delta_bytes: int = 0               # --delta-offload-bytes-across-pp-ranks
     offload_held: bool = False                      # --offload-weight-grad-inputs: OW/RW from B to W too
     ddp_bucket_size: int = 25_000_000               # elements per DP all-reduce bucket
+    num_seq_splits: int = 1                         # --num-seq-splits: Seq1F1B's sequence pieces per microbatch
+    seq_split_balance: str = "flops"                # --seq1f1b-balance-method: equal FLOPs or equal length
 
     @property
     def sizes(self) -> dict[str, int]:

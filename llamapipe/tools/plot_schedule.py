@@ -24,7 +24,7 @@ import os
 import sys
 
 from llamapipe.training.flag_parser import FlagParser
-from llamapipe.core.pipeline_parallel.schedule_specs import SCHEDULES, SPECS, build
+from llamapipe.core.pipeline_parallel.schedule_specs import SCHEDULES, SPECS, build, build_seq
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.offload_plan import with_offload
 from llamapipe.core.pipeline_parallel.simulator import Costs, Result, simulate
@@ -72,6 +72,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vpp", type=int, default=None, help="model chunks per rank (default 2 for interleaved "
                                                          "and zbv, else 1)")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches (required with --schedule)")
+    p.add_argument("--num-seq-splits", type=int, default=1, metavar="K",
+                   help="Seq1F1B: every microbatch in K sequence pieces (boxes m.i); each piece costs 1/K of --costs")
     p.add_argument("--costs", default="1,1,1,0", help="F,B,W[,COMM] times of one chunk (default 1,1,1,0)")
     p.add_argument("--mem-limit", type=float, default=None,
                    help="auto: activation memory cap per rank in microbatch-chunk units (default 2*pp)")
@@ -116,6 +118,16 @@ def _head_costs(args: argparse.Namespace, costs: Costs) -> Costs:
     return dataclasses.replace(costs, head_f=head_f, head_b=head_b)
 
 
+def _piece_costs(costs: Costs, k: int) -> Costs:
+    """A Seq1F1B piece's costs: 1/K of a microbatch's time, message and activations (FLOPs-balanced pieces)."""
+    if k < 1:
+        raise ValueError(f"--num-seq-splits {k} must be at least 1")
+    if k == 1:
+        return costs
+    return dataclasses.replace(costs, f=costs.f / k, b=costs.b / k, w=costs.w / k, comm=costs.comm / k,
+                               act_mem=costs.act_mem / k, w_mem=costs.w_mem / k)
+
+
 def _build(args: argparse.Namespace, costs: Costs):
     """The plan as the runtime builds it (`auto` for what an iteration costs with or without post-validation),
     or the one in --schedule-file; --export-csv writes it."""
@@ -123,6 +135,9 @@ def _build(args: argparse.Namespace, costs: Costs):
         plan = read_schedule_file(args.schedule_file)
     elif args.pp is None or args.microbatches is None:
         raise ValueError(f"--schedule {args.schedule} needs --pp and --microbatches")
+    elif args.num_seq_splits > 1:
+        vpp = args.vpp if args.vpp is not None else SPECS[args.schedule].default_chunks
+        plan = build_seq(args.schedule, args.pp, vpp, args.microbatches, args.num_seq_splits)
     else:
         vpp = args.vpp if args.vpp is not None else SPECS[args.schedule].default_chunks
         plan = build(args.schedule, args.pp, vpp, args.microbatches, costs=costs, mem_limit=args.mem_limit,
@@ -160,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out.endswith((".png", ".svg")):
         return _fail(f"--out {args.out} must end in .png or .svg")
     try:
-        costs = _head_costs(args, _costs(args.costs))
+        costs = _piece_costs(_head_costs(args, _costs(args.costs)), args.num_seq_splits)
         plan = _build(args, costs)
         iters = simulate_iterations(plan, costs, args.iterations, post_validation=args.post_validation,
                                     optimizer_step=args.optimizer_step)

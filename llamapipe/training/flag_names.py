@@ -25,6 +25,7 @@ FLAGS = {   # config field (or library argument) -> its flag, where that is not 
     "account_for_loss": "--account-for-loss-in-pipeline-split",
     "override_opt_param_scheduler": "--override-opt_param-scheduler",        # Megatron's spelling
     "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler",
+    "seq_split_balance": "--seq1f1b-balance-method",
 }
 JOINED = {  # two fields said as one, "a/b", and the flags' shared spelling
     ("first_stage_layers", "last_stage_layers"): "--decoder-first/last-pipeline-num-layers",

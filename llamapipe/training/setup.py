@@ -27,6 +27,7 @@ from llamapipe.core.pipeline_parallel.offload_plan import OffloadOptions
 from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
 from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
+from llamapipe.core.pipeline_parallel.seq_split import SeqSplits
 from llamapipe.core.tensor_parallel.vocab_pipeline import VocabTargets
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.offload_modules import module_paths
@@ -119,7 +120,19 @@ def build_runtime_options(config: Config, ps: ParallelState, chunks: list[torch.
     return RuntimeOptions(grad_sync=grad_sync, observers=observers, profile_iters=config.training.profile_iters,
                           memory_limit=config.parallel.pipeline_memory_limit,
                           memory_limit_bytes=config.parallel.pipeline_memory_limit_bytes,
-                          post_validation=config.training.post_validation, offload=offload_options(config, chunks))
+                          post_validation=config.training.post_validation, offload=offload_options(config, chunks),
+                          seq_splits=seq_splits(config))
+
+
+def seq_splits(config: Config) -> Optional[SeqSplits]:
+    """Seq1F1B's pieces (--num-seq-splits, --seq1f1b-balance-method) with the model's FLOPs per token and per
+    (query, key) pair; None without splits."""
+    par, m = config.parallel, config.model
+    if par.num_seq_splits <= 1:
+        return None
+    return SeqSplits.for_model(par.num_seq_splits, par.seq_split_balance, m.hidden_size, m.ffn_hidden_size,
+                               m.num_attention_heads, m.head_dim, m.num_query_groups,
+                               align=par.tp_size if par.sequence_parallel else 1)
 
 
 def offload_options(config: Config, chunks: list[torch.nn.Module]) -> Optional[OffloadOptions]:

@@ -35,9 +35,16 @@ def _schedule(config: Config) -> str:
     per_step = ("microbatches per step growing with --rampup-batch-size" if cfg.rampup_batch_size else
                 f"{cfg.num_microbatches} microbatch{'es' if cfg.num_microbatches > 1 else ''} per step "
                 f"(global batch {cfg.global_batch_size} / (micro-batch {cfg.micro_batch_size} x dp {par.dp_size}))")
+    pieces = ""
+    if par.num_seq_splits > 1:
+        from llamapipe.core.pipeline_parallel.seq_split import SeqSplits
+        bounds = SeqSplits(par.num_seq_splits, par.seq_split_balance, *_pair_flops(config)).bounds(cfg.seq_length)
+        lengths = "/".join(str(b - a) for a, b in zip(bounds, bounds[1:]))
+        pieces = (f"; Seq1F1B: each microbatch in {par.num_seq_splits} sequence pieces of {lengths} tokens "
+                  f"(--num-seq-splits, equal {par.seq_split_balance}), backwards in reverse")
     if par.pp_size == 1:
-        return f"no pipeline schedule (one pipeline stage runs its microbatches in turn), {per_step}"
-    line = f"schedule {par.pipeline_schedule}, {per_step}"
+        return f"no pipeline schedule (one pipeline stage runs its microbatches in turn), {per_step}{pieces}"
+    line = f"schedule {par.pipeline_schedule}, {per_step}{pieces}"
     if par.offload_chunk_num:
         copy = ("measured at start-up" if par.offload_time is None else f"{par.offload_time:g} of F + B + W")
         line += (f"; activations of model chunk{'s' if par.offload_chunk_num > 1 else ''} 0-{par.offload_chunk_num - 1} "
@@ -46,6 +53,13 @@ def _schedule(config: Config) -> str:
         line += (f"; the first {cfg.profile_iters} iterations run profiled 1F1B (--pipeline-profile-iters), "
                  f"then the {par.pipeline_schedule} plan fitted to the measured costs")
     return line
+
+
+def _pair_flops(config: Config) -> tuple[float, float, int]:
+    """Seq1F1B's FLOPs per token and per (query, key) pair, and the pieces' alignment (setup.seq_splits)."""
+    from llamapipe.training.setup import seq_splits
+    splits = seq_splits(config)
+    return splits.linear, splits.pair, splits.align
 
 
 def _data_parallel(config: Config) -> str:

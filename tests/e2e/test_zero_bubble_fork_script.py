@@ -1,5 +1,5 @@
 """The zero-bubble fork's examples/pretrain_zero_bubble.sh and pretrain_offload.sh (examples/zero_bubble/), scaled
-down through their own environment switches, on CPU at pp 2: the V, V-Half, V-Min, ZB-2p, 1F1B-V and
+down through their own environment switches, on CPU at pp 2: the V, V-Half, V-Min, ZB-2p, 1F1B-V, Seq1F1B and
 offload-grouped-interleaved settings (as the fork's examples/test_all_schedules.sh sets them) each train the schedule
 their flags name, which the 'run:' block says.
 """
@@ -36,6 +36,7 @@ SETTINGS = {
                 "--zero-bubble-v-schedule-mem-setup min", "v-min"),
     "zb-2p": ({"ENABLE_ZERO_BUBBLE": "1", "ZERO_BUBBLE_MEM_LIMIT": "4"}, "--initial-loss-scale 64", "auto"),
     "1f1bv": ({"FP32": "1"}, "--enable-1f1b-v", "1f1b-v"),
+    "seq1f1b": ({"FP32": "1"}, "--num-seq-splits 2", "1f1b"),     # Seq1F1B: 1F1B over sequence pieces
     # pretrain_offload.sh (the fork's method "offload-grouped-interleaved"): its OFFLOAD_CHUNK_NUM 4 of 7 chunks
     # at 8 GPUs is 1 of the 2 chunks here; --recompute-lgd, --use-tp-pp-dp-mapping are in the script itself
     "offload-grouped-interleaved": ({"INTERLEAVED_1F1B": "1", "INTERLEAVE_GROUP": "2", "OFFLOAD_TIME": "0.2",
@@ -72,6 +73,8 @@ def test_fork_script_trains_the_schedule_its_flags_name(zb_dataset, tmp_path, me
     assert len(run_lines) == 1 and run_lines[0].startswith(f"schedule {schedule}, 4 microbatches"), run_lines
     if schedule == "auto":      # ZB-2p: profiled until the timers' end iteration, then fitted under 2p = 4
         assert "the first 2 iterations run profiled 1F1B" in run_lines[0]
+    elif method == "seq1f1b":
+        assert "Seq1F1B: each microbatch in 2 sequence pieces" in run_lines[0], run_lines
     else:
         assert "2 model chunks per pipeline rank" in output
     rows = read_metrics(jsonl)

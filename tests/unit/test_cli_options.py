@@ -26,10 +26,10 @@ FLAGS = """
 --lr-decay-style --lr-warmup-iters --make-vocab-size-divisible-by --max-position-embeddings --metrics-jsonl
 --micro-batch-size --min-loss-scale --min-lr --mock-data --model --no-load-optim --no-load-rng --norm-epsilon
 --normalization --num-attention-heads --num-layers --num-layers-per-virtual-pipeline-stage --num-query-groups
---num-virtual-stages-per-pipeline-rank --num-workers --optimizer --optimizer-cpu-offload --overlap-grad-reduce --parallel-order --pipeline-memory-limit
+--num-seq-splits --num-virtual-stages-per-pipeline-rank --num-workers --optimizer --optimizer-cpu-offload --overlap-grad-reduce --parallel-order --pipeline-memory-limit
 --pipeline-model-parallel-layout --pipeline-model-parallel-size --pipeline-profile-iters --pipeline-schedule --pipeline-trace --position-embedding-type --profile-ranks --profile-step-end --profile-step-start
 --recompute-granularity --recompute-method --recompute-num-layers --release-host-memory --rotary-base --save --save-interval --seed
---seq-length --sequence-parallel --skip-nonfinite-steps --split --swiglu --tensor-model-parallel-size
+--seq-length --seq1f1b-balance-method --sequence-parallel --skip-nonfinite-steps --split --swiglu --tensor-model-parallel-size
 --tensorboard-dir --tie-embeddings-and-output-weights --timing-log-level --timing-log-option --tokenizer-model --tokenizer-type --train-iters
 --untie-embeddings-and-output-weights --use-distributed-optimizer --use-rotary-position-embeddings
 --vocab-size --weight-decay

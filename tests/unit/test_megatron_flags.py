@@ -107,7 +107,7 @@ LLAMAPIPE_ONLY = ("--model", "--offload-weight-grad-inputs", "--parallel-order",
                   "--enable-optimizer-post-validation", "--enable-vocab-parallel",
                   "--pipeline-schedule-file", "--pipeline-profile", "--allow-tokenizer-change", "--dry-run",
                   "--overwrite-save", "--straggler-threshold", "--hang-report-seconds",
-                  "--hang-report-keep-waiting")
+                  "--hang-report-keep-waiting", "--seq1f1b-balance-method", "--num-seq-splits")   # the last: the zb fork's
 
 
 def cfg(argv, world=1) -> Config:

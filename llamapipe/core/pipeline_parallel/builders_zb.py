@@ -45,8 +45,10 @@ class _Rank:
 
 
 class _Greedy:
-    def __init__(self, pp: int, vpp: int, m: int, placement: str, costs: Costs, mem_limit: float):
+    def __init__(self, pp: int, vpp: int, m: int, placement: str, costs: Costs, mem_limit: float,
+                 b_order: list[int] | None = None):
         self.pp, self.vpp, self.m, self.placement = pp, vpp, m, placement
+        self.b_order = b_order or list(range(m))    # the units in the order each stage runs their B's
         self.costs, self.mem_limit = costs, mem_limit
         self.last = pp * vpp - 1
         self.ranks = [_Rank([0] * vpp, [0] * vpp) for _ in range(pp)]
@@ -70,9 +72,14 @@ class _Greedy:
         """(arrival, mb, -stage, chunk, fits in memory) of the next F or B of each chunk on `rank`."""
         st, out = self.ranks[rank], []
         for chunk in range(self.vpp):
-            mb = st.next_f[chunk] if kind == "F" else st.next_b[chunk]
-            if mb >= (self.m if kind == "F" else st.next_f[chunk]):
+            if kind == "F":
+                mb = st.next_f[chunk]
+                if mb >= self.m:
+                    continue
+            elif st.next_b[chunk] >= self.m or self.b_order[st.next_b[chunk]] >= st.next_f[chunk]:
                 continue
+            else:
+                mb = self.b_order[st.next_b[chunk]]
             fits = True
             if kind == "F":
                 later_chunks = self.vpp - 1 - chunk   # keep room so a started microbatch can reach the loss
@@ -154,8 +161,10 @@ class _Greedy:
 
 
 def greedy_plan(name: str, pp: int, vpp: int, m: int, placement: str, costs: Costs,
-                mem_limit: float = math.inf) -> Plan:
-    """List-schedule F/B/W under `costs` and a per-rank activation-memory cap."""
+                mem_limit: float = math.inf, b_order: list[int] | None = None) -> Plan:
+    """List-schedule F/B/W under `costs` and a per-rank activation-memory cap; each stage runs its B's in
+    `b_order` (default: microbatch order; Seq1F1B: each sequence's pieces reversed, builders_seq.py), a B only
+    after its own F."""
     if pp < 1 or m < 1:
         raise ConfigError(f"pipeline_schedule {name} needs pipeline size ({pp}) and microbatches ({m}) "
                           "of at least 1", "pipeline_schedule")
@@ -163,7 +172,7 @@ def greedy_plan(name: str, pp: int, vpp: int, m: int, placement: str, costs: Cos
     if mem_limit < need - _EPS:
         raise ConfigError(f"pipeline_memory_limit {mem_limit:g} is below the {need:g} activation units one "
                           f"microbatch needs on all {vpp} model chunks of a rank", "pipeline_memory_limit")
-    return _Greedy(pp, vpp, m, placement, costs, mem_limit).run(name)
+    return _Greedy(pp, vpp, m, placement, costs, mem_limit, b_order).run(name)
 
 
 @functools.lru_cache(maxsize=16)

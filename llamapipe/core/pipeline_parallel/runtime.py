@@ -21,6 +21,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from llamapipe.core.pipeline_parallel.offload_plan import OffloadOptions
+    from llamapipe.core.pipeline_parallel.seq_split import SeqSplits
     from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
     from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 
@@ -114,6 +115,7 @@ class RuntimeOptions:
     communicator: Optional[Callable[..., Any]] = None   # builds each step's communicator in place of
                                         # p2p_communication.P2PCommunicator (same arguments): the dry run's
     offload: Optional["OffloadOptions"] = None   # PipeOffload: O/R actions added to every plan (offload_plan)
+    seq_splits: Optional["SeqSplits"] = None     # Seq1F1B: every microbatch runs as K sequence pieces (seq_split)
 
     def __post_init__(self) -> None:
         assert all(isinstance(o, StepObserver) for o in self.observers), self.observers

@@ -20,6 +20,8 @@ same for what a deferred weight gradient holds between its B and its W (the laye
 that W multiplies; zero-bubble schedules): OW right after the B, RW before the W.
 Placements: "interleaved" (Megatron, arXiv 2104.04473): stage v on rank v % pp, chunk v // pp.
 "v" (ZB-V, arXiv 2401.10241): chunk 0 of rank r is stage r, chunk 1 is stage 2*pp-1-r.
+Seq1F1B (`seq_splits` K > 1): the plan's microbatches are sequence pieces, K per microbatch; the pieces of one
+sequence run their forwards in order and their backwards in reverse on every stage (`simulator` checks it).
 """
 from __future__ import annotations
 
@@ -141,6 +143,7 @@ class Plan:
     placement: str
     actions: tuple  # tuple[tuple[Action, ...], ...], one per pipeline rank
     vocab: bool = False   # vocabulary parallelism: S/T on every rank, the last stage's F computes no loss
+    seq_splits: int = 1   # Seq1F1B: unit u is piece u % K of microbatch u // K (core/pipeline_parallel/seq_split.py)
 
     def __post_init__(self) -> None:
         assert self.placement in PLACEMENTS, self.placement
@@ -160,13 +163,24 @@ class Plan:
         """Plain data, e.g. to broadcast an `auto` plan from one rank to all."""
         return {"name": self.name, "pp": self.pp, "vpp": self.vpp, "num_microbatches": self.num_microbatches,
                 "placement": self.placement, "actions": [[list(a) for a in rank] for rank in self.actions],
-                "vocab": self.vocab}
+                "vocab": self.vocab, "seq_splits": self.seq_splits}
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
         actions = tuple(tuple(Action(str(k), int(c), int(m)) for k, c, m in rank) for rank in data["actions"])
         return cls(data["name"], data["pp"], data["vpp"], data["num_microbatches"], data["placement"], actions,
-                   bool(data.get("vocab", False)))
+                   bool(data.get("vocab", False)), int(data.get("seq_splits", 1)))
+
+
+def unit_label(plan: Plan, unit: int) -> str:
+    """A unit's name in pictures and text: its microbatch, or "m.i" for piece i of microbatch m (Seq1F1B)."""
+    k = plan.seq_splits
+    return f"{unit // k}.{unit % k}" if k > 1 else str(unit)
+
+
+def action_label(plan: Plan, action: Action) -> str:
+    """`str(action)` with the unit named by `unit_label`."""
+    return f"{action.kind}{unit_label(plan, action.microbatch)}" + (f"c{action.chunk}" if action.chunk else "")
 
 
 def splits_backward(plan: Plan) -> bool:

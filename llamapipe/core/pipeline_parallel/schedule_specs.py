@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from llamapipe.core.config import ConfigError
-from llamapipe.core.pipeline_parallel import auto_plan, builders, builders_dualpipe, builders_grouped, builders_v
+from llamapipe.core.pipeline_parallel import (auto_plan, builders, builders_dualpipe, builders_grouped, builders_seq,
+                                              builders_v)
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan, splits_backward
 from llamapipe.core.pipeline_parallel.simulator import Costs
 from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
@@ -26,6 +27,7 @@ from llamapipe.core.pipeline_parallel.vocab_parallel import with_vocab_parallel
 # (pp, vpp, m, costs or None, memory limit in activation units or None, post-validation) -> Plan. Everything
 # that changes a plan is an argument here, so no code outside this table branches on a schedule's name.
 Builder = Callable[[int, int, int, Optional[Costs], Optional[float], bool], Plan]
+SeqBuilder = Callable[[int, int, int, int], Plan]    # (pp, vpp, m, K) -> a Seq1F1B plan of m*K pieces
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class ScheduleSpec:
     profiled: bool = False              # profiles F/B/W for the first iterations, then fits its plan to them
     memory_capped: bool = False         # --pipeline-memory-limit caps its plan
     planned: bool = True                # `llamapipe plan` ranks it (GPipe: 1F1B does the same work in less memory)
+    seq_builder: Optional[SeqBuilder] = None    # its Seq1F1B plan (--num-seq-splits K > 1), None: not supported
 
     def accepts(self, vpp: int) -> bool:
         return vpp >= self.min_chunks and (self.max_chunks is None or vpp <= self.max_chunks)
@@ -115,12 +118,17 @@ class _Table(dict):
 
 
 SPECS: dict[str, ScheduleSpec] = _Table({spec.name: spec for spec in (
-    ScheduleSpec("1f1b", _one_chunk(builders.one_f_one_b), 1, 1, 1),
-    ScheduleSpec("interleaved", lambda pp, vpp, m, *_: builders.interleaved(pp, vpp, m), 2, None, 2),
+    ScheduleSpec("1f1b", _one_chunk(builders.one_f_one_b), 1, 1, 1,
+                 seq_builder=lambda pp, vpp, m, k: builders_seq.seq_1f1b(pp, m, k)),
+    ScheduleSpec("interleaved", lambda pp, vpp, m, *_: builders.interleaved(pp, vpp, m), 2, None, 2,
+                 seq_builder=lambda pp, vpp, m, k: builders_seq.checked_relabel(builders.interleaved(pp, vpp, m * k),
+                                                                                k)),
     ScheduleSpec("gpipe", _one_chunk(builders.gpipe), 1, 1, 1, planned=False),
-    ScheduleSpec("zb-h1", _one_chunk(builders.zb_h1), 1, 1, 1, zero_bubble=True),
+    ScheduleSpec("zb-h1", _one_chunk(builders.zb_h1), 1, 1, 1, zero_bubble=True,
+                 seq_builder=lambda pp, vpp, m, k: builders_seq.seq_zb_h1(pp, m, k)),
     ScheduleSpec("zb-h2", _zb_h2, 1, 1, 1, zero_bubble=True, profiled=True),
-    ScheduleSpec("zbv", _one_chunk(builders.zbv), 2, 2, 2, v_placement=True, zero_bubble=True),
+    ScheduleSpec("zbv", _one_chunk(builders.zbv), 2, 2, 2, v_placement=True, zero_bubble=True,
+                 seq_builder=lambda pp, vpp, m, k: builders_seq.seq_zbv(pp, m, k)),
     ScheduleSpec("v-half", _one_chunk(builders_v.v_half), 2, 2, 2, v_placement=True, zero_bubble=True),
     ScheduleSpec("v-min", _one_chunk(builders_v.v_min), 2, 2, 2, v_placement=True, zero_bubble=True),
     ScheduleSpec("dualpipev", _one_chunk(builders_dualpipe.dualpipev), 2, 2, 2, v_placement=True, zero_bubble=True),
@@ -215,6 +223,20 @@ def build(schedule: str, pp: int, vpp: int, m: int, costs: Optional[Costs] = Non
     if not vocab_parallel:
         return plan
     return with_vocab_parallel(plan, costs)
+
+
+def build_seq(schedule: str, pp: int, vpp: int, m: int, k: int) -> Plan:
+    """The Seq1F1B plan of `schedule` with every microbatch in `k` sequence pieces (builders_seq.py); one process
+    runs each microbatch's pieces forward, then backward in reverse."""
+    if pp == 1:
+        return builders_seq.no_pipelining(m, k)
+    spec = schedule_spec(schedule)
+    if spec.seq_builder is None:
+        supported = ", ".join(name for name, s in SPECS.items() if s.seq_builder is not None)
+        raise ConfigError(f"num_seq_splits {k} needs pipeline_schedule one of {supported}, got {schedule}",
+                          "num_seq_splits", "pipeline_schedule")
+    spec.check_chunks(vpp)
+    return spec.seq_builder(pp, vpp, m, k)
 
 
 def default_schedule(vpp: int) -> str:

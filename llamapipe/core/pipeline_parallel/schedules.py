@@ -9,6 +9,7 @@ the list of this rank's chunks (local chunk order).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -19,7 +20,8 @@ from llamapipe.core.pipeline_parallel import executor
 from llamapipe.core.pipeline_parallel.auto_schedule import AutoSchedule
 from llamapipe.core.pipeline_parallel.runtime import RuntimeOptions
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan
-from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build, schedule_spec
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build, build_seq, schedule_spec
+from llamapipe.core.pipeline_parallel.seq_split import piece_iterators
 
 
 def no_pipelining_plan(m: int) -> Plan:
@@ -29,8 +31,11 @@ def no_pipelining_plan(m: int) -> Plan:
 
 
 @functools.lru_cache(maxsize=64)
-def cached_plan(schedule: str, pp: int, vpp: int, m: int) -> Plan:
-    """Builders are pure, so one plan per (schedule, pp, vpp, m) is built once per process."""
+def cached_plan(schedule: str, pp: int, vpp: int, m: int, seq_splits: int = 1) -> Plan:
+    """Builders are pure, so one plan per (schedule, pp, vpp, m, K) is built once per process; K > 1 is Seq1F1B
+    (builders_seq.py: m*K sequence pieces as the plan's units)."""
+    if seq_splits > 1:
+        return build_seq(schedule, pp, vpp, m, seq_splits)
     if pp == 1:
         return no_pipelining_plan(m)
     return build(schedule, pp, vpp, m)
@@ -47,10 +52,17 @@ class ForwardBackward:
     def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],
                  num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0) -> list[dict]:
         model = list(model) if isinstance(model, (list, tuple)) else [model]
-        plan = cached_plan(self.schedule_name, self.ps.pp_size, len(model), num_microbatches)
+        splits, options = self.options.seq_splits, self.options
+        if splits is not None and splits.count > 1:   # Seq1F1B: the units are the microbatches' pieces
+            data_iterator = piece_iterators(data_iterator, splits)
+            options = dataclasses.replace(options, variable_seq_lengths=True)   # FLOPs-balanced: lengths differ
+            plan = cached_plan(self.schedule_name, self.ps.pp_size, len(model), num_microbatches, splits.count)
+            num_microbatches *= splits.count
+        else:
+            plan = cached_plan(self.schedule_name, self.ps.pp_size, len(model), num_microbatches)
         return executor.run(plan, model_chunks=model, forward_step_func=forward_step_func,
                             data_iterator=data_iterator, parallel_state=self.ps, num_microbatches=num_microbatches,
-                            forward_only=forward_only, loss_scale=loss_scale, options=self.options)
+                            forward_only=forward_only, loss_scale=loss_scale, options=options)
 
 
 def forward_backward_zero_bubble(*, forward_step_func: Callable, data_iterator: Any, model: list[nn.Module],

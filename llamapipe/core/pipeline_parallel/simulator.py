@@ -223,11 +223,31 @@ def _check_streams(plan: Plan) -> None:
                                     f"{src_rank} sends microbatch {s.microbatch} first on that stream")
 
 
+def _check_piece_order(plan: Plan, rank: int) -> None:
+    """Seq1F1B: on every stage piece i's F after piece i-1's F (it attends to that piece's cached keys) and
+    piece i's B after piece i+1's B (that backward gives it the gradient of its keys and values)."""
+    k, done = plan.seq_splits, {"F": set(), "B": set()}
+    for i, a in enumerate(plan.actions[rank]):
+        part = KIND_SPECS[a.kind].parts[0]
+        if part not in done:
+            continue
+        piece = a.microbatch % k
+        other = a.microbatch - 1 if part == "F" else a.microbatch + 1
+        if (piece > 0 if part == "F" else piece < k - 1) and (a.chunk, other) not in done[part]:
+            which = "previous" if part == "F" else "next"
+            raise PlanError(f"rank {rank} action #{i} {a}: {part} of sequence piece {piece} before the {part} of "
+                            f"its {which} piece (unit {other})")
+        done[part].add((a.chunk, a.microbatch))
+
+
 def verify(plan: Plan) -> None:
-    """Static checks: ranges, F/B/W exactly once and in order, per-stream message order."""
+    """Static checks: ranges, F/B/W exactly once and in order, per-stream message order, and a Seq1F1B plan's
+    piece order."""
     _check_ranges(plan)
     for rank in range(plan.pp):
         _check_rank_order(plan, rank)
+        if plan.seq_splits > 1:
+            _check_piece_order(plan, rank)
     _check_streams(plan)
     if plan.vocab:
         _check_collectives(plan)

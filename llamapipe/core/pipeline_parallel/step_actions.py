@@ -21,6 +21,7 @@ from llamapipe.core.pipeline_parallel.offload_store import OffloadStore
 from llamapipe.core.pipeline_parallel.p2p_communication import Message, P2PCommunicator, needs_and_sends, vocab_messages
 from llamapipe.core.pipeline_parallel.runtime import StepObserver
 from llamapipe.core.pipeline_parallel.schedule_ir import BACKWARD_KINDS, Action, Plan
+from llamapipe.core.pipeline_parallel.seq_split import piece_of, running
 from llamapipe.core.pipeline_parallel.vocab_runtime import VocabStep, pack_targets
 from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 
@@ -174,6 +175,13 @@ class RankStep:
             self._give(produced[0], self.vocab.grad(action.microbatch))
 
     def execute(self, action: Action) -> None:
+        if self.plan.seq_splits > 1 and action.kind in ("F", "B", "BW"):   # Seq1F1B: the model reads the piece
+            with running(piece_of(action.microbatch, self.plan.seq_splits)):
+                self._execute(action)
+        else:
+            self._execute(action)
+
+    def _execute(self, action: Action) -> None:
         if action.kind == "F":
             self.forward(action)
         elif action.kind in ("S", "T"):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from llamapipe.core.pipeline_parallel.schedule_ir import KINDS, OFFLOAD_PASSES, Plan
+from llamapipe.core.pipeline_parallel.schedule_ir import KINDS, OFFLOAD_PASSES, Plan, action_label, unit_label
 from llamapipe.core.pipeline_parallel.simulator import Result
 from llamapipe.core.pipeline_parallel.simulator_iterations import IterationsResult
 
@@ -56,7 +56,7 @@ def ascii_timeline(plan: Plan, result: Result, iteration_of: list[list[int]] | N
     if not durations:
         return "\n".join(f"rank {r}: (empty)" for r in range(plan.pp))
     slot = min(durations)
-    width = max(len(str(a)) for row in rows for _, _, a in row) + 1
+    width = max(len(action_label(plan, a)) for row in rows for _, _, a in row) + 1
     n_slots = math.ceil(result.makespan / slot - 1e-9)
     lines = []
     for rank, row in enumerate(rows):
@@ -65,7 +65,8 @@ def ascii_timeline(plan: Plan, result: Result, iteration_of: list[list[int]] | N
             first = round(start / slot)
             last = max(first + 1, round(end / slot))
             odd = iteration_of is not None and iteration_of[rank][i] % 2
-            cells[first] = (str(action).lower() if odd else str(action)).ljust(width)
+            label = action_label(plan, action)
+            cells[first] = (label.lower() if odd else label).ljust(width)
             for i in range(first + 1, min(last, n_slots)):
                 cells[i] = "=" * (width - 1) + " "
         lines.append(f"rank {rank}: " + "".join(cells).rstrip())
@@ -145,10 +146,12 @@ def _draw_optimizer_steps(ax, iterations: IterationsResult) -> tuple[float, bool
     return max((e for steps in iterations.optimizer for _, e, _ in steps), default=0.0), bool(boxes)
 
 
-def _draw_labels(ax, groups: dict[tuple, list], makespan: float, digits: int, y_offset: float) -> None:
+def _draw_labels(ax, groups: dict[tuple, list], makespan: float, digits: int, y_offset: float,
+                 name=str) -> None:
     """Microbatch numbers where they fit: measured on the laid-out axes, a box is labelled only if the
     widest number of the plan (`digits`, about 0.64 em each in DejaVu Sans) plus a margin fits inside it
-    at a readable size, so whether a box has a label depends on its length only, never on its number."""
+    at a readable size, so whether a box has a label depends on its length only, never on its number. `name`
+    turns a unit into its label (Seq1F1B pieces: "m.i", `schedule_ir.unit_label`)."""
     points_per_unit = ax.get_window_extent().width * 72 / ax.figure.dpi / makespan
     shortest = min((e - s for boxes in groups.values() for _, s, e, _ in boxes if e > s), default=makespan)
     font = max(_MIN_FONT, min(8.0, 0.45 * shortest * points_per_unit))
@@ -156,7 +159,7 @@ def _draw_labels(ax, groups: dict[tuple, list], makespan: float, digits: int, y_
     for (_, shade, _), boxes in groups.items():
         for rank, start, end, a in boxes:
             if end - start >= min_length:
-                ax.text((start + end) / 2, rank + y_offset, str(a.microbatch), ha="center", va="center",
+                ax.text((start + end) / 2, rank + y_offset, name(a.microbatch), ha="center", va="center",
                         fontsize=font, color="white" if shade else "black")
 
 
@@ -199,11 +202,13 @@ def timeline_figure(plan: Plan, result: Result, title: str | None = None,
     ax.tick_params(axis="x", labelsize=7)
     _legend(ax, plan, groups, optimizer_drawn)
     text = bubble_text(result) if iterations is None else iterations_text(iterations)
-    ax.set_title(title or f"{plan.name}: pp={plan.pp} vpp={plan.vpp} microbatches={plan.num_microbatches}\n"
+    pieces = f" in {plan.seq_splits} sequence pieces (m.i)" if plan.seq_splits > 1 else ""
+    ax.set_title(title or f"{plan.name}: pp={plan.pp} vpp={plan.vpp} "
+                 f"microbatches={plan.num_microbatches // plan.seq_splits}{pieces}\n"
                  f"{text}", fontsize=8)
     fig.tight_layout()
     if groups:
         hatched = any(odd for _, _, odd in groups)
-        _draw_labels(ax, groups, makespan, len(str(plan.num_microbatches - 1)),
-                     (-0.4 + _STRIP_TOP) / 2 if hatched else 0.0)
+        _draw_labels(ax, groups, makespan, len(unit_label(plan, plan.num_microbatches - 1)),
+                     (-0.4 + _STRIP_TOP) / 2 if hatched else 0.0, lambda unit: unit_label(plan, unit))
     return fig

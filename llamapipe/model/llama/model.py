@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from llamapipe.core.context_parallel import COMM_TYPES, SequenceShard
 from llamapipe.core.distributed.tied_embeddings import logical_name, mark_tied
 from llamapipe.core.parallel_state import ParallelState
+from llamapipe.core.pipeline_parallel import seq_split
 from llamapipe.core.tensor_parallel import mappings
 from llamapipe.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from llamapipe.core.tensor_parallel.vocab_pipeline import PipelineVocabEmbedding, PipelineVocabOutput
@@ -139,6 +140,7 @@ class LlamaModel(nn.Module):
             if tied:     # the same rows of the same matrix: one parameter for both shards
                 self.output.weight = self.embedding.weight
         self.input_tensor: Optional[torch.Tensor] = None
+        self._piece_starts: dict[int, int] = {}   # Seq1F1B: microbatch -> first position of its next piece
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -208,7 +210,7 @@ class LlamaModel(nn.Module):
         seq_len = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)   # this CP rank's tokens
         if position_ids is None and shard.cp_size > 1:   # the global positions of this rank's tokens
             position_ids = shard.positions(seq_len, hidden.shape[1], hidden.device)
-        rope = self.rotary(seq_len, position_ids, hidden.dtype)
+        rope = self._rope(seq_len, position_ids, hidden.dtype)
         for i, layer in enumerate(self.layers.values()):
             if self._recompute_layer(i) and torch.is_grad_enabled():
                 hidden = checkpoint(layer, hidden, rope, document_ids, use_reentrant=False)
@@ -219,6 +221,19 @@ class LlamaModel(nn.Module):
         if self.vocab_parallel:
             return self.final_norm(hidden)   # (s, b, h): the output layer runs in the plan's S/T actions
         return self._head(self.final_norm(hidden), labels)
+
+    def _rope(self, seq_len: int, position_ids: Optional[torch.Tensor], dtype: torch.dtype):
+        """RoPE tables of this forward's tokens; a Seq1F1B piece's positions start after the earlier pieces'."""
+        piece = seq_split.current()
+        if piece is None:
+            return self.rotary(seq_len, position_ids, dtype)
+        start = self._piece_starts.pop(piece.microbatch, 0) if piece.index else 0
+        if piece.index < piece.count - 1:
+            self._piece_starts[piece.microbatch] = start + seq_len
+        if position_ids is not None:
+            return self.rotary(seq_len, position_ids, dtype)
+        cos, sin = self.rotary(start + seq_len, None, dtype)
+        return cos[start:], sin[start:]
 
     def _head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         weight = self.embedding.weight if self.config.tie_word_embeddings and self.pre_process else self.output.weight

@@ -54,6 +54,13 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved: microbatches run through each model chunk in groups of this many (Megatron's "
                         "schedule table); None: the pipeline size, the plain interleaved order")
+    g.add_argument("--num-seq-splits", type=int, default=1,
+                   help="Seq1F1B (arXiv 2406.03488; the zero-bubble fork's flag): split every microbatch along the "
+                        "sequence into this many pieces that pipeline as units of the schedule (1f1b, zb-h1, zbv, "
+                        "interleaved); later pieces attend to the earlier pieces' cached keys and values")
+    g.add_argument("--seq1f1b-balance-method", choices=("flops", "length"), default="flops",
+                   help="with --num-seq-splits: pieces of equal attention + MLP FLOPs (the paper's; later pieces "
+                        "are shorter, every unit of the schedule costs the same) or of equal length")
     g.add_argument("--pipeline-memory-limit", type=memory_limit, default=None,
                    help="auto schedule: activation memory cap per rank, in microbatch-chunk units (a number) "
                         "or bytes (e.g. 24GiB, 512MB), measured while profiling")

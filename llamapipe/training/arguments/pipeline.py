@@ -121,6 +121,37 @@ def _check_layout(args: argparse.Namespace, num_layers: int, par: ParallelConfig
 GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 
 
+def check_seq_splits(args: argparse.Namespace, schedule: str, pp: int, tp: int, cp: int, sequence_parallel: bool,
+                     vocab_parallel: bool, offload: bool) -> int:
+    """--num-seq-splits K (Seq1F1B): K itself, after the checks that make each a one-line error (the sequence
+    length: `check_seq_pieces`)."""
+    k = args.num_seq_splits
+    if k < 1:
+        raise ArgumentError(f"--num-seq-splits must be at least 1, got {k}")
+    if k == 1:
+        return 1
+    spec = SPECS[schedule] if schedule in SPECS else None
+    if pp > 1 and (spec is None or spec.seq_builder is None):
+        supported = ", ".join(name for name, s in SPECS.items() if s.seq_builder is not None)
+        raise ArgumentError(f"--num-seq-splits {k} needs --pipeline-schedule one of {supported}, got {schedule}")
+    for flag, on in (("--context-parallel-size > 1", cp > 1), ("--enable-vocab-parallel", vocab_parallel),
+                     ("--cpu-offload", offload)):
+        if on:
+            raise ArgumentError(f"--num-seq-splits {k} does not run with {flag} yet")
+    return k
+
+
+def check_seq_pieces(par: ParallelConfig, seq_length: int) -> None:
+    """One line when --num-seq-splits does not divide the sequence (into multiples of the TP size under sequence
+    parallelism)."""
+    from llamapipe.core.pipeline_parallel.seq_split import piece_bounds
+    if par.num_seq_splits > 1:
+        try:
+            piece_bounds(seq_length, par.num_seq_splits, "length", align=par.tp_size if par.sequence_parallel else 1)
+        except ValueError as err:
+            raise ArgumentError(f"{flag_message(err)} (--seq-length {seq_length})") from None
+
+
 def grouped_schedule(args: argparse.Namespace, schedule: str, pp: int) -> str:
     """The schedule with Megatron's microbatch group size applied: interleaved with groups of N ("interleaved:N");
     N = pp, Megatron's default, is the plain interleaved order."""

@@ -12,6 +12,7 @@ import argparse
 from llamapipe.core.config import ArgumentError, OptimizerConfig, ParallelConfig, TrainingConfig
 from llamapipe.core.num_microbatches_calculator import (check_rampup_batch_size, microbatches_per_step,
                                                          train_iters_for_samples)
+from llamapipe.training.arguments.pipeline import check_seq_pieces
 
 DEFAULT_TRAIN_ITERS = 10    # when neither --train-iters nor --train-samples is given (Megatron requires one)
 # The schedules build a plan with a few actions per microbatch and rank before the first step, so a mistyped
@@ -73,6 +74,7 @@ def _eval_iters(args: argparse.Namespace) -> int:
 def training_config(args: argparse.Namespace, par: ParallelConfig, seq_length: int) -> TrainingConfig:
     """`seq_length` is the run's (--seq-length, or the preset default that model_args resolves)."""
     mbs, dp = args.micro_batch_size, par.dp_size
+    check_seq_pieces(par, seq_length)
     gbs = args.global_batch_size if args.global_batch_size is not None else mbs * dp
     num_microbatches = microbatches_per_step(gbs, mbs, dp)
     if num_microbatches > MAX_MICROBATCHES:

@@ -19,7 +19,7 @@ from llamapipe.core.parallel_state import AXES, DEFAULT_ORDER, full_order
 from llamapipe.training.arguments.offload_args import check_offload, check_offload_modules
 from llamapipe.training.arguments.memory_limit import MemoryBytes
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
-from llamapipe.training.arguments.pipeline import grouped_schedule, schedule_chunks, vpp_size
+from llamapipe.training.arguments.pipeline import check_seq_splits, grouped_schedule, schedule_chunks, vpp_size
 from llamapipe.training.flag_names import flag_message
 from llamapipe.training.schedule_file import load_schedule
 from llamapipe.training.config import CheckpointConfig, LoggingConfig
@@ -103,6 +103,8 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
                             f"its W, but --pipeline-schedule {schedule} runs them together; use a zero-bubble schedule "
                             "(zb-h1, zbv, v-half, auto)")
     modules, fraction, min_numel, delta = check_offload_modules(args)
+    seq_splits = check_seq_splits(args, schedule, pp, tp, cp, sequence_parallel, args.enable_vocab_parallel and pp > 1,
+                                  offload_chunks > 0)
     limit = args.pipeline_memory_limit
     return ParallelConfig(world_size=world_size, tp_size=tp, pp_size=pp, vpp_size=vpp,
                           dp_size=world_size // (tp * cp * pp), cp_size=cp, cp_comm_type=cp_comm_type, order=order,
@@ -121,7 +123,8 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
                           offload_chunk_num=offload_chunks, offload_time=offload_time, offload_modules=modules,
                           offload_fraction=fraction, offload_min_numel=min_numel, offload_rank_delta_bytes=delta,
                           offload_held=args.offload_weight_grad_inputs,
-                          ddp_bucket_size=args.ddp_bucket_size or ParallelConfig.ddp_bucket_size)
+                          ddp_bucket_size=args.ddp_bucket_size or ParallelConfig.ddp_bucket_size,
+                          num_seq_splits=seq_splits, seq_split_balance=args.seq1f1b_balance_method)
 
 
 def rank_order(order: str) -> str:

@@ -50,10 +50,7 @@ NOTICES: tuple[CompatFlag, ...] = (
     CompatFlag("--no-paired-barrier", _OFFLOAD_ONLY),
 )
 
-REFUSED: tuple[CompatFlag, ...] = (
-    CompatFlag("--num-seq-splits", "Seq1F1B's pipelining of sequence pieces is not implemented; use more, smaller "
-               "microbatches (--micro-batch-size)", int, off=(1,)),
-)
+REFUSED: tuple[CompatFlag, ...] = ()   # the fork's --num-seq-splits (Seq1F1B) is a flag of llamapipe's own
 
 # the flags translated into llamapipe's: (flag, dest, argparse keywords, help)
 _SWITCH = {"nargs": 0, "default": False}

@@ -86,7 +86,7 @@ class DryRunCommunicator:
     def recv(self, msg: Message) -> torch.Tensor:
         assert msg in self._due, f"pp rank {self.pp_rank} takes {msg}, which the plan does not send it"
         self._due.discard(msg)
-        shape, dtype = self.expect(msg.kind)
+        shape, dtype = self.expect(msg.kind, msg.microbatch)
         self.ledger.taken[msg] = (shape, dtype)
         return torch.empty(shape, dtype=dtype, device=self.device)
 

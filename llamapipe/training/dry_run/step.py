@@ -36,11 +36,12 @@ from llamapipe.core.pipeline_parallel.activation_memory import saved_storages, s
 from llamapipe.core.pipeline_parallel.runtime import StepObserver
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan
 from llamapipe.core.pipeline_parallel.schedules import cached_plan
+from llamapipe.core.pipeline_parallel.seq_split import piece_iterators
 from llamapipe.core.pipeline_parallel.simulator import verify
 from llamapipe.data.gpt_dataset import make_sample
 from llamapipe.training.config import Config
 from llamapipe.training.dry_run.messages import DryRunCommunicator, MessageLedger, expected_spec
-from llamapipe.training.setup import build_runtime_options, forward_step, params_dtype
+from llamapipe.training.setup import build_runtime_options, forward_step, params_dtype, seq_splits
 
 
 @dataclass(frozen=True)
@@ -129,17 +130,24 @@ def meta_batches(config: Config) -> Iterator[dict]:
 def job_plan(config: Config, ps: ParallelState) -> Plan:
     """The plan this job's steps run (the profiled schedules: their unit-cost plan), verified by the simulator."""
     par = config.parallel
-    plan = cached_plan(par.pipeline_schedule, ps.pp_size, ps.vpp_size, config.training.num_microbatches)
+    plan = cached_plan(par.pipeline_schedule, ps.pp_size, ps.vpp_size, config.training.num_microbatches,
+                       par.num_seq_splits)          # Seq1F1B: the microbatches' sequence pieces as units
     if par.vocab_parallel:
         plan = executor.vocab_plan(plan)
     verify(plan)
     return plan
 
 
-def message_spec(config: Config, ps: ParallelState, kind: str) -> tuple:
-    """What this rank's receiver expects for a message of `kind` (`messages.expected_spec`)."""
+def message_spec(config: Config, ps: ParallelState, kind: str, unit: int = 0) -> tuple:
+    """What this rank's receiver expects for a message of `kind` (`messages.expected_spec`) of plan unit `unit`
+    (under Seq1F1B a piece, whose length its boundaries give)."""
     par, cfg = config.parallel, config.training
-    return expected_spec(kind, seq_length=cfg.seq_length, micro_batch=cfg.micro_batch_size,
+    seq = cfg.seq_length
+    splits = seq_splits(config)
+    if splits is not None:
+        bounds = splits.bounds(seq)
+        seq = bounds[unit % splits.count + 1] - bounds[unit % splits.count]
+    return expected_spec(kind, seq_length=seq, micro_batch=cfg.micro_batch_size,
                          hidden=config.model.hidden_size, cp=ps.cp_size,
                          sp_tp=ps.tp_size if par.sequence_parallel else 1, dtype=params_dtype(config))
 
@@ -164,6 +172,8 @@ def run_step(config: Config, ps: ParallelState, chunks: list[torch.nn.Module], r
     if config.parallel.vocab_parallel:
         iterators.append(batches)       # the vocabulary-parallel embedding's, on every rank
     m = config.training.num_microbatches
+    if options.seq_splits is not None:         # Seq1F1B: each microbatch's pieces, as ForwardBackward cuts them
+        iterators, m = piece_iterators(iterators, options.seq_splits), m * options.seq_splits.count
     with flash_attention_on_meta():
         executor.run(plan, model_chunks=chunks, forward_step_func=forward_step, data_iterator=iterators,
                      parallel_state=ps, num_microbatches=m, options=options)
