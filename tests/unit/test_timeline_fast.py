@@ -3,6 +3,7 @@ and end as the action-by-action reference loop, on every schedule, with offload,
 messages, late sends and staggered release times; and a deadlock is named the same way."""
 import pytest
 
+from llamapipe.core.pipeline_parallel.builders_seq import seq_1f1b, seq_zbv
 from llamapipe.core.pipeline_parallel.offload_plan import with_offload
 from llamapipe.core.pipeline_parallel.schedule_ir import Action, Plan, splits_backward
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build
@@ -20,6 +21,8 @@ def _plans():
     zbv = build("zbv", 4, 2, 8)
     yield "zbv-offload-held", with_offload(zbv, 1, held=splits_backward(zbv))
     yield "interleaved-offload", with_offload(build("interleaved", 2, 2, 4), 2)
+    yield "seq1f1b-k4", seq_1f1b(4, 4, 4)
+    yield "seq-zbv-k2", seq_zbv(2, 4, 2)
 
 
 @pytest.mark.parametrize("name,plan", list(_plans()), ids=lambda x: x if isinstance(x, str) else "")
