@@ -1,0 +1,153 @@
+"""megatron-core as a reference on CPU: the patches it needs, a tiny LLaMA-shaped GPTModel, its forward, and a
+save directory laid out as Megatron-LM's training writes it.
+
+megatron-core is an optional test dependency (docs/testing.md); `require()` skips a test with the reason when it
+cannot be imported. Every patch below is applied only inside `cpu_patches()` and names the CUDA-only call it
+replaces:
+
+- `torch.cuda.current_device`: RotaryEmbedding and the attention modules ask it for the device of tensors they
+  make (the RoPE frequencies, the default causal mask); on CPU it answers "cpu".
+- `torch.cuda.synchronize`: `dist_checkpointing.save` calls it around the write; on CPU there is nothing to wait for.
+- `tensor_parallel.random.get_cuda_rng_tracker().fork`: dropout regions fork the CUDA RNG; with dropout 0 the fork
+  is a no-op context.
+The causal mask is passed explicitly to `forward` (the default one is built on "cuda").
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+
+
+def require():
+    """megatron.core, or skip the calling test saying why."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import megatron.core  # noqa: F401
+            from megatron.core.models.gpt import GPTModel  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install
+        pytest.skip(f"megatron-core cannot be imported ({type(exc).__name__}: {exc}); "
+                    "install the [megatron] extra (docs/testing.md)")
+    return megatron.core
+
+
+@contextlib.contextmanager
+def cpu_patches():
+    require()
+    from megatron.core.tensor_parallel import random as mrandom
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch("torch.cuda.current_device", lambda: "cpu"))
+        stack.enter_context(mock.patch("torch.cuda.synchronize", lambda *a, **k: None))
+        tracker = mrandom.get_cuda_rng_tracker()
+        stack.enter_context(mock.patch.object(tracker, "fork", lambda *a, **k: contextlib.nullcontext()))
+        yield
+
+
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=160,
+            vocab_size=128, seq_length=32, rotary_base=10000.0, norm_epsilon=1e-5)
+
+
+def init_parallel(tp: int = 1, pp: int = 1):
+    """Megatron's parallel state on an initialised gloo group (a single process: a one-rank group)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tp, pp)
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    with cpu_patches(), mock.patch("torch.cuda.manual_seed", lambda *a: None), \
+            mock.patch("torch.cuda.device_count", lambda: 0):
+        try:
+            model_parallel_cuda_manual_seed(1234)
+        except Exception:
+            pass
+
+
+def build_model(shape: dict | None = None, seed: int = 0, pre_process: bool = True, post_process: bool = True):
+    """A LLaMA-shaped GPTModel (RMSNorm, SwiGLU, GQA, RoPE, untied, no bias; local spec), fp32, random weights."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    s = dict(TINY, **(shape or {}))
+    config = TransformerConfig(
+        num_layers=s["num_layers"], hidden_size=s["hidden_size"], num_attention_heads=s["num_attention_heads"],
+        num_query_groups=s["num_query_groups"], ffn_hidden_size=s["ffn_hidden_size"], normalization="RMSNorm",
+        layernorm_epsilon=s["norm_epsilon"], gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        add_bias_linear=False, add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        params_dtype=torch.float32, init_method_std=0.02,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    torch.manual_seed(seed)
+    with cpu_patches():
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                         vocab_size=s["vocab_size"], max_sequence_length=s["seq_length"],
+                         pre_process=pre_process, post_process=post_process,
+                         share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                         rotary_base=s["rotary_base"])
+    with torch.no_grad():   # the local RMSNorm starts at ones: make the norms non-trivial so a mix-up shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    return model.eval()
+
+
+def causal_mask(seq: int) -> torch.Tensor:
+    """Megatron's attention mask: True where a position may NOT attend, shaped [1, 1, s, s]."""
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def forward(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [batch, seq, vocab] of megatron-core's own forward, fp32."""
+    batch, seq = tokens.shape
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    with cpu_patches(), torch.no_grad():
+        return model(tokens, position_ids, causal_mask(seq))
+
+
+def megatron_args(shape: dict | None = None, **extra) -> argparse.Namespace:
+    """The training args Megatron-LM records in common.pt (an argparse Namespace holding Megatron's enums and
+    torch dtypes), for the fields a reader needs."""
+    from megatron.core.transformer.enums import AttnBackend
+    s = dict(TINY, **(shape or {}))
+    fields = dict(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
+                  num_attention_heads=s["num_attention_heads"], num_query_groups=s["num_query_groups"],
+                  group_query_attention=s["num_query_groups"] != s["num_attention_heads"],
+                  ffn_hidden_size=s["ffn_hidden_size"], padded_vocab_size=s["vocab_size"],
+                  seq_length=s["seq_length"], max_position_embeddings=s["seq_length"],
+                  rotary_base=s["rotary_base"], norm_epsilon=s["norm_epsilon"], normalization="RMSNorm",
+                  swiglu=True, add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=True,
+                  position_embedding_type="rope", num_experts=None, tensor_model_parallel_size=1,
+                  pipeline_model_parallel_size=1, make_vocab_size_divisible_by=128, ckpt_format="torch_dist",
+                  consumed_train_samples=0, iteration=0, attention_backend=AttnBackend.auto,
+                  params_dtype=torch.float32)
+    fields.update(extra)
+    return argparse.Namespace(**fields)
+
+
+def save_megatron(model, save_dir: str, iteration: int, args: argparse.Namespace | None = None) -> str:
+    """`model` saved as Megatron-LM's training saves it (checkpointing.py, torch_dist): save_dir/
+    latest_checkpointed_iteration.txt and iter_%07d/ holding the DCP files, metadata.json and common.pt
+    ({args, iteration, checkpoint_version 3.0, ...}); returns the iter directory."""
+    from megatron.core import dist_checkpointing
+    args = args or megatron_args()
+    args.iteration = iteration
+    path = os.path.join(save_dir, f"iter_{iteration:07d}")
+    os.makedirs(path, exist_ok=True)
+    state = {"model": model.sharded_state_dict(prefix=""), "args": args, "iteration": iteration,
+             "checkpoint_version": 3.0, "num_floating_point_operations_so_far": 0}
+    with cpu_patches():
+        dist_checkpointing.save(state, path, sharded_strategy=("torch_dist", 1))
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write(str(iteration))
+    return path
