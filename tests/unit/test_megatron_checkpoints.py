@@ -121,3 +121,37 @@ def test_a_common_file_that_is_not_a_state_dict_is_refused_without_running_it(sa
         from llamapipe.tools.convert_megatron import import_megatron
         import_megatron(str(root), str(tmp_path / "ours"))
     assert not (tmp_path / "ran").exists() and not (tmp_path / "ours").exists()
+
+
+def _run(argv, **kwargs):
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(argv, capture_output=True, text=True, env=env, **kwargs)
+
+
+def test_the_command_line_refuses_a_directory_that_is_no_megatron_save_in_one_line(tmp_path):
+    import sys
+    result = _run([sys.executable, "-m", "llamapipe", "convert-megatron", "import", "--load", str(tmp_path),
+                   "--save", str(tmp_path / "ours")])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"convert_megatron.py: error: --load {tmp_path} is not a Megatron save directory "
+        "(no latest_checkpointed_iteration.txt, no .metadata)"]
+    assert not (tmp_path / "ours").exists()
+
+
+@pytest.mark.slow
+def test_the_round_trip_example_gives_megatron_core_its_logits_back(saved, tmp_path):
+    import sys
+    from megatron.core import dist_checkpointing
+    from tests.harness import ROOT
+    _, reference, tokens, root = saved
+    result = _run(["bash", os.path.join(ROOT, "examples", "megatron", "round_trip.sh"), root, str(tmp_path)],
+                  cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr
+    fresh = mc.build_model(seed=12)
+    with mc.cpu_patches():
+        state = dist_checkpointing.load(fresh.sharded_state_dict(prefix=""), str(tmp_path / "megatron" / "iter_0000007"))
+    fresh.load_state_dict(state, strict=False)
+    torch.testing.assert_close(mc.forward(fresh, tokens), reference, rtol=0, atol=TOL)
