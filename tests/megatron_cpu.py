@@ -151,3 +151,47 @@ def save_megatron(model, save_dir: str, iteration: int, args: argparse.Namespace
     with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as fh:
         fh.write(str(iteration))
     return path
+
+
+def save_megatron_legacy(model, save_dir: str, iteration: int, tp: int = 1, pp: int = 1,
+                         args: argparse.Namespace | None = None) -> str:
+    """`model` saved as Megatron-LM's `--ckpt-format torch` saves it at tp x pp: iter_%07d/mp_rank_{t:02d}
+    [_{p:03d}]/model_optim_rng.pt, each {model: its rank's state dict (stage-local layer numbers, TP shards:
+    linear_qkv by query groups, linear_fc1 as the rank's [gate_r; up_r], linear_proj / linear_fc2 by columns,
+    the vocabulary by rows), args, iteration, checkpoint_version}. Returns the iter directory."""
+    args = args or megatron_args(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format="torch")
+    full, per_stage = model.state_dict(), model.config.num_layers // pp
+    path = os.path.join(save_dir, f"iter_{iteration:07d}")
+    for t in range(tp):
+        for p in range(pp):
+            state = {}
+            for key, tensor in full.items():
+                if key.startswith("decoder.layers."):
+                    head, _, tail = key[len("decoder.layers."):].partition(".")
+                    if int(head) // per_stage != p:
+                        continue
+                    key = f"decoder.layers.{int(head) - p * per_stage}.{tail}"
+                elif key.startswith("embedding.") and p != 0 or key.startswith(("decoder.final", "output")) \
+                        and p != pp - 1:
+                    continue
+                state[key] = _tp_shard(key, tensor, t, tp)
+            name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+            os.makedirs(os.path.join(path, name))
+            torch.save({"model": state, "args": args, "iteration": iteration, "checkpoint_version": 3.0},
+                       os.path.join(path, name, "model_optim_rng.pt"))
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write(str(iteration))
+    return path
+
+
+def _tp_shard(key: str, tensor, t: int, tp: int):
+    if not isinstance(tensor, torch.Tensor) or tp == 1:
+        return tensor
+    if key.endswith("linear_fc1.weight"):
+        gate, up = tensor.chunk(2)
+        return torch.cat([gate.chunk(tp)[t], up.chunk(tp)[t]]).clone()
+    if key.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+        return tensor.chunk(tp)[t].clone()
+    if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return tensor.chunk(tp, dim=1)[t].clone()
+    return tensor.clone()

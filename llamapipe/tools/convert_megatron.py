@@ -5,7 +5,8 @@
   llamapipe convert-megatron export --load DIR --save MEGATRON_DIR
 
 Import reads a Megatron save directory (latest_checkpointed_iteration.txt + iter_XXXXXXX/, or one iter dir) in
-torch_dist format, whatever TP/PP Megatron saved it with (the DCP tensors are global), takes the model shape,
+torch_dist format, whatever TP/PP Megatron saved it with (the DCP tensors are global), or in the legacy
+`--ckpt-format torch` (mp_rank_XX[_YYY]/model_optim_rng.pt, put back together by its args' tp x pp), takes the model shape,
 RoPE base and vocabulary from its common.pt args, and writes our checkpoint at Megatron's iteration, model
 weights only (train from it with --finetune or --no-load-optim). Export writes any checkpoint of ours as a
 torch_dist iter directory that megatron-core's dist_checkpointing.load reads into GPTModel's sharded state
@@ -18,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from types import SimpleNamespace
 
@@ -55,9 +57,9 @@ def iteration_dir(load: str) -> str:
         raise ValueError(f"{tracker} holds {text[:40]!r}, not an iteration number")
     if not os.path.isfile(os.path.join(path, ".metadata")):
         if os.path.isdir(path) and any(n.startswith("mp_rank_") for n in os.listdir(path)):
-            raise ValueError(f"{path} is a legacy (--ckpt-format torch) Megatron checkpoint; only torch_dist is "
-                             "read so far")
-        raise ValueError(f"{tracker} names {path}, which holds no torch_dist checkpoint (.metadata)")
+            return path
+        raise ValueError(f"{tracker} names {path}, which holds no torch_dist (.metadata) or legacy (mp_rank_*) "
+                         "checkpoint")
     return path
 
 
@@ -108,9 +110,42 @@ def config_of(args, source: str) -> LlamaConfig:
                        rotary_percent=float(get("rotary_percent", 1.0)))
 
 
+_LEGACY = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+def read_legacy(path: str) -> tuple[dict, dict[str, torch.Tensor], LlamaConfig]:
+    """(common state, global tensors, config) of a legacy `--ckpt-format torch` iter dir:
+    mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt, each read through the allow-list unpickler."""
+    shards, common = {}, None
+    for name in sorted(os.listdir(path)):
+        match = _LEGACY.match(name)
+        if not match:
+            continue
+        file = os.path.join(path, name, "model_optim_rng.pt")
+        if not os.path.isfile(file):
+            raise ValueError(f"{path}/{name} has no model_optim_rng.pt")
+        state = mf.load_common(file)
+        if not isinstance(state.get("model"), dict) or state.get("args") is None:
+            raise ValueError(f"{file} has no model state dict or no args; it is not a Megatron checkpoint")
+        if any(key.startswith("model0") for key in state):
+            raise ValueError(f"{file} holds virtual pipeline chunks (model0, model1, ...), which are not read")
+        shards[(int(match.group(1)), int(match.group(2) or 0))] = state["model"]
+        common = common or state
+    config = config_of(common["args"], path)
+    args = common["args"]
+    tp, pp = (getattr(args, f"{axis}_model_parallel_size", 1) or 1 for axis in ("tensor", "pipeline"))
+    return common, mf.merge_legacy(shards, config.num_layers, tp, pp, path), config
+
+
 def read_megatron(load: str) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict, str]:
-    """(config, our full logical state dict, common state, iter dir) of a Megatron torch_dist save."""
+    """(config, our full logical state dict, common state, iter dir) of a Megatron save (torch_dist or legacy)."""
     path = iteration_dir(load)
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        common, model, config = read_legacy(path)
+        full = mf.to_ours(model, config.num_layers, config.num_attention_heads, config.num_query_groups, path)
+        if config.tie_word_embeddings:
+            full.pop("output.weight", None)
+        return config, full, common, path
     common_path = os.path.join(path, "common.pt")
     if not os.path.isfile(common_path):
         raise ValueError(f"{path} has no common.pt (the run's args); checkpoints of releases that keep it "
@@ -210,9 +245,9 @@ def export_megatron(load: str, save_dir: str) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = FlagParser(prog="llamapipe convert-megatron", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="Megatron torch_dist save -> llamapipe checkpoint",
+    imp = sub.add_parser("import", help="Megatron save (torch_dist or legacy) -> llamapipe checkpoint",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    imp.add_argument("--load", required=True, help="Megatron save directory (or one iter_XXXXXXX dir), torch_dist")
+    imp.add_argument("--load", required=True, help="Megatron save directory (or one iter_XXXXXXX dir), torch_dist or legacy torch")
     imp.add_argument("--save", required=True, help="checkpoint directory to write (Megatron's iteration, weights)")
     imp.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size of the written layout")
     imp.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size of the written layout")

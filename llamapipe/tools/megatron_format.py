@@ -165,3 +165,44 @@ def load_common(path: str) -> dict:
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds a {type(state).__name__}, not a Megatron checkpoint's state dict")
     return state
+
+
+_COLUMN = ("self_attention.linear_qkv.weight", "mlp.linear_fc1.weight", "embedding.word_embeddings.weight",
+           "output_layer.weight")                                             # TP splits dim 0
+_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")       # TP splits dim 1
+
+
+def merge_legacy(shards: dict[tuple[int, int], dict[str, torch.Tensor]], num_layers: int, tp: int, pp: int,
+                 source: str) -> dict[str, torch.Tensor]:
+    """Global tensors (numbered layers) from legacy `mp_rank_{t}[_{p}]` model state dicts {(t, p): sd} of a
+    tp x pp save (the sizes its args record):
+    stage-local layer numbers shifted by pp_rank x layers per stage, TP shards concatenated (each rank's
+    linear_fc1 is its [gate_r; up_r], put back as [gate; up])."""
+    if max(shards) >= (tp, 0) or max(p for _, p in shards) >= pp:
+        raise ValueError(f"{source} holds shards beyond its args' tensor {tp} x pipeline {pp} ranks")
+    if num_layers % pp:
+        raise ValueError(f"{source}: {num_layers} layers do not split evenly over {pp} pipeline stages")
+    per_stage = num_layers // pp
+    for t in range(tp):
+        for p in range(pp):
+            if (t, p) not in shards:
+                raise ValueError(f"{source} lacks the shard of tensor rank {t}, pipeline rank {p}")
+    merged: dict[str, torch.Tensor] = {}
+    for p in range(pp):
+        names = [k for k in shards[(0, p)] if not k.endswith("_extra_state")]
+        for key in names:
+            parts = [shards[(t, p)][key] for t in range(tp)]
+            if key.endswith("mlp.linear_fc1.weight") and tp > 1:
+                halves = [part.chunk(2, dim=0) for part in parts]
+                tensor = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+            elif key.endswith(_COLUMN):
+                tensor = torch.cat(parts, dim=0)
+            elif key.endswith(_ROW):
+                tensor = torch.cat(parts, dim=1)
+            else:
+                tensor = parts[0]
+            if key.startswith("decoder.layers."):
+                head, _, tail = key[len("decoder.layers."):].partition(".")
+                key = f"decoder.layers.{int(head) + p * per_stage}.{tail}"
+            merged[key] = tensor
+    return merged

@@ -155,3 +155,22 @@ def test_the_round_trip_example_gives_megatron_core_its_logits_back(saved, tmp_p
         state = dist_checkpointing.load(fresh.sharded_state_dict(prefix=""), str(tmp_path / "megatron" / "iter_0000007"))
     fresh.load_state_dict(state, strict=False)
     torch.testing.assert_close(mc.forward(fresh, tokens), reference, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
+def test_a_legacy_megatron_save_imports_with_megatron_cores_logits(saved, tmp_path, tp, pp):
+    from llamapipe.tools.convert_megatron import import_megatron
+    model, reference, tokens, _ = saved
+    mc.save_megatron_legacy(model, str(tmp_path / "legacy"), 9, tp=tp, pp=pp)
+    out = import_megatron(str(tmp_path / "legacy"), str(tmp_path / "ours"), tp=2, pp=1)
+    assert os.path.basename(out) == "iter_0000009"
+    logits, _ = _our_logits(str(tmp_path / "ours"), tokens)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=TOL)
+
+
+def test_a_legacy_file_that_is_not_a_state_dict_or_a_missing_rank_is_refused(saved, tmp_path):
+    path = mc.save_megatron_legacy(saved[0], str(tmp_path / "legacy"), 9, tp=2, pp=1)
+    os.rename(os.path.join(path, "mp_rank_01"), os.path.join(tmp_path, "away"))
+    _refused(str(tmp_path / "legacy"), str(tmp_path / "ours"), "lacks the shard of tensor rank 1, pipeline rank 0")
+    torch.save(torch.zeros(3), os.path.join(path, "mp_rank_00", "model_optim_rng.pt"))
+    _refused(str(tmp_path / "legacy"), str(tmp_path / "ours"), "holds a Tensor, not a Megatron checkpoint's state")
