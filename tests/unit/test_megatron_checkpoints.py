@@ -174,3 +174,21 @@ def test_a_legacy_file_that_is_not_a_state_dict_or_a_missing_rank_is_refused(sav
     _refused(str(tmp_path / "legacy"), str(tmp_path / "ours"), "lacks the shard of tensor rank 1, pipeline rank 0")
     torch.save(torch.zeros(3), os.path.join(path, "mp_rank_00", "model_optim_rng.pt"))
     _refused(str(tmp_path / "legacy"), str(tmp_path / "ours"), "holds a Tensor, not a Megatron checkpoint's state")
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_load_of_a_megatron_save_says_how_to_convert_it(saved, tmp_path, legacy):
+    import argparse
+    from llamapipe.core.config import ArgumentError
+    from llamapipe.training.arguments.checkpoint_args import with_checkpoint_args
+    root = str(tmp_path / "meg")
+    if legacy:
+        mc.save_megatron_legacy(saved[0], root, 9)
+    else:
+        import shutil
+        shutil.copytree(saved[3], root)
+    args = argparse.Namespace(use_checkpoint_args=True, load=root, override_opt_param_scheduler=False,
+                              use_checkpoint_opt_param_scheduler=False)
+    with pytest.raises(ArgumentError, match=f"--load {root} is a Megatron-LM save directory; convert it first "
+                       f"with `llamapipe convert-megatron import --load {root} --save NEW_DIR`"):
+        with_checkpoint_args(args, [])
