@@ -96,8 +96,13 @@ def to_ours(megatron: dict[str, torch.Tensor], num_layers: int, heads: int, grou
             return layers[(i, name)]
         for name, mine in LAYER.items():
             ours[f"layers.{i}.{mine}"] = get(name)
-        q, k, v = split_qkv(get(QKV), heads, groups)
-        gate, up = get(FC1).chunk(2, dim=0)
+        qkv, fc1 = get(QKV), get(FC1)
+        if qkv.dim() != 2 or qkv.shape[0] % (heads + 2 * groups) or fc1.dim() != 2 or fc1.shape[0] % 2:
+            raise ValueError(f"{source}: layer {i}'s linear_qkv {tuple(qkv.shape)} / linear_fc1 "
+                             f"{tuple(fc1.shape)} do not fit {heads} heads in {groups} query groups and a "
+                             "gated MLP, which its args say")
+        q, k, v = split_qkv(qkv, heads, groups)
+        gate, up = fc1.chunk(2, dim=0)
         ours.update({f"layers.{i}.attention.q_proj.weight": q, f"layers.{i}.attention.k_proj.weight": k,
                      f"layers.{i}.attention.v_proj.weight": v, f"layers.{i}.mlp.gate_proj.weight": gate,
                      f"layers.{i}.mlp.up_proj.weight": up})

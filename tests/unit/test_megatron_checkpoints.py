@@ -192,3 +192,12 @@ def test_load_of_a_megatron_save_says_how_to_convert_it(saved, tmp_path, legacy)
     with pytest.raises(ArgumentError, match=f"--load {root} is a Megatron-LM save directory; convert it first "
                        f"with `llamapipe convert-megatron import --load {root} --save NEW_DIR`"):
         with_checkpoint_args(args, [])
+
+
+def test_args_that_do_not_fit_the_tensors_are_refused(saved, tmp_path):
+    from llamapipe.tools.convert_megatron import read_megatron
+    root, path = _copy(saved[3], tmp_path)
+    args = mc.megatron_args(dict(num_attention_heads=8, num_query_groups=8))   # the tensors have 4 heads, 2 groups
+    torch.save({"args": args, "iteration": 7, "checkpoint_version": 3.0}, path / "common.pt")
+    with pytest.raises(ValueError, match="do not fit 8 heads in 8 query groups"):
+        read_megatron(str(root))
