@@ -21,7 +21,6 @@ import json
 import os
 import re
 import sys
-from types import SimpleNamespace
 
 import torch
 import torch.distributed.checkpoint as dcp

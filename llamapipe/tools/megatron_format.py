@@ -13,7 +13,6 @@ so no code from the file runs.
 """
 from __future__ import annotations
 
-import os
 import pickle
 import types
 
