@@ -53,14 +53,14 @@ TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_group
             vocab_size=128, seq_length=32, rotary_base=10000.0, norm_epsilon=1e-5)
 
 
-def init_parallel(tp: int = 1, pp: int = 1):
-    """Megatron's parallel state on an initialised gloo group (a single process: a one-rank group)."""
+def init_parallel(tp: int = 1, pp: int = 1, rank: int = 0):
+    """Megatron's parallel state on an initialised gloo group of tp x pp ranks (one process: a one-rank group)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", rank=rank, world_size=tp * pp)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tp, pp)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -72,7 +72,7 @@ def init_parallel(tp: int = 1, pp: int = 1):
             pass
 
 
-def build_model(shape: dict | None = None, seed: int = 0, pre_process: bool = True, post_process: bool = True):
+def build_model(shape: dict | None = None, seed: int = 0, tp: int = 1, pp: int = 1):
     """A LLaMA-shaped GPTModel (RMSNorm, SwiGLU, GQA, RoPE, untied, no bias; local spec), fp32, random weights."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -85,9 +85,12 @@ def build_model(shape: dict | None = None, seed: int = 0, pre_process: bool = Tr
         add_bias_linear=False, add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        params_dtype=torch.float32, init_method_std=0.02,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    torch.manual_seed(seed)
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, init_method_std=0.02,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(seed)   # every rank draws the same full weights, then keeps its shard
+    from megatron.core import parallel_state
+    pre_process = parallel_state.is_pipeline_first_stage() if pp > 1 else True
+    post_process = parallel_state.is_pipeline_last_stage() if pp > 1 else True
     with cpu_patches():
         model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                          vocab_size=s["vocab_size"], max_sequence_length=s["seq_length"],
@@ -96,8 +99,9 @@ def build_model(shape: dict | None = None, seed: int = 0, pre_process: bool = Tr
                          rotary_base=s["rotary_base"])
     with torch.no_grad():   # the local RMSNorm starts at ones: make the norms non-trivial so a mix-up shows
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            if "norm" in name:   # the same on every rank that holds it: seeded by the name
+                gen = torch.Generator().manual_seed(seed * 1000 + sum(map(ord, name)))
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
     return model.eval()
 
 
@@ -147,8 +151,10 @@ def save_megatron(model, save_dir: str, iteration: int, args: argparse.Namespace
              "checkpoint_version": 3.0, "num_floating_point_operations_so_far": 0}
     with cpu_patches():
         dist_checkpointing.save(state, path, sharded_strategy=("torch_dist", 1))
-    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as fh:
-        fh.write(str(iteration))
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as fh:
+            fh.write(str(iteration))
     return path
 
 
@@ -194,3 +200,18 @@ def _tp_shard(key: str, tensor, t: int, tp: int):
     if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return tensor.chunk(tp, dim=1)[t].clone()
     return tensor.clone()
+
+
+def save_parallel_worker(rank: int, tp: int, pp: int, save_dir: str, port: int, seed: int) -> None:
+    """One of tp x pp gloo processes: build its shard of the GPTModel and save it with the others, as
+    Megatron-LM's training does (torch.multiprocessing.spawn target)."""
+    import warnings
+    warnings.simplefilter("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    init_parallel(tp, pp, rank)
+    model = build_model(seed=seed, tp=tp, pp=pp)
+    save_megatron(model, save_dir, 3, megatron_args(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()

@@ -201,3 +201,26 @@ def test_args_that_do_not_fit_the_tensors_are_refused(saved, tmp_path):
     torch.save({"args": args, "iteration": 7, "checkpoint_version": 3.0}, path / "common.pt")
     with pytest.raises(ValueError, match="do not fit 8 heads in 8 query groups"):
         read_megatron(str(root))
+
+
+@pytest.mark.slow
+def test_a_save_by_megatron_at_tp2_pp2_imports_with_the_logits_megatron_core_loads_it_with(megatron, tmp_path):
+    """4 gloo processes save a tp 2 x pp 2 GPTModel as Megatron does; megatron-core itself loads that save into
+    a tp 1 model (the reference), and our import at tp 1 and at tp 2 x pp 2 gives its logits."""
+    import torch.multiprocessing as tmp
+    from megatron.core import dist_checkpointing
+    from benchmarks.launch import free_port
+    from llamapipe.tools.convert_megatron import import_megatron
+    root = str(tmp_path / "meg")
+    tmp.spawn(mc.save_parallel_worker, args=(2, 2, root, free_port(), 21), nprocs=4, join=True)
+    reference = mc.build_model(seed=99)
+    with mc.cpu_patches():
+        state = dist_checkpointing.load(reference.sharded_state_dict(prefix=""), os.path.join(root, "iter_0000003"))
+    reference.load_state_dict(state, strict=False)
+    tokens = torch.randint(0, mc.TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    want = mc.forward(reference, tokens)
+    for tp, pp in ((1, 1), (2, 2)):
+        import_megatron(root, str(tmp_path / f"ours{tp}{pp}"), tp=tp, pp=pp)
+        logits, meta = _our_logits(str(tmp_path / f"ours{tp}{pp}"), tokens)
+        assert meta["iteration"] == 3
+        torch.testing.assert_close(logits, want, rtol=0, atol=TOL)
