@@ -53,14 +53,16 @@ TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_group
             vocab_size=128, seq_length=32, rotary_base=10000.0, norm_epsilon=1e-5)
 
 
-def init_parallel(tp: int = 1, pp: int = 1, rank: int = 0):
-    """Megatron's parallel state on an initialised gloo group of tp x pp ranks (one process: a one-rank group)."""
+def init_parallel(tp: int = 1, pp: int = 1, rank: int = 0, port: int | None = None):
+    """Megatron's parallel state on an initialised gloo group of tp x pp ranks (one process: a one-rank group);
+    os.environ is left alone (a MASTER_PORT set here would leak into later tests)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
-        dist.init_process_group("gloo", rank=rank, world_size=tp * pp)
+        if port is None:
+            from benchmarks.launch import free_port
+            port = free_port()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp * pp)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tp, pp)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -207,9 +209,8 @@ def save_parallel_worker(rank: int, tp: int, pp: int, save_dir: str, port: int, 
     Megatron-LM's training does (torch.multiprocessing.spawn target)."""
     import warnings
     warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    init_parallel(tp, pp, rank)
+    init_parallel(tp, pp, rank, port)
     model = build_model(seed=seed, tp=tp, pp=pp)
     save_megatron(model, save_dir, 3, megatron_args(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
     import torch.distributed as dist
