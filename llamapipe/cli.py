@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "train-tokenizer": ("llamapipe.tools.train_tokenizer", "train a sentencepiece or BPE tokenizer on a corpus"),
     "preprocess": ("llamapipe.tools.preprocess_data", "tokenize jsonl/parquet into Megatron .bin/.idx"),
     "convert-hf": ("llamapipe.tools.convert_hf", "import / export HF transformers LLaMA checkpoints"),
+    "convert-megatron": ("llamapipe.tools.convert_megatron", "import / export Megatron-LM torch_dist checkpoints"),
     "plot-schedule": ("llamapipe.tools.plot_schedule", "draw and simulate a pipeline schedule"),
     "plot-trace": ("llamapipe.tools.plot_trace", "draw a --pipeline-trace beside its simulated plan, list late actions"),
     "verify-checkpoint": ("llamapipe.tools.verify_checkpoint", "check a checkpoint's files against its checksums"),

@@ -43,5 +43,6 @@ def test_a_megatron_layout_load_is_said_once_as_unusable(tmp_path, capsys):
     (tmp_path / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x")
     (tmp_path / catalog.TRACKER).write_text("10\n")
     line = error_line(TINY + ["--load", str(tmp_path), "--use-checkpoint-args"], capsys)
-    assert line == f"--load {tmp_path} holds checkpoints but none is usable: iter_0000010 (metadata.json is missing " \
-                   "or unreadable); repair or remove them, or point --load elsewhere"
+    assert line == f"--load {tmp_path} is a Megatron-LM save directory; convert it first with `llamapipe " \
+                   f"convert-megatron import --load {tmp_path} --save NEW_DIR` and give --load NEW_DIR " \
+                   "(docs/megatron_checkpoints.md)"   # issue 49: once, and with the way to read it

@@ -17,6 +17,7 @@ MISTYPED = {
     "preprocess": (["preprocess", "--input", "x.jsonl", "--output-prefx", "out"], "--output-prefx",
                    "--output-prefix"),
     "convert-hf": (["convert-hf", "import", "--hf-dirr", "x", "--save", "y"], "--hf-dirr", "--hf-dir"),
+    "convert-megatron": (["convert-megatron", "import", "--loda", "x", "--save", "y"], "--loda", "--load"),
     "plot-schedule": (["plot-schedule", "--schedule", "1f1b", "--microbatchs", "4"], "--microbatchs",
                       "--microbatches"),
     "plot-trace": (["plot-trace", "t.json", "--iteratoin", "3"], "--iteratoin", "--iteration"),

@@ -99,9 +99,28 @@ def choose_checkpoint(load_dir: str, layout: Optional[dict] = None, *, verify: b
 
 
 def unusable(load_dir: str, skipped: list[str]) -> str:
-    """The one line for a --load whose checkpoints are all unusable (`skipped`: 'iter_X (why)' each)."""
+    """The one line for a --load whose checkpoints are all unusable (`skipped`: 'iter_X (why)' each); a
+    Megatron-LM save directory is named as one, with the command that converts it."""
+    if is_megatron_save(load_dir):
+        return (f"--load {load_dir} is a Megatron-LM save directory; convert it first with `llamapipe "
+                f"convert-megatron import --load {load_dir} --save NEW_DIR` and give --load NEW_DIR "
+                "(docs/megatron_checkpoints.md)")
     return (f"--load {load_dir} holds checkpoints but none is usable: {'; '.join(skipped)}; repair or remove them, "
             "or point --load elsewhere")
+
+
+def is_megatron_save(load_dir: str) -> bool:
+    """Whether an iter_* directory of `load_dir` holds a Megatron-LM checkpoint (torch_dist's .metadata and
+    common.pt, or legacy mp_rank_* folders) rather than one of ours."""
+    try:
+        names = [n for n in os.listdir(load_dir) if n.startswith("iter_")]
+        for name in names:
+            inside = os.listdir(os.path.join(load_dir, name))
+            if ".metadata" in inside or any(n.startswith("mp_rank_") for n in inside):
+                return True
+    except OSError:
+        return False
+    return False
 
 
 def _warn_tracker(load_dir: str, iteration: int, rank: int) -> None:
