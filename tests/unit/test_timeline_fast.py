@@ -33,6 +33,17 @@ def test_fast_timeline_equals_the_reference_loop(name, plan):
                 assert run_timeline(plan, costs, early, release) == reference_timeline(plan, costs, early, release)
 
 
+def test_per_stage_costs_of_a_profile_time_each_action_by_its_stage():
+    """profile_costs.StageCosts times each action by its virtual stage and its messages (the profile's
+    prediction): the table asks it per rank, chunk and kind, as the reference loop does per action."""
+    from llamapipe.core.pipeline_parallel.profile_costs import PassCosts, StageCosts
+    plan = build("interleaved", 2, 2, 4)
+    stages = tuple(PassCosts(1.0 + s, 1.5 + 0.3 * s, 0.7 + 0.1 * s, 1.0, 0.5) for s in range(4))
+    costs = StageCosts(f=4.0, b=2.4, w=1.0, comm=0.2, stages=stages, action_s=0.01, message_s=0.05)
+    assert run_timeline(plan, costs) == reference_timeline(plan, costs)
+    assert run_timeline(plan, costs) != run_timeline(plan, Costs(f=4.0, b=2.4, w=1.0, comm=0.2))
+
+
 def test_a_deadlock_is_named_by_both_paths():
     plan = Plan("x", 2, 1, 1, "interleaved", ((Action("B", 0, 0), Action("F", 0, 0)),
                                                (Action("F", 0, 0), Action("B", 0, 0))))
