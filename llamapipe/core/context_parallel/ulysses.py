@@ -23,7 +23,7 @@ ring's messages go over the CP group to the global ranks of the p2p level (`SubG
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,14 +65,6 @@ class UlyssesGroup:
         c, a = ranks.index(dist.get_rank()), self.a2a_size
         start = c - c % a
         return SubGroup(self.group, ranks[start:start + a]), SubGroup(self.group, ranks[c % a::a])
-
-
-def check_a2a_heads(heads: int, groups: int, a2a_size: int) -> Optional[str]:
-    """None, or why `heads` query heads in `groups` query groups (per TP rank) do not split over `a2a_size`."""
-    if groups % a2a_size:
-        return (f"{groups} query groups per tensor-parallel rank are not divisible by the all-to-all size "
-                f"{a2a_size}: a2a context parallelism gives each rank whole query groups")
-    return None
 
 
 class _AllToAll(torch.autograd.Function):
