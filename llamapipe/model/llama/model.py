@@ -9,7 +9,7 @@ starts from identical weights (docs/design.md section 4). Activations travel seq
 With context parallelism (the state's cp_size > 1) a chunk takes the whole sequence of each microbatch and
 keeps s/cp tokens of it in the causal load-balanced layout of core/context_parallel/sharding.py: its
 `sequence_shard` cuts the input ids, the labels and the positions, so no caller cuts them first; its attention
-spans the CP group (`cp_comm_type` "p2p" or "allgather") and it returns those tokens' losses, which the
+spans the CP group (`cp_comm_type` "p2p", "allgather", "a2a" or "a2a+p2p") and it returns those tokens' losses, which the
 caller's loss mask meets after the same cut (`chunk.sequence_shard(loss_mask)`).
 With tied embeddings (`tie_word_embeddings`) a chunk holding both ends uses the embedding as the output
 weight; when the ends are in two chunks (pipeline parallelism) the last stage's output weight is a copy of the
