@@ -13,7 +13,7 @@ import atexit
 import os
 import sys
 import threading
-from typing import NoReturn, Optional
+from typing import Callable, NoReturn, Optional
 
 
 def exit_process(code: Optional[int]) -> NoReturn:
@@ -34,3 +34,25 @@ def exit_process(code: Optional[int]) -> NoReturn:
         except (OSError, ValueError):       # a closed or broken pipe: nothing more can be written there
             pass
     os._exit(code or 0)
+
+
+def exit_from_watchdog(code: int, wait_for: tuple[str, ...] = ("checkpoint-save",), join_timeout_s: float = 120.0,
+                       then: Optional[Callable[[], object]] = None) -> NoReturn:
+    """End the process with `code` from a daemon thread while the main thread is blocked for good (a hung
+    collective, training/hang_watch.py): the threads named `wait_for*` (the checkpoint writer) finish first, up to
+    `join_timeout_s` each, then `then()` runs (releasing the --save lock) and the output is flushed; other threads
+    and the atexit handlers are not waited for, as they may wait on what the main thread holds."""
+    for thread in threading.enumerate():
+        if thread.name.startswith(wait_for) and thread is not threading.current_thread():
+            thread.join(join_timeout_s)
+    if then is not None:
+        try:
+            then()
+        except Exception:       # noqa: BLE001 - leaving must not fail; a stale lock is taken over with a notice
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

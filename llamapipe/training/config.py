@@ -44,6 +44,11 @@ class LoggingConfig:
     profile_step_start: int = 10        # Megatron's: trace from when this many iterations have completed...
     profile_step_end: int = 12          # ...until this many have
     profile_ranks: Optional[tuple[int, ...]] = None     # the ranks that record (None: all)
+    log_straggler: bool = False         # slowest/fastest ranks every interval, a straggler named (training/straggler)
+    straggler_minmax_count: int = 1     # how many of the slowest and of the fastest ranks the JSONL lists
+    straggler_threshold: float = 1.1    # compute over the fastest replica's that names a rank (3 intervals in a row)
+    hang_report_seconds: float = 300.0  # a step without progress this long is reported (training/hang_watch); 0: off
+    hang_report_keep_waiting: bool = False  # after the report, keep waiting instead of exiting
 
 
 @dataclass(frozen=True)

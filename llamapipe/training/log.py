@@ -30,6 +30,7 @@ from llamapipe.core.parallel_state import ParallelState
 from llamapipe.safe_files import open_existing
 from llamapipe.model.families import flops_per_token  # noqa: F401  (the family's formula; progress imports it here)
 from llamapipe.training.config import LoggingConfig
+from llamapipe.training.straggler import line_part
 
 log = get_logger()
 
@@ -115,6 +116,9 @@ def _line(record: dict, train_iters: int, throughput: bool) -> str:
     if "bubble_max" in record:
         parts.append(f"pipeline bubble (measured): {100 * record['bubble_max']:.1f}% max (rank "
                      f"{record['bubble_max_rank']}), {100 * record['bubble_mean']:.1f}% mean")
+    straggler = line_part(record)
+    if straggler:
+        parts.append(straggler)
     parts += [f"skipped iterations: {record['skipped_iterations']:>3}",
               f"max memory (GiB): {record['max_memory_gib']:.2f}"]
     return " | ".join(parts)

@@ -35,9 +35,12 @@ from llamapipe.training.log import MetricsWriter, check_wandb
 from llamapipe.training.process_control import collect_for_eval, manual_gc, run_as_one_job
 from llamapipe.training.signals import ExitSignal, StopReport, stop_on_signals
 from llamapipe.training.progress import TrainingProgress, start_line
+from llamapipe.training.restart_record import ProgressRecord, restart_line, restart_report, save_cost_line
+from llamapipe.fault_injection import kill_at
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.training.setup import build_model_chunks, build_iterators
 from llamapipe.training.step import StepParts, SynchronousStep, TrainState, run_schedule
+from llamapipe.training.hang_watch import build_hang_watch
 from llamapipe.training.timers_log import TimersLog, build_timers
 from llamapipe.training.trace_log import build_trace
 
@@ -129,14 +132,20 @@ class Trainer:
         self.state = TrainState()
         resumed = self._load()
         train_iters, self.valid_iters = build_iterators(config, model_cfg, ps, self.roles, self.state.consumed_samples)
-        self.timers = build_timers(config.logging.timing_log_level)     # --timing-log-level (None at 0)
+        lcfg = config.logging
+        self.timers = build_timers(lcfg.timing_log_level, lcfg.log_straggler, device.type)   # None at 0 without --log-straggler
         self.trace = build_trace(config, ps)                            # --pipeline-trace (None without)
-        observers = tuple(o for o in (self.timers, self.trace and self.trace.recorder) if o is not None)
+        self.hang = build_hang_watch(config, ps)                        # --hang-report-seconds (None at 0)
+        observers = (self.hang.observers() if self.hang is not None else ()) + tuple(
+            o for o in (self.timers, self.trace and self.trace.recorder) if o is not None)
         self.runtime = build_runtime_options(config, ps, self.chunks, observers=observers)
         fb_func = build_forward_backward_func(config, ps, self.runtime)
-        self.timers_log = None if self.timers is None else TimersLog(self.timers, ps, config.logging.timing_log_option)
+        self.timers_log = None if self.timers is None else self._timers_log()
         self.metrics = MetricsWriter(config.logging, enabled=dist.get_rank() == 0, run_config=config,
                                      save_dir=config.checkpoint.save)
+        self.resumed_from = resumed
+        self.progress_record = ProgressRecord(config.checkpoint.save, enabled=dist.get_rank() == 0)
+        self._train_start, self._first_iteration = time.time(), self.state.iteration    # reset by train()
         if resumed is not None:
             self.metrics.mark_resume(resumed)     # where this run's records take over from the earlier run's
         self.progress = TrainingProgress(self.metrics, model_cfg, seq_length=cfg.seq_length,
@@ -145,12 +154,27 @@ class Trainer:
                                          interval_fields=self.timers_log and self.timers_log.interval_fields)
         self.exit_signal = ExitSignal(cfg.exit_signal_handler, cfg.exit_signal)
         self.parts = StepParts(config, ps, self.chunks, self.optimizer, self.scheduler, self.batches,
-                               fb_func, self.runtime.grad_sync, self.progress, self.state, self.timers)
+                               fb_func, self.runtime.grad_sync, self.progress, self.state, self.timers, self.hang)
         step_form = SynchronousStep
         if cfg.post_validation:
             from llamapipe.training.post_validated import PostValidatedStep
             step_form = PostValidatedStep
         self.step = step_form(self.parts, train_iters)
+
+    def _timers_log(self) -> TimersLog:
+        """--timing-log-level's report and --log-straggler's detector, over one gather per interval."""
+        lcfg, cfg = self.config.logging, self.config.training
+        detector = expected = None
+        if lcfg.log_straggler:
+            from llamapipe.training.straggler import StragglerDetector, expected_work
+            from llamapipe.training.timers_log import replica_keys
+            detector = StragglerDetector(replica_keys(self.ps, self.ps.world_size), lcfg.straggler_minmax_count,
+                                         lcfg.straggler_threshold)
+            expected = expected_work(self.model_cfg, self.chunks, self.roles, pp=self.ps.pp_size, tp=self.ps.tp_size,
+                                     seq_length=cfg.seq_length, micro_batch=cfg.micro_batch_size,
+                                     vocab_parallel=self.config.parallel.vocab_parallel, device=self.device.type)
+        return TimersLog(self.timers, self.ps, lcfg.timing_log_option, report=lcfg.timing_log_level > 0,
+                         straggler=detector, expected=expected or 0.0)
 
     def _load(self) -> Optional[int]:
         """Resume from --load; returns the iteration resumed from (None: nothing loaded)."""
@@ -174,13 +198,30 @@ class Trainer:
         if not ckpt.save:
             return
         from llamapipe.training.checkpointing.save_load import save_checkpoint
+        self.progress_record.note(self.state.iteration, "saving")
+        start = time.perf_counter()
         save_checkpoint(ckpt.save, self.state.iteration, model_chunks=self.chunks, optimizer=self.optimizer,
                         scheduler=self.scheduler, parallel_state=self.ps, config=self.config,
                         consumed_samples=self.state.consumed_samples, keep_last_n=ckpt.keep_last_n,
                         async_save=ckpt.async_save)
+        if not ckpt.async_save:     # an async save's time is its writer thread's, not measured here
+            trained = self.state.iteration - self._first_iteration
+            per_iteration = (time.time() - self._train_start) / trained if trained > 0 else None
+            log.info(save_cost_line(self.state.iteration, time.perf_counter() - start, per_iteration,
+                                    ckpt.save_interval))
+
+    def _report_restart(self) -> None:
+        """On a torchrun restart: what the failure cost (restart_record), in the log and the JSONL."""
+        report = restart_report(self.config.checkpoint.save, self.resumed_from or 0)
+        if report is not None:
+            log.info(restart_line(report))
+            self.metrics.write({**report, "event": "restart"})
+        self.progress_record.note(self.state.iteration)   # this attempt's start: what a next failure loses from
 
     def train(self) -> int:
         cfg, st = self.config.training, self.state
+        self._report_restart()
+        self._train_start, self._first_iteration = time.time(), st.iteration
         log.info(start_line(cfg.train_iters, st.iteration, cfg.train_samples, cfg.global_batch_size,
                             cfg.rampup_batch_size is not None))   # the layout is in the "run:" lines
         with manual_gc(cfg.manual_gc):
@@ -208,6 +249,8 @@ class Trainer:
             status = self.train_step()
             if status is not None:
                 return status
+            self.progress_record.note(st.iteration)
+            kill_at("iteration", st.iteration)
             if cfg.manual_gc and self._every(cfg.manual_gc_interval):
                 gc.collect()
             exiting = self._should_exit()
@@ -251,7 +294,15 @@ class Trainer:
 
     def train_step(self) -> Optional[int]:
         """One optimizer step (`training/step`); returns an exit status when the run must stop."""
-        return self.step.run()
+        if self.resumed_from is not None and self.state.iteration == self.resumed_from:
+            kill_at("resume", self.state.iteration, resumed=True)     # a test's failure (fault_injection)
+        if self.hang is None:
+            return self.step.run()
+        self.hang.begin_iteration(self.state.iteration + 1)     # watched for --hang-report-seconds
+        try:
+            return self.step.run()
+        finally:
+            self.hang.end_iteration()
 
     def evaluate(self) -> Optional[float]:
         """Validation loss and perplexity over --eval-iters global batches."""
@@ -261,12 +312,14 @@ class Trainer:
         from llamapipe.training.validation_progress import ValidationProgress
         loss_sum = tokens = 0.0
         progress = ValidationProgress(cfg.eval_iters)
+        self.progress_record.note(self.state.iteration, "validating")
         with torch.no_grad(), collect_for_eval(cfg.manual_gc and cfg.manual_gc_eval):
             for done in range(1, cfg.eval_iters + 1):
                 batch_loss, batch_tokens = run_schedule(self.parts, self.valid_iters, forward_only=True,
                                                         num_microbatches=cfg.num_microbatches)
                 loss_sum, tokens = loss_sum + batch_loss, tokens + batch_tokens
                 progress.step(done)
+                kill_at("validation", self.state.iteration)     # a test's failure (fault_injection)
         loss = loss_sum / max(tokens, 1.0)
         ppl = math.exp(min(loss, 20.0))
         log.info(f"validation loss at iteration {self.state.iteration}: lm loss {loss:.6E} | lm loss PPL {ppl:.6E} "

@@ -29,10 +29,12 @@ from llamapipe.core.logger import get_logger
 from llamapipe.core.num_microbatches_calculator import ConstantNumMicroBatchesCalculator
 from llamapipe.core.optimizer import Optimizer, OptimizerParamScheduler
 from llamapipe.core.parallel_state import ParallelState
+from llamapipe.core.pipeline_parallel.position import waiting
 from llamapipe.core.pipeline_parallel.runtime import ForwardBackwardFunc
 from llamapipe.core.pipeline_parallel.step_timers import StepTimers
 from llamapipe.training.config import Config
 from llamapipe.training.flag_names import as_flags
+from llamapipe.training.hang_watch import HangWatch, hang_region
 from llamapipe.training.log import num_zeros_in_grad, params_norm
 from llamapipe.training.progress import TrainingProgress
 from llamapipe.training.setup import forward_step
@@ -64,6 +66,7 @@ class StepParts:
     progress: TrainingProgress
     state: TrainState
     timers: Optional[StepTimers] = None     # --timing-log-level 1 and 2 (also an observer of the executor)
+    hang: Optional[HangWatch] = None        # --hang-report-seconds (its position also observes the executor)
 
 
 @dataclass
@@ -88,9 +91,11 @@ def run_schedule(parts: StepParts, iterators: list, *, forward_only: bool, num_m
     for out in losses:
         totals[0] += float(out["loss_sum"])
         totals[1] += float(out["num_tokens"])
-    for group, size in ((ps.dp_cp_group, ps.dp_cp_size), (ps.pp_group, ps.pp_size)):
+    for group, size, ranks in ((ps.dp_cp_group, ps.dp_cp_size, ps.dp_cp_ranks),
+                               (ps.pp_group, ps.pp_size, ps.pp_ranks)):
         if size > 1 and (reduce_pp or group is ps.dp_cp_group):
-            dist.all_reduce(totals, group=group)
+            with waiting("the loss reduction", ranks, collective=True):
+                dist.all_reduce(totals, group=group)
     if not reduce_pp and ps.tp_rank != 0:
         totals.zero_()
     return totals[0].item(), totals[1].item()
@@ -166,7 +171,8 @@ class SynchronousStep:
         """Reduce the gradients over TP/DP and divide them by `global_tokens`; the extra metrics they give."""
         from llamapipe.core.distributed.grad_reduce import finalize_model_grads
         p = self.parts
-        with self.region("all-grads-sync"):
+        with self.region("all-grads-sync"), hang_region(p.hang, "grad-reduce", "the gradient reduction",
+                                                        p.ps.dp_cp_ranks):
             finalize_model_grads(p.chunks, p.ps, None, global_tokens=global_tokens,    # overlap: grad_sync
                                  bucket_size=p.config.parallel.ddp_bucket_size, grad_sync=p.grad_sync)
         if p.grad_sync is not None and not self._overlap_logged:

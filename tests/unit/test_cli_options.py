@@ -21,7 +21,7 @@ FLAGS = """
 --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers
 --disable-bias-linear --distributed-backend --distributed-timeout-minutes --eval-interval --eval-iters
 --exit-duration-in-mins --exit-interval --exit-signal-handler --exit-signal --ffn-hidden-size --finetune --fp16
---global-batch-size --group-query-attention --hidden-dropout --hidden-size --hysteresis --init-method-std
+--global-batch-size --group-query-attention --hang-report-keep-waiting --hang-report-seconds --hidden-dropout --hidden-size --hysteresis --init-method-std
 --initial-loss-scale --keep-last-n --load --override-opt_param-scheduler --use-checkpoint-opt_param-scheduler --use-torch-fsdp2 --async-save --log-interval --loss-scale --loss-scale-window --lr --lr-decay-iters
 --lr-decay-style --lr-warmup-iters --make-vocab-size-divisible-by --max-position-embeddings --metrics-jsonl
 --micro-batch-size --min-loss-scale --min-lr --mock-data --model --no-load-optim --no-load-rng --norm-epsilon
@@ -45,6 +45,7 @@ FLAGS = """
 --fine-grained-activation-offloading --offload-modules --activation-offload-fraction --min-offloaded-tensor-size
 --delta-offload-bytes-across-pp-ranks --use-tp-pp-dp-mapping --microbatch-group-size-per-virtual-pipeline-stage
 --recompute-modules --recompute-lgd
+--log-straggler --straggler-minmax-count --straggler-threshold
 """.split()
 COMPAT = [entry.flag for entry in NOTICES + REFUSED] + list(FORK_FLAGS)   # the zero-bubble fork's, pinned there
 

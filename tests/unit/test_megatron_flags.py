@@ -63,7 +63,7 @@ MEGATRON_DEFAULTS = {
     "--reset-position-ids": False, "--reset-attention-mask": False, "--eod-mask-loss": False,
     "--num-workers": 2, "--save": None, "--save-interval": None, "--load": None, "--use-checkpoint-args": False,
     "--finetune": False, "--override-opt_param-scheduler": False, "--use-checkpoint-opt_param-scheduler": False,
-    "--async-save": False, "--log-interval": 100, "--profile-step-start": 10, "--profile-step-end": 12, "--timing-log-level": 0, "--timing-log-option": "minmax", "--log-throughput": False, "--log-params-norm": False,
+    "--async-save": False, "--log-interval": 100, "--profile-step-start": 10, "--profile-step-end": 12, "--timing-log-level": 0, "--timing-log-option": "minmax", "--log-straggler": False, "--straggler-minmax-count": 1, "--log-throughput": False, "--log-params-norm": False,
     "--log-num-zeros-in-grad": False, "--tensorboard-dir": None, "--wandb-project": None,
     "--wandb-exp-name": None, "--wandb-save-dir": None,
     "--fine-grained-activation-offloading": False, "--offload-modules": None, "--activation-offload-fraction": 1.0,
@@ -106,7 +106,8 @@ LLAMAPIPE_ONLY = ("--model", "--offload-weight-grad-inputs", "--parallel-order",
                   "--metrics-jsonl", "--tie-embeddings-and-output-weights", "--compile",
                   "--enable-optimizer-post-validation", "--enable-vocab-parallel",
                   "--pipeline-schedule-file", "--pipeline-profile", "--allow-tokenizer-change", "--dry-run",
-                  "--overwrite-save")
+                  "--overwrite-save", "--straggler-threshold", "--hang-report-seconds",
+                  "--hang-report-keep-waiting")
 
 
 def cfg(argv, world=1) -> Config:

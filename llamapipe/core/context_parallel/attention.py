@@ -39,6 +39,7 @@ from llamapipe.core.context_parallel.kernels import attend, attend_backward
 from llamapipe.core.context_parallel.ulysses import A2A_TYPES, SubGroup, UlyssesGroup, gather_heads, scatter_heads
 from llamapipe.core.context_parallel.sharding import chunk_ids, local_positions, shard_sequence, unshard_sequence
 from llamapipe.core.document_attention import document_attention, same_document
+from llamapipe.core.pipeline_parallel.position import waiting
 from llamapipe.core.tensor_parallel.graph_breaks import eager
 from llamapipe.core.tensor_parallel.mappings import reduce_scatter
 
@@ -148,9 +149,11 @@ def _rank(group: Any) -> int:
     return group.rank() if isinstance(group, SubGroup) else dist.get_rank(group)
 
 
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
+def _wait(works: list, ring: _Ring, what: str = "keys/values") -> None:
+    """Wait for a ring transfer; a hang report names the neighbours it waits on (`position.waiting`)."""
+    with waiting(f"{what} in the context-parallel ring", (ring.prev, ring.next)):
+        for work in works:
+            work.wait()
 
 
 def _save(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -198,7 +201,7 @@ class _RingAttention(torch.autograd.Function):
             blocks = attention_blocks(chunk_ids(cp_size, cp_rank), chunk_ids(cp_size, src))
             _forward_blocks(q, kv[0], kv[1], blocks, chunk, scale, out, lse, _docs(documents, cp_size, cp_rank, src))
             if step + 1 < cp_size:
-                _wait(works)
+                _wait(works, ring)
                 kv = kv_next
         return _save(ctx, q, k, v, out, lse, group, scale, documents)
 
@@ -216,15 +219,15 @@ class _RingAttention(torch.autograd.Function):
             _backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, chunk, scale, dq, dkv,
                              _docs(ctx.documents, cp_size, cp_rank, src))
             if step > 0:    # what the ranks before me added to src's K/V gradients
-                _wait(dkv_works)
+                _wait(dkv_works, ring, "key/value gradients")
                 dkv += dkv_in
             # onwards; after the last step, to src itself. Tags keep K/V and dK/dV apart on gloo; NCCL ignores
             # tags and matches by posting order, which is the same on every rank (K/V, then dK/dV, each step)
             dkv_in, dkv_works = ring.start(dkv, tag=1)
             if step + 1 < cp_size:
-                _wait(kv_works)
+                _wait(kv_works, ring)
                 kv = kv_next
-        _wait(dkv_works)
+        _wait(dkv_works, ring, "key/value gradients")
         return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from llamapipe.core.parallel_state import ParallelState
+from llamapipe.fault_injection import slow_action, slowing
 from llamapipe.core.pipeline_parallel.offload_plan import offload_plan
 from llamapipe.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from llamapipe.core.pipeline_parallel.runtime import GradSyncHooks, RuntimeOptions
@@ -140,6 +141,8 @@ def _phase(step: RankStep, what: str) -> Iterator[None]:
 @contextmanager
 def _comm_call(step: RankStep, what: str) -> Iterator[None]:
     """Time a communication call between actions, for the observers."""
+    for observer in step.observers:
+        observer.comm_begin(what)
     start = time.perf_counter()
     yield
     if step.observers:
@@ -170,16 +173,22 @@ def _last_backward_actions(actions: tuple) -> tuple[dict, dict]:
 def _loop(step: RankStep, actions: tuple, comm: P2PCommunicator, grad_sync: Optional[GradSyncHooks]) -> None:
     last_b, last_any = _last_backward_actions(actions) if grad_sync is not None else ({}, {})
     last = max(last_any.values(), default=-1)
+    slow = slowing()        # a test's slowed rank (LLAMAPIPE_TEST_SLOW); off in every real run
     with _comm_call(step, "post"):
         comm.post_ahead()
         comm.flush()
     for i, action in enumerate(actions):
         start, untimed = time.perf_counter(), step.untimed_s()
+        cpu_start = time.thread_time() if slow else 0.0
         if last_b.get(action.chunk) == i:
             grad_sync.arm(action.chunk)
         if i == last:
             grad_sync.last_action()
+        for observer in step.observers:
+            observer.action_begin(action)
         step.execute(action)
+        if slow:
+            slow_action(cpu_start)
         if grad_sync is not None:
             grad_sync.disarm()
             if last_any.get(action.chunk) == i:

@@ -35,8 +35,14 @@ class StepObserver:
     def step_begin(self, plan: "Plan", pp_rank: int, forward_only: bool) -> None:
         """Before this rank's first action of a step of `plan`."""
 
+    def action_begin(self, action: "Action") -> None:
+        """Before `action` runs (after the previous action's `action_done`)."""
+
     def action_done(self, action: "Action", start: float, end: float, blocked_s: float) -> None:
         """After `action` ran from `start` to `end`, `blocked_s` of it waiting for messages (and measuring)."""
+
+    def comm_begin(self, what: str) -> None:
+        """Before a communication call between actions (`what` as in `comm_done`)."""
 
     def comm_done(self, what: str, start: float, end: float) -> None:
         """After a communication call between actions (`what`: "post" the receives ahead and issue the
@@ -44,6 +50,9 @@ class StepObserver:
 
     def message_sent(self, msg: Any, when: float) -> None:
         """`msg` (a `p2p_communication.Message` to another rank) was handed to the communicator at `when`."""
+
+    def message_waiting(self, msg: Any) -> None:
+        """This rank blocks until `msg` from another rank has arrived (`message_received` follows)."""
 
     def message_received(self, msg: Any, when: float) -> None:
         """`msg` from another rank had arrived at `when` (the end of the wait for it)."""

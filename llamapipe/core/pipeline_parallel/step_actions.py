@@ -77,6 +77,8 @@ class RankStep:
     def _take(self, msg: Message) -> torch.Tensor:
         if msg.src == msg.dst:
             return self.local.pop(msg)
+        for observer in self.observers:
+            observer.message_waiting(msg)
         start = time.perf_counter()
         tensor = self.comm.recv(msg)
         end = time.perf_counter()

@@ -18,10 +18,15 @@ An iteration runs from one `mark` to the next (the training step marks where it 
 checkpoint saves between iterations are left out (`restart`).
 
 Level 1 keeps per-interval sums only (a few float additions per action); level 2 adds Megatron's per-phase
-names. `interval()` hands the sums over and starts a new interval; `gather_intervals` collects every rank's.
+names. `actions` (in `interval()`) is the compute of the plan's F/B/W/S/T actions alone (count x median per
+kind, `robust_sum`), which
+training/straggler.py compares across ranks: the optimizer's and embedding's regions hold collectives where a
+rank waits for the others. With `cpu_clock` (CPU ranks, which share cores: a rank descheduled mid-action
+would look slow) `actions` counts the thread's CPU time instead of wall time. `interval()` hands the sums over and starts a new interval; `gather_intervals` collects every rank's.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -52,8 +57,10 @@ COMMUNICATION_REGIONS = ("all-grads-sync",)
 class StepTimers(StepObserver):
     """One rank's time by category over the current logging interval (seconds, summed over iterations)."""
 
-    def __init__(self, level: int = 1) -> None:
+    def __init__(self, level: int = 1, cpu_clock: bool = False) -> None:
         assert level in (1, 2), level
+        self.cpu_clock = cpu_clock      # `actions` in this thread's CPU time (ranks sharing CPU cores)
+        self._cpu = 0.0
         self.level = level
         self.names = LEVEL1 + (LEVEL2 if level == 2 else ())
         self._sums = dict.fromkeys(self.names, 0.0)
@@ -61,10 +68,13 @@ class StepTimers(StepObserver):
         self._fb_start: Optional[float] = None
         self._last: Optional[float] = None       # the previous `mark`: where the current iteration began
         self._timing = False
+        self._actions: dict[str, list[float]] = {}  # each compute action's time, by kind: the straggler's
 
     # -- the executor's hooks ------------------------------------------------------------------------------
     def step_begin(self, plan: "Plan", pp_rank: int, forward_only: bool) -> None:
         self._timing = not forward_only          # evaluation is not part of a training iteration
+        if self.cpu_clock:
+            self._cpu = time.thread_time()
         self._fb_start = time.perf_counter() if self._timing else None
         if self._timing and self._last is None:
             self._last = self._fb_start
@@ -73,10 +83,17 @@ class StepTimers(StepObserver):
         if self._timing and action.kind in COPY_TIMERS:
             self._add("communication", end - start - blocked_s, COPY_TIMERS[action.kind])
         elif self._timing:
+            if self.cpu_clock:      # the CPU time since the previous hook: this action's, waits barely count
+                cpu, self._cpu = self._cpu, time.thread_time()
+                self._actions.setdefault(action.kind, []).append(self._cpu - cpu)
+            else:
+                self._actions.setdefault(action.kind, []).append(end - start - blocked_s)
             self._add("compute", end - start - blocked_s, COMPUTE_TIMERS[action.kind])
             self._add(None, 0.0, RECV_TIMERS[action.kind], blocked_s)
 
     def comm_done(self, what: str, start: float, end: float) -> None:
+        if self.cpu_clock:
+            self._cpu = time.thread_time()
         if self._timing:
             self._add("communication", end - start, "pipeline-send-recv")
 
@@ -128,10 +145,16 @@ class StepTimers(StepObserver):
     # -- reading ---------------------------------------------------------------------------------------------
     def interval(self) -> dict[str, float]:
         """This interval's sums in seconds (idle filled in; `iterations` the count), then a new interval."""
-        out = dict(self._sums, iterations=float(self.iterations))
+        out = dict(self._sums, iterations=float(self.iterations), actions=robust_sum(self._actions))
         out["idle"] = max(out["iteration"] - out["compute"] - out["communication"], 0.0)
-        self._sums, self.iterations = dict.fromkeys(self.names, 0.0), 0
+        self._sums, self.iterations, self._actions = dict.fromkeys(self.names, 0.0), 0, {}
         return out
+
+
+def robust_sum(times: dict[str, list[float]]) -> float:
+    """The actions' total time as count x median per kind: one action slowed by a page fault or a context
+    switch does not move it, a rank slower at every action does."""
+    return sum(len(t) * statistics.median(t) for t in times.values() if t)
 
 
 def gather_intervals(values: dict[str, float], group: Any = None) -> list[dict[str, float]]:

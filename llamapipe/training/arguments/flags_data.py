@@ -84,6 +84,19 @@ def add_logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timing-log-option", default="minmax", choices=("max", "minmax", "all"),
                    help="how each timer is reported across ranks: the maximum, the minimum and maximum, or every "
                         "rank (Megatron's)")
+    g.add_argument("--log-straggler", action="store_true",
+                   help="every --log-interval, the slowest and fastest ranks by compute for their share of the plan "
+                        "(message waits left out; different stages compared through the plan's expected costs) "
+                        "and their ratio, in the log line, JSONL and TensorBoard; a rank whose compute exceeds its "
+                        "data-parallel replicas' by --straggler-threshold three intervals in a row is named "
+                        "(Megatron's; timers at level 1 at least)")
+    g.add_argument("--straggler-minmax-count", type=int, default=1,
+                   help="with --log-straggler: how many of the slowest and of the fastest ranks the JSONL lists "
+                        "(Megatron's)")
+    g.add_argument("--straggler-threshold", type=float, default=1.1,
+                   help="with --log-straggler: the ratio of a rank's compute to the fastest of its data-parallel "
+                        "replicas that names it a straggler (three intervals in a row); at data-parallel size 1, 1.5 "
+                        "times this over the stages' expected-cost ratio")
     g.add_argument("--pipeline-trace", default=None, metavar="PATH",
                    help="write one Chrome-trace JSON of the iterations --profile-step-start/-end name, merged over "
                         "all ranks on one clock (each action, message waits, arrows from sends to receives); open "

@@ -66,6 +66,14 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="None: nccl when CUDA is available, else gloo (Megatron's default is nccl)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="timeout of collective operations")
+    g.add_argument("--hang-report-seconds", type=float, default=None,
+                   help="when a training step (or the gradient reduction around it) makes no progress for this "
+                        "long, every rank logs where it is in its plan and one report names the rank that stopped "
+                        "first and the chain of waits behind it (also --save/hang_report.json), then the run exits "
+                        "with status 1; 0: off; None: 300, or half of --distributed-timeout-minutes when that is "
+                        "shorter (docs/reliability.md)")
+    g.add_argument("--hang-report-keep-waiting", action="store_true",
+                   help="after a hang report, keep waiting (a step that resumes goes on) instead of exiting")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state over data-parallel ranks (ZeRO-1)")
     g.add_argument("--data-parallel-sharding-strategy", default="no_shard", action=_Given,

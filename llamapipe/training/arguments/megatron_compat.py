@@ -70,6 +70,10 @@ NOTICES: tuple[CompatFlag, ...] = (
     CompatFlag("--num-dataset-builder-threads", "rank 0 builds the dataset indices in one thread", int),
     CompatFlag("--max-seqlen-per-dp-cp-rank", "sequences are not packed (dynamic context parallelism); each "
                "rank holds --seq-length / --context-parallel-size tokens of every sequence", int),
+    CompatFlag("--disable-straggler-on-startup", "there is no controller port to switch the detector on later: "
+               "--log-straggler reports from the first interval"),
+    CompatFlag("--straggler-ctrlr-port", "there is no controller port to switch the detector on or off: "
+               "--log-straggler reports every --log-interval", int),
     CompatFlag("--tiktoken-pattern", "it is for Megatron's TikTokenizer; a tokenizer.json carries its own "
                "pre-tokenizer pattern", str),
 )

@@ -211,14 +211,38 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
 
 
 def logging_config(args: argparse.Namespace) -> LoggingConfig:
-    return LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
+    if args.straggler_minmax_count < 1:
+        raise ArgumentError(f"--straggler-minmax-count {args.straggler_minmax_count} must be at least 1")
+    if not 1.0 < args.straggler_threshold < float("inf"):
+        raise ArgumentError(f"--straggler-threshold {args.straggler_threshold} must be a ratio above 1 "
+                            "(e.g. 1.1: 10% more compute than the fastest replica)")
+    return LoggingConfig(log_straggler=args.log_straggler, straggler_minmax_count=args.straggler_minmax_count,
+                         straggler_threshold=args.straggler_threshold,
+                         log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
                          metrics_jsonl=args.metrics_jsonl, log_throughput=args.log_throughput,
                          log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
                          wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
                          wandb_save_dir=args.wandb_save_dir, timing_log_level=args.timing_log_level,
                          timing_log_option=args.timing_log_option, pipeline_trace=args.pipeline_trace,
                          profile_step_start=args.profile_step_start, profile_step_end=args.profile_step_end,
-                         profile_ranks=None if args.profile_ranks is None else tuple(args.profile_ranks))
+                         profile_ranks=None if args.profile_ranks is None else tuple(args.profile_ranks),
+                         hang_report_seconds=hang_report_seconds(args),
+                         hang_report_keep_waiting=args.hang_report_keep_waiting)
+
+
+def hang_report_seconds(args: argparse.Namespace) -> float:
+    """--hang-report-seconds: below the collectives' timeout, which would end a hung step without a report."""
+    timeout_s = args.distributed_timeout_minutes * 60
+    seconds = args.hang_report_seconds
+    if seconds is None:
+        return min(300.0, timeout_s / 2)
+    if seconds < 0:
+        raise ArgumentError(f"--hang-report-seconds must be 0 (off) or positive, got {seconds:g}")
+    if seconds >= timeout_s:
+        raise ArgumentError(f"--hang-report-seconds {seconds:g} must be below --distributed-timeout-minutes "
+                            f"{args.distributed_timeout_minutes:g} ({timeout_s:g} s): a collective would time out "
+                            "before the hang is reported")
+    return seconds
 
 
 def check_trace(args: argparse.Namespace, world_size: int, notices: list[str], train_iters: int) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from llamapipe.fault_injection import kill_at
 from llamapipe.core.logger import get_logger
 from llamapipe.safe_files import create_new
 from llamapipe.training.checkpointing import catalog
@@ -80,6 +81,7 @@ class SaveJob:
                 current = job.name
                 path = os.path.join(self.tmp, job.name)
                 records[job.name] = job.write(path, self.rank)
+                kill_at("save", self.iteration)     # a test's failure mid-save (fault_injection)
                 if file_digest(path) != records[job.name][HASH]:
                     return self._failed(f"{job.name} reads back different bytes than were written")
             current = "the rank marker"
