@@ -13,8 +13,12 @@ one sample), fp32, on gloo ranks with one thread each; every rank of the CP grou
           share is the wall time the attention spent blocked in communication (waiting for the ring's
           transfers, the all-gathers, the reduce-scatter) over the step. Reported: medians and the spread
           (min-max) over rounds, and cp 2's step time over cp 1's paired per round.
+  a2a     the same step at cp 2 with a2a (Ulysses: all-to-alls swap the sequence split for a head split around
+          attention) against the ring (p2p), at --a2a-seq tokens (8,192), alternating inside each round;
+          medians, spreads and a2a's step over the ring's paired per round, and each one's communication share
+          (the a2a's: the wall time in its all-to-alls).
 
-Run: python -m benchmarks.bench_context_parallel [--modes memory,time] [--seq 8192] [--rounds 5]
+Run: python -m benchmarks.bench_context_parallel [--modes memory,time,a2a] [--seq 8192] [--rounds 5]
 (writes benchmarks/results/bench_context_parallel.json).
 """
 from __future__ import annotations
@@ -86,9 +90,9 @@ class CommTimer:
 
     @contextlib.contextmanager
     def patched(self):
-        from llamapipe.core.context_parallel import attention as module
-        names = ("_wait", "_gather_kv", "reduce_scatter")
-        originals = {n: getattr(module, n) for n in names}
+        from llamapipe.core.context_parallel import attention, ulysses
+        targets = [(attention, n) for n in ("_wait", "_gather_kv", "reduce_scatter")] + [(ulysses, "_exchange")]
+        originals = {(module, n): getattr(module, n) for module, n in targets}
 
         def timed(fn):
             def wrapper(*args, **kwargs):
@@ -98,12 +102,12 @@ class CommTimer:
                 finally:
                     self.seconds += time.perf_counter() - start
             return wrapper
-        for n in names:
-            setattr(module, n, timed(originals[n]))
+        for (module, n), fn in originals.items():
+            setattr(module, n, timed(fn))
         try:
             yield self
         finally:
-            for n, fn in originals.items():
+            for (module, n), fn in originals.items():
                 setattr(module, n, fn)
 
 
@@ -151,8 +155,8 @@ def _predicted(seq: int) -> dict:
     return out
 
 
-def timing(seq: int, rounds: int, steps: int) -> dict:
-    configs = [("cp1", 1, "p2p"), ("cp2-p2p", 2, "p2p"), ("cp2-allgather", 2, "allgather")]
+def timing(seq: int, rounds: int, steps: int, configs: tuple = (("cp1", 1, "p2p"), ("cp2-p2p", 2, "p2p"),
+                                                              ("cp2-allgather", 2, "allgather"))) -> dict:
     samples = {name: [] for name, _, _ in configs}
     shares = {name: [] for name, _, _ in configs}
     for _ in range(rounds):
@@ -164,7 +168,7 @@ def timing(seq: int, rounds: int, steps: int) -> dict:
             shares[name].append(statistics.median(c / s for c, s in zip(comm_s, step)))
     out = {"seq": seq, "rounds": rounds, "steps_per_round": steps, "configs": {}}
     for name in samples:
-        paired = [s / b for s, b in zip(samples[name], samples["cp1"])]
+        paired = [s / b for s, b in zip(samples[name], samples[configs[0][0]])]
         out["configs"][name] = {"step_s_median": statistics.median(samples[name]),
                                 "step_s_spread": [min(samples[name]), max(samples[name])],
                                 "over_cp1_median": statistics.median(paired),
@@ -178,6 +182,7 @@ def main() -> None:
     parser.add_argument("--modes", default="memory,time")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--time-seq", type=int, default=4096, help="sequence length of the time mode")
+    parser.add_argument("--a2a-seq", type=int, default=8192, help="sequence length of the a2a mode")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
@@ -198,6 +203,14 @@ def main() -> None:
             print(f"  {name:14s} {row['step_s_median'] * 1e3:8.1f} ms  {row['over_cp1_median']:.3f}x cp1 "
                   f"(spread {row['over_cp1_spread'][0]:.3f}-{row['over_cp1_spread'][1]:.3f})  "
                   f"communication {row['comm_share_median']:.1%}")
+    if "a2a" in args.modes:
+        result["a2a"] = timing(args.a2a_seq, args.rounds, args.steps, (("cp2-p2p", 2, "p2p"), ("cp2-a2a", 2, "a2a")))
+        print(f"a2a against the ring (cp 2, seq {args.a2a_seq}, {args.rounds} rounds x {args.steps} steps):")
+        for name, row in result["a2a"]["configs"].items():
+            print(f"  {name:14s} {row['step_s_median'] * 1e3:8.1f} ms (spread {row['step_s_spread'][0] * 1e3:.1f}-"
+                  f"{row['step_s_spread'][1] * 1e3:.1f})  {row['over_cp1_median']:.3f}x the ring (spread "
+                  f"{row['over_cp1_spread'][0]:.3f}-{row['over_cp1_spread'][1]:.3f})  communication "
+                  f"{row['comm_share_median']:.1%}")
     write_json(args.out, result)
 
 

@@ -13,7 +13,8 @@ same buffers in the same way:
   instead (every unit's under ZeRO-2, which keeps them from forward to backward; two units' under ZeRO-3: the one
   running and the one prefetched);
 - ZeRO-1's all-gather of the updated parameters: the whole padded flat shard of the model, in the parameters'
-  dtype (Megatron's distributed optimizer).
+  dtype (Megatron's distributed optimizer);
+- under --cp-comm-type a2a / a2a+p2p, the all-to-all buffers of one attention (core/context_parallel/ulysses.py).
 """
 from __future__ import annotations
 
@@ -44,6 +45,13 @@ def fsdp_gather_bytes(unit_bytes: Sequence[int], strategy: str) -> int:
     """FSDP's gathered weights of units holding `unit_bytes` each: all of them under ZeRO-2 ("optim_grads"), the
     running and the prefetched one under ZeRO-3."""
     return sum(unit_bytes) if strategy == "optim_grads" else 2 * max(unit_bytes, default=0)
+
+
+def a2a_buffer_bytes(tokens: int, heads: int, groups: int, head_dim: int, itemsize: int) -> int:
+    """a2a context parallelism: q, k and v of this rank's `tokens` tokens (micro-batch included) for its `heads`
+    query heads and `groups` query groups (per TP rank) as packed to send and as received, live together while
+    one attention's all-to-alls run (the output's two buffers, after attention, are smaller)."""
+    return 2 * tokens * (heads + 2 * groups) * head_dim * itemsize
 
 
 def zero1_gather_bytes(padded_total: int, itemsize: int) -> int:

@@ -36,7 +36,8 @@ class ParallelConfig:
     vpp_size: int = 1                   # model chunks per pipeline rank
     dp_size: int = 1
     cp_size: int = 1                    # --context-parallel-size: ranks that split each sequence
-    cp_comm_type: str = "p2p"           # --cp-comm-type: ring (p2p) or all-gather attention across them
+    cp_comm_type: str = "p2p"           # --cp-comm-type: ring (p2p), all-gather, a2a or a2a+p2p attention
+    cp_a2a_size: Optional[int] = None   # a2a+p2p: the a2a level (--hierarchical-context-parallel-sizes' first)
     order: str = "tp-cp-dp-pp"          # rank order, fastest-varying axis first (Megatron's)
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"     # effective schedule; ignored when pp_size == 1

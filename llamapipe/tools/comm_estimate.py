@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from llamapipe.core.comm_memory import grad_bucket_bytes, p2p_receive_bytes, zero1_gather_bytes
+from llamapipe.core.comm_memory import a2a_buffer_bytes, grad_bucket_bytes, p2p_receive_bytes, zero1_gather_bytes
 from llamapipe.core.config import ParallelConfig
 from llamapipe.core.optimizer.distrib_optimizer import ShardLayout
 from llamapipe.model.llama import LlamaConfig
@@ -52,6 +52,9 @@ def rank_comm_bytes(m: LlamaConfig, lay: Layout, seq: int, stage_ranks: list[int
     """Communication buffers of each pipeline rank of `lay` under `comm_memory`'s model; `stage_ranks`,
     `stage_layers`: the rank and decoder layers of each virtual stage."""
     message = seq // lay.cp // lay.tp * lay.micro_batch * m.hidden_size * param_bytes   # sequence parallel
+    a2a = (a2a_buffer_bytes(seq // lay.cp * lay.micro_batch, m.num_attention_heads // lay.tp,
+                            m.num_query_groups // lay.tp, m.head_dim, param_bytes)
+           if lay.cp > 1 and lay.cp_comm in ("a2a", "a2a+p2p") else 0)
     last = len(stage_ranks) - 1
     out = []
     for rank in range(lay.pp):
@@ -61,5 +64,5 @@ def rank_comm_bytes(m: LlamaConfig, lay: Layout, seq: int, stage_ranks: list[int
         numel, buckets = _params_and_buckets(m, lay.tp, chunks)
         zero1 = (zero1_gather_bytes(ShardLayout((numel,), lay.dp * lay.cp).padded_total, param_bytes)
                  if lay.dist_opt and lay.dp * lay.cp > 1 else 0)
-        out.append(p2p_receive_bytes([message] * len(peers)) + buckets + zero1)
+        out.append(p2p_receive_bytes([message] * len(peers)) + buckets + zero1 + a2a)
     return out

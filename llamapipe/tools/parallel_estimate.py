@@ -69,7 +69,7 @@ class Layout:
     pipeline_layout: Optional[str] = None   # a --pipeline-model-parallel-layout string; None: even split
     vocab_parallel: bool = False            # output layer split over the pipeline ranks (--enable-vocab-parallel)
     cp: int = 1                             # --context-parallel-size: ranks splitting each sequence
-    cp_comm: str = "p2p"                    # --cp-comm-type: ring (overlapped) or all-gather of K/V
+    cp_comm: str = "p2p"                    # --cp-comm-type: ring (overlapped), all-gather of K/V or a2a
     offload: int = 0                        # --cpu-offload --offload-chunk-num N: chunks 0..N-1 offload (PipeOffload)
 
 
@@ -276,9 +276,13 @@ def context_parallel_seconds(m: LlamaConfig, lay: Layout, seq: int, dev: Device)
     """Exposed K/V communication of one microbatch on one chunk under context parallelism (F + B). Each rank's
     K/V, (seq / cp) tokens x 2 kv-heads x head-dim / tp, reach the cp - 1 others in the forward; the backward
     moves them again and their gradients back (3 x). The ring (p2p) overlaps each transfer with a block of
-    attention (hidden when attention is slower); the all-gather and its reduce-scatter are not overlapped."""
+    attention (hidden when attention is slower); the all-gather and its reduce-scatter are not overlapped.
+    a2a (Ulysses): four all-to-alls per layer in the forward (q, k, v in; the output back) and four in the backward,
+    each rank keeping 1/cp of what it holds and sending the rest; nothing overlaps them."""
     if lay.cp == 1:
         return 0.0
+    if lay.cp_comm == "a2a":
+        return a2a_seconds(m, lay, seq, dev)
     kv_bytes = seq / lay.cp * lay.micro_batch * 2 * m.num_query_groups * m.head_dim / lay.tp * PARAM_BYTES[lay.precision]
     gbps = dev.link_gbps if lay.tp * lay.cp <= dev.gpus_per_node else dev.internode_gbps
     layers = m.num_layers / (lay.pp * lay.vpp)
@@ -288,6 +292,15 @@ def context_parallel_seconds(m: LlamaConfig, lay: Layout, seq: int, dev: Device)
     attention = (flops_per_token(m, seq, lay.tp) - flops_per_token(m, 0, lay.tp)) * seq * lay.micro_batch
     attention_s = attention / (lay.tp * lay.pp * lay.vpp * lay.cp) / (dev.tflops * 1e12 * dev.efficiency)
     return max(0.0, comm - attention_s)
+
+
+def a2a_seconds(m: LlamaConfig, lay: Layout, seq: int, dev: Device) -> float:
+    """a2a's exposed all-to-all time of one microbatch on one chunk (F + B): q and the output (heads), k and v
+    (query groups) of seq / cp tokens, (cp - 1) / cp of them leaving the rank, forward and backward."""
+    width = (2 * m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim / lay.tp
+    sent = seq / lay.cp * lay.micro_batch * width * PARAM_BYTES[lay.precision] * (lay.cp - 1) / lay.cp
+    gbps = dev.link_gbps if lay.tp * lay.cp <= dev.gpus_per_node else dev.internode_gbps
+    return m.num_layers / (lay.pp * lay.vpp) * 2 * sent * 8 / (gbps * 1e9)
 
 
 def _step_seconds(m: LlamaConfig, lay: Layout, seq: int, micro: int, dev: Device, params_on_rank: float) -> float:

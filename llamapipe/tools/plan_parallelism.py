@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 from typing import Optional
 
@@ -94,11 +95,18 @@ def layouts(m: LlamaConfig, gpus: int, global_batch: int, max_mbs: int, max_cp: 
                 if pp > 1 and global_batch // (mbs * dp) < pp:
                     continue
                 for schedule, vpp, split in _schedules(m.num_layers, pp):
-                    for recompute in ("none", "full"):
+                    for recompute, comm in itertools.product(("none", "full"), _cp_comms(m, tp, cp)):
                         for dist_opt in (False, True) if dp * cp > 1 else (False,):   # ZeRO-1 over dp x cp
                             out.append(Layout(tp, pp, vpp, dp, schedule, mbs, recompute, dist_opt,
-                                              pipeline_layout=split, cp=cp))
+                                              pipeline_layout=split, cp=cp, cp_comm=comm))
     return out
+
+
+def _cp_comms(m: LlamaConfig, tp: int, cp: int) -> tuple[str, ...]:
+    """The attentions a CP layout is ranked with: the ring, and a2a where each rank gets whole query groups."""
+    if cp == 1:
+        return ("p2p",)
+    return ("p2p", "a2a") if (m.num_query_groups // tp) % cp == 0 else ("p2p",)
 
 
 def _schedules(num_layers: int, pp: int) -> list[tuple[str, int, Optional[str]]]:
@@ -187,6 +195,7 @@ def trainer_flags(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig
     parts = [*shape, f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
     if lay.cp > 1:
         parts.append(f"--context-parallel-size {lay.cp}")
+        parts += [f"--cp-comm-type {lay.cp_comm}"] if lay.cp_comm != "p2p" else []
     if lay.pp > 1:
         parts += [f"--num-virtual-stages-per-pipeline-rank {lay.vpp}", f"--pipeline-schedule {lay.schedule}"]
     if lay.pipeline_layout is not None:
@@ -213,7 +222,7 @@ def dry_run_command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConf
 
 def table(rows: list[tuple[Layout, Estimate]], top: int) -> str:
     width = max([11] + [len(lay.schedule) for lay, _ in rows[:top]])     # group-interleaved is longer
-    head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<{width}} {'mbs':>3} {'recompute':<9} "
+    head = (f"{'#':>3} {'tp':>3} {'cp':>8} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<{width}} {'mbs':>3} {'recompute':<9} "
             f"{'offload':<7} {'distopt':<7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'comm':>7} {'total':>7} {'step s':>8} "
             f"{'MFU':>6}")
     memory = head.index("params") - 1         # the unit of the six memory columns, over them
@@ -221,10 +230,25 @@ def table(rows: list[tuple[Layout, Estimate]], top: int) -> str:
              "-" * len(head)]
     for i, (lay, e) in enumerate(rows[:top], 1):
         gib = [x / GIB for x in (e.params, e.grads, e.optimizer, e.activations, e.comm, e.total)]
-        lines.append(f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>3} {lay.schedule:<{width}} {lay.micro_batch:>3} "
+        lines.append(f"{i:>3} {lay.tp:>3} {_cp_text(lay):>8} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>3} {lay.schedule:<{width}} {lay.micro_batch:>3} "
                      f"{lay.recompute:<9} {_offload_text(lay):<7} {'yes' if lay.dist_opt else 'no':<7} "
                      + " ".join(f"{x:>7.1f}" for x in gib) + f" {e.step_s:>8.2f} {e.mfu:>6.1%}")
     return "\n".join(lines)
+
+
+def attention_options(rows: list[tuple[Layout, Estimate]]) -> str:
+    """One line per context-parallel attention among the ranked rows: its best row, also below the table's top."""
+    best: dict[str, int] = {}
+    for i, (lay, _) in enumerate(rows, 1):
+        if lay.cp > 1:
+            best.setdefault("ring" if lay.cp_comm == "p2p" else lay.cp_comm, i)
+    return "\n".join(f"best {comm} context parallelism: row {i} (cp {rows[i - 1][0].cp}, step {rows[i - 1][1].step_s:.2f} "
+                     f"s, {rows[i - 1][1].total / GIB:.1f} GiB)" for comm, i in best.items())
+
+
+def _cp_text(lay: Layout) -> str:
+    """The CP size with its attention: "8 ring", "8 a2a" (just "1" without context parallelism)."""
+    return str(lay.cp) if lay.cp == 1 else f"{lay.cp} {'ring' if lay.cp_comm == 'p2p' else lay.cp_comm}"
 
 
 def _offload_text(lay: Layout) -> str:
@@ -281,6 +305,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"time model: FLOPs at {dev.efficiency:.0%} of {args.device}'s peak (no --profile; `llamapipe profile` "
           "measures this machine)")
     print(table(rows, args.top))
+    print(attention_options(rows))
     print(f"\n{launch_line.RUN_NOTE}\n{profile_plan.DATA_NOTE}\n{len(rows)} layouts fit. Check the top row on this machine first (every "
           f"rank's setup and one step on meta tensors, docs/dry_run.md):\n  {dry_run_command(args, rows[0][0], m)}")
     print(launch_line.top_row(args.gpus, command(args, rows[0][0], m)))

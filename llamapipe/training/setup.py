@@ -78,7 +78,7 @@ def build_model_chunks(config: Config, model_cfg: LlamaConfig, ps: ParallelState
                                 sequence_parallel=config.parallel.sequence_parallel,
                                 params_dtype=params_dtype(config), seed=config.training.seed,
                                 vocab_parallel=vocab_parallel, vocab_shard=vocab_parallel and index == 0,
-                                cp_comm_type=par.cp_comm_type)
+                                cp_comm_type=par.cp_comm_type, cp_a2a_size=par.cp_a2a_size)
         chunks.append(chunk.to(device))
         roles.append(role)
     if vocab_parallel:

@@ -23,6 +23,8 @@ pytestmark = pytest.mark.slow
 ITERS = ["--train-iters", "4", "--micro-batch-size", "1", "--global-batch-size", "4"]
 CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
 ALLGATHER = ["--cp-comm-type", "allgather"]
+A2A = ["--cp-comm-type", "a2a"]
+A2A_P2P = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]
 
 
 def losses(records: list[dict]) -> list[float]:
@@ -62,6 +64,10 @@ CASES = {
     "cp2-dp2-zero3": (4, CP2 + ["--data-parallel-sharding-strategy", "optim_grads_params"]),
     "cp2-full-recompute": (2, CP2 + ALLGATHER + ["--recompute-granularity", "full", "--recompute-method", "uniform"]),
     "cp2-pp2-vocab-parallel": (4, CP2 + ["--pipeline-model-parallel-size", "2", "--enable-vocab-parallel"]),
+    "cp2-a2a": (2, CP2 + A2A),                     # Ulysses: heads across the CP ranks around attention
+    "cp4-a2a+p2p": (4, CP4 + A2A_P2P),             # a2a over CP ranks (0 1), (2 3), the ring over (0 2), (1 3)
+    "cp2-a2a-pp2-zbv": (4, CP2 + A2A + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+                                        "--num-virtual-stages-per-pipeline-rank", "2"]),
 }
 
 
@@ -147,3 +153,13 @@ def test_megatron_h200_script_trains_with_context_parallel_size_2(tmp_path):
     assert [r["iteration"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["lm_loss"]) for r in rows)
     assert "run: 2 ranks = tp 1 x cp 2 (context parallel, allgather attention: each rank holds 16 of every 32 " \
            "tokens) x pp 1 x dp 1" in output
+
+
+def test_megatron_h200_script_trains_with_cp_comm_type_a2a(tmp_path):
+    """The script with --context-parallel-size 2 --cp-comm-type a2a (Megatron's Ulysses), otherwise unchanged."""
+    from tests.e2e.test_megatron_scripts import _run, _without, h200_bf16
+    args = h200_bf16(str(tmp_path / "ckpt"), str(tmp_path / "tb"), str(tmp_path / "cache"))
+    args = _without(args, ("--context-parallel-size",)) + CP2 + A2A
+    rows, output = _run(2, args, tmp_path)
+    assert [r["iteration"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["lm_loss"]) for r in rows)
+    assert "(context parallel, a2a attention: each rank holds 16 of every 32 tokens)" in output

@@ -14,7 +14,7 @@ from tests.harness import ROOT
 FLAGS = """
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
 --adam-beta1 --adam-beta2 --add-qkv-bias --adam-eps --attention-dropout --bf16 --calculate-per-token-loss --clip-grad --compile
---context-parallel-size --cp-comm-type
+--context-parallel-size --cp-comm-type --hierarchical-context-parallel-sizes
 --enable-optimizer-post-validation --enable-vocab-parallel
 --data-cache-path --data-parallel-sharding-strategy --data-path
 --ddp-bucket-size

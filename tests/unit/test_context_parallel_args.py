@@ -1,6 +1,6 @@
 """--context-parallel-size and --cp-comm-type through the argument parser: the layout they give (dp is what tp x
 cp x pp leave; the rank order gains cp after tp), each bad combination as one sentence naming the flags and
-numbers, Megatron's a2a, hierarchical and dynamic CP flags refused, the notices at cp 1, the start-up block,
+numbers (a2a's query groups per rank, a2a+p2p's levels), Megatron's dynamic CP flags refused, the notices at cp 1, the start-up block,
 and the memory check and planner dividing the sequence by cp."""
 import pytest
 
@@ -43,11 +43,23 @@ def test_cp_takes_its_ranks_from_the_world_and_the_order_gains_cp_after_tp():
       "--sequence-parallel", "--seq-length", "36"], 8, "--seq-length 36 / --context-parallel-size (2) = 18 tokens per "
      "rank are not divisible by --tensor-model-parallel-size (4) under --sequence-parallel, which splits them over "
      "the tensor-parallel ranks"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 2, "--cp-comm-type a2a is not supported: Ulysses "
-     "all-to-all attention is not implemented; use p2p or allgather"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 2, "--cp-comm-type a2a+p2p is not supported: "
-     "Ulysses all-to-all attention is not implemented; use p2p or allgather"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "ring"], 2, "--cp-comm-type ring is not one of p2p, allgather"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "2"],
+     4, "--cp-comm-type a2a: --num-query-groups 2 / --tensor-model-parallel-size (1) = 2 query groups per rank are "
+     "not divisible by the all-to-all size (--context-parallel-size, 4)"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4", "1",
+      "--group-query-attention", "--num-query-groups", "2"], 4, "--cp-comm-type a2a+p2p: --num-query-groups 2 / "
+     "--tensor-model-parallel-size (1) = 2 query groups per rank are not divisible by the all-to-all size (the first "
+     "of --hierarchical-context-parallel-sizes, 4)"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 2, "--cp-comm-type a2a+p2p needs "
+     "--hierarchical-context-parallel-sizes A P (the all-to-all and ring levels) with A x P = --context-parallel-size "
+     "(2); got none"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "4"],
+     4, "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (the all-to-all and ring levels) with "
+     "A x P = --context-parallel-size (4); got 2 4"),
+    (["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"], 4,
+     "--hierarchical-context-parallel-sizes 2 2 is for --cp-comm-type a2a+p2p, not p2p"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "ring"], 2, "--cp-comm-type ring is not one of p2p, "
+     "allgather, a2a, a2a+p2p"),
     (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "allgather"], 2, "--cp-comm-type p2p allgather "
      "gives layers different communication types, which is not supported; give one"),
     (["--parallel-order", "tp-cp-cp-dp-pp"], 2, "--parallel-order tp-cp-cp-dp-pp must name tp, dp and pp once each, "
@@ -67,9 +79,18 @@ def test_sequence_parallel_needs_only_the_local_tokens_to_split_over_tp():
     assert (par.cp_size, par.tp_size, par.sequence_parallel) == (2, 2, True)
 
 
-@pytest.mark.parametrize("argv", [["--hierarchical-context-parallel-sizes", "2", "2"], ["--dynamic-context-parallel"],
-                                  ["--hybrid-context-parallel"], ["--min-dynamic-context-parallel-size", "1"]])
-def test_hierarchical_and_dynamic_cp_are_refused_by_name(argv):
+def test_a2a_and_a2a_p2p_give_their_all_to_all_size():
+    """a2a: heads over the whole CP group; a2a+p2p: over Megatron's first hierarchical level."""
+    par = cfg(["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 2).parallel
+    assert (par.cp_comm_type, par.cp_a2a_size) == ("a2a", None)
+    par = cfg(["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+               "2", "2"], 4).parallel
+    assert (par.cp_comm_type, par.cp_a2a_size) == ("a2a+p2p", 2)
+
+
+@pytest.mark.parametrize("argv", [["--dynamic-context-parallel"], ["--hybrid-context-parallel"],
+                                  ["--min-dynamic-context-parallel-size", "1"]])
+def test_dynamic_cp_is_refused_by_name(argv):
     with pytest.raises(ArgumentError, match=f"^{argv[0]} .*is not supported: "):
         cfg(argv, 2)
 

@@ -48,9 +48,21 @@ def test_math_kernel_matches_cpu_flash(causal, groups):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_cp1_is_causal_sdpa_and_a2a_is_refused():
+def test_cp1_is_causal_sdpa_and_an_unknown_comm_type_is_refused():
     q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(context_parallel_attention(q, k, v, None), want, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="--cp-comm-type a2a"), worded_as_flags():
-        context_parallel_attention(q, k, v, None, "a2a")
+    with pytest.raises(ValueError, match="--cp-comm-type ulysses is not one of p2p, allgather, a2a, a2a"), \
+            worded_as_flags():
+        context_parallel_attention(q, k, v, None, "ulysses")
+
+
+@pytest.mark.parametrize("a2a,p2p", [(2, 1), (4, 1), (2, 2), (2, 3), (3, 2)])
+def test_what_an_a2a_level_gathers_is_the_balanced_layout_of_the_p2p_level(a2a, p2p):
+    """a2a+p2p (ulysses.py): CP ranks p * A + i, i < A, gather (in their load-balanced order) exactly the tokens
+    CP rank p of a group of P holds; with P 1, the whole sequence in global order."""
+    from llamapipe.core.context_parallel import local_positions, unshard_sequence
+    s = 2 * a2a * p2p * 3
+    for p in range(p2p):
+        gathered = unshard_sequence([local_positions(s, a2a * p2p, p * a2a + i) for i in range(a2a)], dim=0)
+        assert gathered.tolist() == local_positions(s, p2p, p).tolist()

@@ -16,7 +16,7 @@ from llamapipe.model.llama import LlamaConfig
 from llamapipe.tools.parallel_estimate import DEVICES, Layout, estimate, rank_memory
 from llamapipe.tools.plan_parallelism import build_parser as plan_parser, dry_run_command, layouts, \
     main as plan_main, model_from_args, uneven_layout
-from llamapipe.training.dry_run.main import build_parser, dry_run_config, run
+from llamapipe.training.dry_run.main import build_parser, dry_run_config, main as dry_run_main, run
 from llamapipe.training.dry_run.rank import RoleRun
 from llamapipe.training.dry_run.world import roles
 from tests.cli import TINY
@@ -36,6 +36,7 @@ LAYOUTS = {  # name: (world size, flags)
     "pp2 vpp2 interleaved dp2 zero1": (4, V2 + ["interleaved", "--use-distributed-optimizer"]),
     "tp2 pp2 v-min bf16": (4, V2 + ["v-min", "--bf16"] + TP2),
     "cp2 dp2 zero1": (4, ["--context-parallel-size", "2", "--use-distributed-optimizer"]),
+    "cp2 a2a bf16": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--bf16"]),   # all-to-all buffers
     "pp4 vpp2 dualpipev bf16": (4, ["--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank",
                                     "2", "--pipeline-schedule", "dualpipev", "--bf16"]),
 }
@@ -45,7 +46,7 @@ def planned(config) -> list:
     par, opt = config.parallel, config.optimizer
     layout = Layout(par.tp_size, par.pp_size, par.vpp_size, par.dp_size, par.pipeline_schedule, MICRO_BATCH,
                     config.model.recompute_granularity or "none", opt.use_distributed_optimizer,
-                    "bf16" if opt.bf16 else "fp32", par.pipeline_layout, cp=par.cp_size)
+                    "bf16" if opt.bf16 else "fp32", par.pipeline_layout, cp=par.cp_size, cp_comm=par.cp_comm_type)
     return rank_memory(config.model, layout, config.training.seq_length, GLOBAL_BATCH)
 
 
@@ -125,3 +126,16 @@ def test_the_top_rows_dry_run_command_is_printed_and_accepted(capsys):
     assert cmd[6:] == launch[launch.index("scripts/launch_multi_node.sh") + 1:]   # the same job's flags (mock data too)
     args = build_parser().parse_args(cmd[2:] + ["--train-iters", "1"])
     assert dry_run_config(args).parallel.world_size == 16
+
+
+@pytest.mark.slow
+def test_plan_at_128k_tokens_ranks_ring_and_a2a_and_its_top_row_passes_the_dry_run(capsys):
+    """Issue 45: LLaMA-3.1-8B at 131,072 tokens on 64 GPUs: the best row of each attention is listed, and the
+    top row's dry-run command passes (every role's step on meta tensors, fitting 80 GiB)."""
+    assert plan_main(["--model", "llama3.1-8b", "--gpus", "64", "--gpu-memory-gb", "80", "--seq-length", "131072",
+                      "--global-batch-size", "64", "--max-context-parallel-size", "16", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "best ring context parallelism: row 1 " in out and "best a2a context parallelism: row " in out
+    cmd = shlex.split(out.split("docs/dry_run.md):\n")[1].splitlines()[0])
+    assert "--context-parallel-size" in cmd
+    assert dry_run_main(cmd[2:] + ["--train-iters", "1"]) == 0

@@ -33,7 +33,7 @@ BASE = base()
 # the dataclasses in megatron/training/config/*.py and megatron/core/transformer/transformer_config.py).
 MEGATRON_DEFAULTS = {
     "--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1,
-    "--context-parallel-size": 1, "--cp-comm-type": ["p2p"],
+    "--context-parallel-size": 1, "--cp-comm-type": ["p2p"], "--hierarchical-context-parallel-sizes": None,
     "--num-layers-per-virtual-pipeline-stage": None, "--num-virtual-stages-per-pipeline-rank": None,
     "--decoder-first-pipeline-num-layers": None, "--decoder-last-pipeline-num-layers": None,
     "--account-for-embedding-in-pipeline-split": False, "--account-for-loss-in-pipeline-split": False,

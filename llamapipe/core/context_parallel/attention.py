@@ -21,12 +21,13 @@ whole sequence, each block is further restricted to (query, key) pairs of one do
 chunks' global positions; a block in which no pair shares a document is skipped, in the forward and the
 backward, so short documents leave most of the ring's blocks uncomputed.
 
-Ulysses (`a2a`) is not built. torch's own `context_parallel` API does not run here: see
+All-to-all (`a2a`, Ulysses) and `a2a+p2p` swap heads for the sequence first: ulysses.py. torch's own `context_parallel` API does not run here: see
 docs/context_parallel.md for why.
 """
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Optional, Sequence
 
 import torch
@@ -35,13 +36,14 @@ import torch.nn.functional as F
 
 from llamapipe.core.config import ConfigError
 from llamapipe.core.context_parallel.kernels import attend, attend_backward
+from llamapipe.core.context_parallel.ulysses import A2A_TYPES, SubGroup, UlyssesGroup, gather_heads, scatter_heads
 from llamapipe.core.context_parallel.sharding import chunk_ids, local_positions, shard_sequence, unshard_sequence
 from llamapipe.core.document_attention import document_attention, same_document
 from llamapipe.core.pipeline_parallel.position import waiting
 from llamapipe.core.tensor_parallel.graph_breaks import eager
 from llamapipe.core.tensor_parallel.mappings import reduce_scatter
 
-COMM_TYPES = ("p2p", "allgather")
+COMM_TYPES = ("p2p", "allgather", *A2A_TYPES)
 Block = tuple[int, int, int, int, bool]   # query chunks [q0, q1), key chunks [k0, k1), causal diagonal?
 Docs = Optional[tuple[torch.Tensor, torch.Tensor]]   # document ids (b, s_q) of the local queries, (b, s_k) of the keys
 
@@ -126,16 +128,25 @@ class _Ring:
     """Non-blocking sends to the next CP rank and receives from the previous one (batch_isend_irecv)."""
 
     def __init__(self, group: Any) -> None:
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.group = group
-        self.next = dist.get_global_rank(group, (rank + 1) % size)
-        self.prev = dist.get_global_rank(group, (rank - 1) % size)
+        rank, size = _rank(group), _size(group)
+        self.group = group.group if isinstance(group, SubGroup) else group
+        global_rank = group.global_rank if isinstance(group, SubGroup) else partial(dist.get_global_rank, group)
+        self.next = global_rank((rank + 1) % size)
+        self.prev = global_rank((rank - 1) % size)
 
     def start(self, send: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
         recv = torch.empty_like(send)
         ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
                dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
         return recv, dist.batch_isend_irecv(ops)
+
+
+def _size(group: Any) -> int:
+    return group.size() if isinstance(group, SubGroup) else dist.get_world_size(group)
+
+
+def _rank(group: Any) -> int:
+    return group.rank() if isinstance(group, SubGroup) else dist.get_rank(group)
 
 
 def _wait(works: list, ring: _Ring, what: str = "keys/values") -> None:
@@ -160,7 +171,7 @@ def _restore(ctx) -> tuple:
     q, k, v, out, lse = ctx.saved_tensors
     group = ctx.group
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    return q, k, v, out, lse, group, ctx.scale, dist.get_world_size(group), dist.get_rank(group), dq
+    return q, k, v, out, lse, group, ctx.scale, _size(group), _rank(group), dq
 
 
 def _docs(documents: Optional[torch.Tensor], cp_size: int, q_rank: int, k_rank: Optional[int]) -> Docs:
@@ -179,7 +190,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float,
                 documents: Optional[torch.Tensor]) -> torch.Tensor:
-        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        cp_size, cp_rank = _size(group), _rank(group)
         ring, chunk = _Ring(group), q.shape[2] // 2
         out, lse = _accumulators(q)
         kv = torch.stack([k, v])  # (2, b, groups, s_local, d): one message per step
@@ -264,11 +275,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q: (b, heads, s_local, d), k/v: (b, groups, s_local, d) in the load-balanced layout (sharding.py) ->
     (b, heads, s_local, d). A group of one (or None) is plain causal SDPA (document_attention with documents)."""
     if comm_type not in COMM_TYPES:
-        raise ConfigError(f"cp_comm_type {comm_type} is not supported (Ulysses all-to-all is not built); "
-                          f"use one of {', '.join(COMM_TYPES)}", "cp_comm_type")
+        raise ConfigError(f"cp_comm_type {comm_type} is not one of {', '.join(COMM_TYPES)}", "cp_comm_type")
     assert q.shape[1] % k.shape[1] == 0, f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} groups"
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if cp_group is None or dist.get_world_size(cp_group) == 1:
+    if isinstance(cp_group, UlyssesGroup):
+        return _ulysses_attention(q, k, v, cp_group, scale, document_ids)
+    if cp_group is None or _size(cp_group) == 1:
         if document_ids is not None:
             return document_attention(q, k, v, document_ids, scale=scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
@@ -276,3 +288,19 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     assert q.shape[2] % 2 == 0, f"{q.shape[2]} local tokens do not form the two chunks of the balanced layout"
     function = _RingAttention if comm_type == "p2p" else _AllGatherAttention
     return function.apply(q, k, v, cp_group, scale, document_ids)
+
+
+def _ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: UlyssesGroup, scale: float,
+                       document_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    """a2a / a2a+p2p (ulysses.py): heads out and the sequence in over the a2a level, attention over the p2p level
+    (one rank: the whole sequence, in global order), then back."""
+    a2a, p2p = cp_group.levels()
+    if k.shape[1] % a2a.size():
+        raise ConfigError(f"num_query_groups per TP rank ({k.shape[1]}) is not divisible by the a2a size "
+                          f"{a2a.size()} (cp_comm_type a2a)", "num_query_groups", "cp_comm_type")
+    q, k, v = (scatter_heads(t, a2a) for t in (q, k, v))
+    if p2p.size() == 1:
+        out = context_parallel_attention(q, k, v, None, scale=scale, document_ids=document_ids)
+    else:
+        out = _RingAttention.apply(q, k, v, p2p, scale, document_ids)
+    return gather_heads(out, a2a)

@@ -9,7 +9,7 @@ starts from identical weights (docs/design.md section 4). Activations travel seq
 With context parallelism (the state's cp_size > 1) a chunk takes the whole sequence of each microbatch and
 keeps s/cp tokens of it in the causal load-balanced layout of core/context_parallel/sharding.py: its
 `sequence_shard` cuts the input ids, the labels and the positions, so no caller cuts them first; its attention
-spans the CP group (`cp_comm_type` "p2p" or "allgather") and it returns those tokens' losses, which the
+spans the CP group (`cp_comm_type` "p2p", "allgather", "a2a" or "a2a+p2p") and it returns those tokens' losses, which the
 caller's loss mask meets after the same cut (`chunk.sequence_shard(loss_mask)`).
 With tied embeddings (`tie_word_embeddings`) a chunk holding both ends uses the embedding as the output
 weight; when the ends are in two chunks (pipeline parallelism) the last stage's output weight is a copy of the
@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llamapipe.core.context_parallel import COMM_TYPES, SequenceShard
+from llamapipe.core.context_parallel.ulysses import A2A_TYPES, UlyssesGroup
 from llamapipe.core.distributed.tied_embeddings import logical_name, mark_tied
 from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel import seq_split
@@ -95,7 +96,7 @@ class LlamaModel(nn.Module):
                  layer_range: Optional[tuple[int, int]] = None, pre_process: bool = True,
                  post_process: bool = True, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, seed: int = 1234, vocab_parallel: bool = False,
-                 vocab_shard: bool = False, cp_comm_type: str = "p2p") -> None:
+                 vocab_shard: bool = False, cp_comm_type: str = "p2p", cp_a2a_size: Optional[int] = None) -> None:
         super().__init__()
         ps = parallel_state if parallel_state is not None else ParallelState()
         tp_size = ps.tp_size
@@ -107,6 +108,8 @@ class LlamaModel(nn.Module):
             raise ValueError(f"context-parallel size {ps.cp_size} needs the parallel state's cp group")
         if cp_comm_type not in COMM_TYPES:
             raise ValueError(f"--cp-comm-type {cp_comm_type} is not supported; use one of {', '.join(COMM_TYPES)}")
+        if cp_group is not None and cp_comm_type in A2A_TYPES:   # heads over the a2a level (ulysses.py)
+            cp_group = UlyssesGroup(cp_group, ps.cp_size if cp_comm_type == "a2a" else cp_a2a_size)
         layer_range = tuple(layer_range) if layer_range is not None else (0, config.num_layers)
         _check_config(config, tp_size, layer_range)
         self.config, self.layer_range = config, layer_range

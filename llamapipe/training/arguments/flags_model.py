@@ -104,8 +104,13 @@ def _add_context_parallel_flags(g: argparse._ArgumentGroup) -> None:
                         "rank, attention across them by --cp-comm-type)")
     g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
                    help="context-parallel attention: p2p (ring: K/V passed around the CP ranks, overlapped with "
-                        "compute) or allgather (all-gather K/V, LLaMA 3's); Megatron's a2a and a2a+p2p are refused; "
-                        "one value, or one per layer all alike")
+                        "compute), allgather (all-gather K/V, LLaMA 3's), a2a (Ulysses: an all-to-all swaps the "
+                        "sequence split for a head split around attention; query groups per TP rank divisible by "
+                        "the CP size) or a2a+p2p (a2a within --hierarchical-context-parallel-sizes' first level, "
+                        "the ring across the second); one value, or one per layer all alike")
+    g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None,
+                   help="A P for --cp-comm-type a2a+p2p (Megatron's): A consecutive CP ranks exchange heads by "
+                        "all-to-all, the ring runs across the P groups; A x P = --context-parallel-size")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:

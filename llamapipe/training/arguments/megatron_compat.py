@@ -82,8 +82,6 @@ NOTICES: tuple[CompatFlag, ...] = (
 REFUSED: tuple[CompatFlag, ...] = (
     CompatFlag("--rope-theta", "it is HF's config.json name for RoPE's base; the flag is --rotary-base "
                "(Megatron's)", float),
-    CompatFlag("--hierarchical-context-parallel-sizes", "hierarchical context parallelism (the levels of "
-               "--cp-comm-type a2a+p2p) is not implemented; use --cp-comm-type p2p or allgather", int, "+"),
     CompatFlag("--dynamic-context-parallel", _DYNAMIC_CP),
     CompatFlag("--hybrid-context-parallel", _DYNAMIC_CP),
     CompatFlag("--min-dynamic-context-parallel-size", _DYNAMIC_CP, int),

@@ -209,6 +209,7 @@ def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig, s
         raise ArgumentError(f"--seq-length {seq_length} is not divisible by --tensor-model-parallel-size "
                             f"({tp}), which --sequence-parallel needs")
     _check_context_parallel_length(par, seq_length)
+    _check_a2a_heads(m, par)
     for flag in ("attention_dropout", "hidden_dropout"):
         if getattr(args, flag):
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not supported: LLaMA "
@@ -220,6 +221,19 @@ def check_model(args: argparse.Namespace, m: LlamaConfig, par: ParallelConfig, s
     if defect is not None:
         field, value, must = defect
         raise ArgumentError(f"the model's {field} is {value!r}; it must be {must}")
+
+
+def _check_a2a_heads(m: LlamaConfig, par: ParallelConfig) -> None:
+    """a2a context parallelism gives each rank of the a2a level whole query groups of its TP rank's."""
+    if par.cp_size == 1 or par.cp_comm_type not in ("a2a", "a2a+p2p"):
+        return
+    a2a, groups = par.cp_a2a_size or par.cp_size, m.num_query_groups // par.tp_size
+    if groups % a2a:
+        level = ("--context-parallel-size" if par.cp_comm_type == "a2a"
+                 else "the first of --hierarchical-context-parallel-sizes")
+        raise ArgumentError(f"--cp-comm-type {par.cp_comm_type}: --num-query-groups {m.num_query_groups} / "
+                            f"--tensor-model-parallel-size ({par.tp_size}) = {groups} query groups per rank are not "
+                            f"divisible by the all-to-all size ({level}, {a2a})")
 
 
 def _check_context_parallel_length(par: ParallelConfig, seq_length: int) -> None:

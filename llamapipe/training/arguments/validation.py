@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from typing import Optional
 
 import torch
 
@@ -108,6 +109,7 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
     limit = args.pipeline_memory_limit
     return ParallelConfig(world_size=world_size, tp_size=tp, pp_size=pp, vpp_size=vpp,
                           dp_size=world_size // (tp * cp * pp), cp_size=cp, cp_comm_type=cp_comm_type, order=order,
+                          cp_a2a_size=cp_a2a_size(args, cp, cp_comm_type),
                           sequence_parallel=sequence_parallel, pipeline_schedule=schedule,
                           pipeline_memory_limit=None if isinstance(limit, MemoryBytes) else limit,
                           pipeline_memory_limit_bytes=int(limit) if isinstance(limit, MemoryBytes) else None,
@@ -140,15 +142,30 @@ def context_parallel_comm_type(args: argparse.Namespace, cp: int) -> str:
     """The one --cp-comm-type (Megatron also takes one per layer: accepted when all alike)."""
     given = list(dict.fromkeys(args.cp_comm_type))
     for value in given:
-        if value in ("a2a", "a2a+p2p"):
-            raise ArgumentError(f"--cp-comm-type {value} is not supported: Ulysses all-to-all attention is not "
-                                f"implemented; use {' or '.join(COMM_TYPES)}")
         if value not in COMM_TYPES:
             raise ArgumentError(f"--cp-comm-type {value} is not one of {', '.join(COMM_TYPES)}")
     if len(given) > 1:
         raise ArgumentError(f"--cp-comm-type {' '.join(args.cp_comm_type)} gives layers different communication "
                             "types, which is not supported; give one")
     return given[0]
+
+
+def cp_a2a_size(args: argparse.Namespace, cp: int, comm: str) -> Optional[int]:
+    """The a2a level of --cp-comm-type a2a+p2p: the first of --hierarchical-context-parallel-sizes A P (Megatron's
+    order: A consecutive CP ranks exchange heads, the ring runs over P), whose product must be the CP size."""
+    sizes = args.hierarchical_context_parallel_sizes
+    if cp == 1:     # --cp-comm-type has no effect then (a notice: noop.py)
+        return None
+    if comm != "a2a+p2p":
+        if sizes is not None:
+            raise ArgumentError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} is for "
+                                f"--cp-comm-type a2a+p2p, not {comm}")
+        return None
+    if sizes is None or len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp:
+        got = ' '.join(map(str, sizes)) if sizes else "none"
+        raise ArgumentError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (the all-to-all "
+                            f"and ring levels) with A x P = --context-parallel-size ({cp}); got {got}")
+    return sizes[0]
 
 
 # flags whose code reads whole (unsharded) parameters or gradients, which ZeRO-2/3 keep only as shards

@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from llamapipe.core.comm_memory import fsdp_gather_bytes, grad_bucket_bytes, p2p_receive_bytes, zero1_gather_bytes
+from llamapipe.core.comm_memory import a2a_buffer_bytes, fsdp_gather_bytes, grad_bucket_bytes, p2p_receive_bytes, \
+    zero1_gather_bytes
 from llamapipe.core.config import FSDP_STRATEGIES
 from llamapipe.core.distributed.fsdp import apply_data_parallel_sharding, is_sharded, local_tensor
 from llamapipe.core.optimizer import build_optimizer
@@ -145,6 +146,10 @@ def _comm_bytes(config: Config, ps: ParallelState, chunks: list[torch.nn.Module]
     p2p = p2p_receive_bytes(ledger.largest_from_peers(ps.pp_rank).values())
     par = config.parallel
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    if par.cp_size > 1 and par.cp_comm_type in ("a2a", "a2a+p2p"):   # all-to-all buffers of one attention
+        m, tokens = config.model, config.training.seq_length // par.cp_size * config.training.micro_batch_size
+        p2p += a2a_buffer_bytes(tokens, m.num_attention_heads // par.tp_size, m.num_query_groups // par.tp_size,
+                                m.head_dim, max(p.dtype.itemsize for p in params))
     if par.data_parallel_sharding_strategy in FSDP_STRATEGIES and ps.dp_cp_size > 1:
         units = [sum(p.numel() * p.dtype.itemsize for p in unit.parameters()) for chunk in chunks
                  for unit in chunk.layers.values()]
