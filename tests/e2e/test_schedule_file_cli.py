@@ -9,33 +9,16 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from llamapipe.core.config import ArgumentError
 from llamapipe.tools.plot_schedule import main as plot_schedule
-from llamapipe.training.arguments.parser import build_parser, config_from_args
 from tests.cli import ROOT, TINY, read_metrics, torchrun, train
 
 ITERS = ["--train-iters", "3", "--micro-batch-size", "1", "--global-batch-size", "8"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
-def _file_schedules_accepted(tmp: str) -> bool:
-    """Whether argument validation asks the schedule table (which knows file:PATH) rather than a fixed list of
-    names: /work/wip/D-validation.patch (training/arguments/validation.py) makes it so."""
-    assert plot_schedule(["--schedule", "1f1b", "--pp", "2", "--microbatches", "8", "--json", "--export-csv",
-                          tmp]) == 0
-    try:
-        config_from_args(build_parser().parse_args(TINY + ITERS + PP2 + ["--pipeline-schedule-file", tmp]), 2)
-    except ArgumentError as err:
-        assert "is unknown" in str(err)
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ref")
-    if not _file_schedules_accepted(str(tmp / "probe.csv")):
-        pytest.skip("argument validation does not yet accept file:PATH schedules (/work/wip/D-validation.patch)")
     return [r["lm_loss"] for r in train(1, ITERS, str(tmp / "m.jsonl"))]
 
 
