@@ -10,6 +10,10 @@ replaces:
 - `torch.cuda.synchronize`: `dist_checkpointing.save` calls it around the write; on CPU there is nothing to wait for.
 - `tensor_parallel.random.get_cuda_rng_tracker().fork`: dropout regions fork the CUDA RNG; with dropout 0 the fork
   is a no-op context.
+- `FileSystemWriterAsync.write_preloaded_data_multiproc`: `dist_checkpointing.save` writes its files from
+  processes it forks; forked from a threaded test process (a pytest-xdist worker, with wandb's or torch's threads)
+  the writers can die before they report, and the save waits for them forever (seen in CI). The same buckets are
+  written here in this process by megatron-core's own `write_preloaded_data`: the same files.
 The causal mask is passed explicitly to `forward` (the default one is built on "cuda").
 """
 from __future__ import annotations
@@ -46,7 +50,28 @@ def cpu_patches():
         stack.enter_context(mock.patch("torch.cuda.synchronize", lambda *a, **k: None))
         tracker = mrandom.get_cuda_rng_tracker()
         stack.enter_context(mock.patch.object(tracker, "fork", lambda *a, **k: contextlib.nullcontext()))
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+        stack.enter_context(mock.patch.object(FileSystemWriterAsync, "write_preloaded_data_multiproc",
+                                              staticmethod(_write_in_process)))
         yield
+
+
+def _write_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
+    """megatron-core's multi-process bucket writer, one bucket after another in this process (see the module
+    docstring): each bucket through its own `write_preloaded_data`, the results as the writer collects them."""
+    import queue
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    results: dict | Exception = {}
+    for i, bucket in enumerate(write_buckets):
+        local, count = queue.Queue(), queue.Queue()
+        count.put(i)
+        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True, use_msc=use_msc)
+        index, written = local.get()
+        if isinstance(written, Exception):
+            results = written
+            break
+        results[index] = written
+    global_results_queue.put(results)
 
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=160,
