@@ -81,5 +81,5 @@ def test_inert_megatron_flags_say_so(flag, why, llamapipe_log):
 def test_readme_says_how_long_the_suite_takes_and_where_the_fast_tier_is():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    assert ("run the whole suite: ~33-36 min on 2 cores in 2 workers (what CI runs; TEST_WORKERS=0: one process); "
+    assert ("run the whole suite: ~35-42 min on 2 cores in 2 workers (what CI runs; TEST_WORKERS=0: one process); "
             "-m \"not slow\": the fast tier, ~1 min") in readme
