@@ -163,6 +163,8 @@ safe_pickle = types.SimpleNamespace(Unpickler=_Unpickler, load=_load, __name__="
 def load_common(path: str) -> dict:
     """common.pt / a legacy model_optim_rng.pt: a dict, classes outside the allow-list as inert stand-ins."""
     try:
+        # weights_only=False only because torch refuses a pickle_module beside weights_only=True; every class the
+        # file names goes through safe_pickle's allow-list (an os.system payload runs nothing: a test checks it)
         state = torch.load(path, map_location="cpu", weights_only=False, pickle_module=safe_pickle)
     except Exception as exc:
         raise ValueError(f"{path} is not a readable Megatron checkpoint file ({type(exc).__name__}: {exc})") from None
