@@ -18,36 +18,19 @@ import argparse
 import os
 import random
 import statistics
-import tempfile
 import time
 
-from benchmarks.launch import read_metrics, torchrun
-from benchmarks.results_io import write_json
+from benchmarks.timer_runs import hook_pass, median_iteration_s, run_modes
 
 
 def hook_cost(args) -> list[dict]:
-    from llamapipe.core.pipeline_parallel.p2p_communication import Message
-    from llamapipe.core.pipeline_parallel.schedule_ir import Action
     from llamapipe.core.pipeline_parallel.step_timers import StepTimers
-    rows, n = [], args.hook_calls
-    action, msg = Action("F", 0, 3), Message("act", 1, 3, 0, 1)
+    rows = []
     for straggler in (False, True):
         timers = StepTimers(1, cpu_clock=straggler)
         timers.step_begin(None, 0, False)
-        best = float("inf")
-        for _ in range(3):      # the best of three passes: the least disturbed by the other processes
-            start = time.perf_counter()
-            for i in range(n):
-                t0 = time.perf_counter()
-                t1 = time.perf_counter()
-                timers.message_received(msg, t1)
-                timers.action_done(action, t0, time.perf_counter(), 0.0)
-                timers.message_sent(msg, time.perf_counter())
-                t2 = time.perf_counter()
-                timers.comm_done("post", t2, time.perf_counter())
-                if i % 1000 == 999:
-                    timers.interval()       # an interval of 1,000 actions: its medians
-            best = min(best, (time.perf_counter() - start) / n * 1e6)
+        # the best of three passes: the least disturbed by the other processes; an interval every 1,000 actions
+        best = min(hook_pass(timers, args.hook_calls, interval_every=1000) for _ in range(3))
         rows.append({"what": "per action", "log_straggler": straggler, "us": best})
     rows.append({"what": "per action, added by --log-straggler", "log_straggler": True, "us": rows[1]["us"] - rows[0]["us"]})
     from llamapipe.training.straggler import StragglerDetector
@@ -66,17 +49,7 @@ def hook_cost(args) -> list[dict]:
 
 def _run(straggler: bool, iters: int) -> float:
     """Median seconds per iteration over iterations 3.. of one run at --timing-log-level 1."""
-    with tempfile.TemporaryDirectory() as tmp:
-        jsonl = os.path.join(tmp, "m.jsonl")
-        proc = torchrun(2, ["--mock-data", "--num-layers", "8", "--hidden-size", "256", "--ffn-hidden-size", "688",
-                            "--num-attention-heads", "8", "--vocab-size", "256", "--seq-length", "256",
-                            "--max-position-embeddings", "256", "--micro-batch-size", "2", "--global-batch-size",
-                            "16", "--train-iters", str(iters), "--lr", "1e-4", "--log-interval", "1",
-                            "--eval-iters", "0", "--num-workers", "0", "--pipeline-model-parallel-size", "2",
-                            "--timing-log-level", "1", "--metrics-jsonl", jsonl,
-                            *(["--log-straggler"] if straggler else [])])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return statistics.median(r["elapsed_ms"] / 1e3 for r in read_metrics(jsonl)[2:])
+    return median_iteration_s(iters, ["--timing-log-level", "1", *(["--log-straggler"] if straggler else [])])
 
 
 def overhead(args) -> list[dict]:
@@ -99,17 +72,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--overhead-iters", type=int, default=12)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_straggler.json"))
     args = parser.parse_args(argv)
-    results: dict = {}
-    for mode, fn in (("hook-cost", hook_cost), ("overhead", overhead)):
-        if mode in args.modes.split(","):
-            results[mode] = fn(args)
-            print(mode)
-            for row in results[mode]:
-                print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                                       if not isinstance(v, list)))
-    write_json(args.out, results)
-    return results
-
+    return run_modes(args, (("hook-cost", hook_cost), ("overhead", overhead)))
 
 if __name__ == "__main__":
     main()

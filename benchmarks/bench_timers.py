@@ -21,14 +21,13 @@ import dataclasses
 import itertools
 import os
 import statistics
-import tempfile
 
 import torch
 
 from benchmarks.bench_schedules import SleepChunk, _calibrate_sleep, chunk_costs
-from benchmarks.launch import run_distributed, torchrun, read_metrics
-from benchmarks.results_io import write_json
+from benchmarks.launch import run_distributed
 from benchmarks.schedules_real import loss_step, placement
+from benchmarks.timer_runs import hook_pass, median_iteration_s, run_modes
 from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
 from llamapipe.core.pipeline_parallel.schedule_specs import build
 from llamapipe.core.pipeline_parallel.simulator import simulate
@@ -85,40 +84,18 @@ def hook_cost(args) -> list[dict]:
     """What the level-1 and level-2 timers add to one action, measured without noise from other processes: the
     executor's extra clock reads and the observer's hooks, called as the executor calls them for each action
     (one action_done, one message sent and received, one post between actions), a million times."""
-    import time
-    from llamapipe.core.pipeline_parallel.p2p_communication import Message
-    from llamapipe.core.pipeline_parallel.schedule_ir import Action
     from llamapipe.core.pipeline_parallel.step_timers import StepTimers
-    rows, n = [], args.hook_calls
-    action, msg = Action("F", 0, 3), Message("act", 1, 3, 0, 1)
+    rows = []
     for level in (1, 2):
         timers = StepTimers(level)
         timers.step_begin(None, 0, False)
-        start = time.perf_counter()
-        for _ in range(n):
-            t0 = time.perf_counter()
-            t1 = time.perf_counter()
-            timers.message_received(msg, t1)
-            timers.action_done(action, t0, time.perf_counter(), 0.0)
-            timers.message_sent(msg, time.perf_counter())
-            t2 = time.perf_counter()
-            timers.comm_done("post", t2, time.perf_counter())
-        rows.append({"level": level, "us_per_action": (time.perf_counter() - start) / n * 1e6})
+        rows.append({"level": level, "us_per_action": hook_pass(timers, args.hook_calls)})
     return rows
 
 
 def _run(level: int, iters: int, extra: list[str]) -> float:
     """Median seconds per iteration over iterations 3.. of one run at --timing-log-level `level`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        jsonl = os.path.join(tmp, "m.jsonl")
-        proc = torchrun(2, ["--mock-data", "--num-layers", "8", "--hidden-size", "256", "--ffn-hidden-size", "688",
-                            "--num-attention-heads", "8", "--vocab-size", "256", "--seq-length", "256",
-                            "--max-position-embeddings", "256", "--micro-batch-size", "2", "--global-batch-size",
-                            "16", "--train-iters", str(iters), "--lr", "1e-4", "--log-interval", "1",
-                            "--eval-iters", "0", "--num-workers", "0", "--pipeline-model-parallel-size", "2",
-                            "--timing-log-level", str(level), "--metrics-jsonl", jsonl, *extra])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return statistics.median(r["elapsed_ms"] / 1e3 for r in read_metrics(jsonl)[2:])
+    return median_iteration_s(iters, ["--timing-log-level", str(level), *extra])
 
 
 def overhead(args) -> list[dict]:
@@ -150,17 +127,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--overhead-schedules", nargs="+", default=["1f1b", "zbv"])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_timers.json"))
     args = parser.parse_args(argv)
-    results: dict = {}
-    for mode, fn in (("hook-cost", hook_cost), ("synthetic", synthetic), ("overhead", overhead)):
-        if mode in args.modes.split(","):
-            results[mode] = fn(args)
-            print(mode)
-            for row in results[mode]:
-                print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                                       if not isinstance(v, list)))
-    write_json(args.out, results)
-    return results
-
+    return run_modes(args, (("hook-cost", hook_cost), ("synthetic", synthetic), ("overhead", overhead)))
 
 if __name__ == "__main__":
     main()

@@ -11,4 +11,4 @@ PY=${PYTHON:-python3}
 WORKERS=${TEST_WORKERS:-2}
 XDIST=()
 if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadfile); fi
-"$PY" -m pytest -q -p no:cacheprovider --durations=15 ${XDIST[@]+"${XDIST[@]}"} tests "$@"
+"$PY" -m pytest -q -p no:cacheprovider --durations=40 ${XDIST[@]+"${XDIST[@]}"} tests "$@"
