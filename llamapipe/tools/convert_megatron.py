@@ -114,7 +114,7 @@ _LEGACY = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 def read_legacy(path: str) -> tuple[dict, dict[str, torch.Tensor], LlamaConfig]:
     """(common state, global tensors, config) of a legacy `--ckpt-format torch` iter dir:
-    mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt, each read through the allow-list unpickler."""
+    mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt, each read as common.pt is (megatron_format.load_common)."""
     shards, common = {}, None
     for name in sorted(os.listdir(path)):
         match = _LEGACY.match(name)

@@ -8,12 +8,12 @@ leading [num_layers] axis (older saves: `decoder.layers.<i>.<name>`, both read);
 query group (the group's heads/groups query heads, then its key head, then its value head); `linear_fc1` is
 [gate; up]; the vocabulary rows are padded (to make_vocab_size_divisible_by x TP).
 common.pt pickles Megatron's argparse Namespace with its enums and config classes: `load_common` reads it with
-an unpickler that builds only containers, tensors and dtypes, and turns any other class into an inert stand-in,
-so no code from the file runs.
+torch's weights-only loader, every class outside its set allowed by name as an inert stand-in, so no code from
+the file runs.
 """
 from __future__ import annotations
 
-import pickle
+import argparse
 import types
 
 import torch
@@ -136,36 +136,28 @@ class StandIn:
         return f"<{type(self).__name__} {self.args!r}>"
 
 
-_ALLOWED = {("argparse", "Namespace"), ("types", "SimpleNamespace"), ("collections", "OrderedDict"),
-            ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
-            ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex")}
+_PLAIN = {"argparse.Namespace": argparse.Namespace, "types.SimpleNamespace": types.SimpleNamespace}
 
 
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            if isinstance(obj, torch.dtype) or (isinstance(obj, type) and name.endswith("Storage")):
-                return obj
-        return type(name, (StandIn,), {"__module__": f"standin.{module}"})
-
-
-def _load(file, **kwargs):
-    return _Unpickler(file, **kwargs).load()
-
-
-# torch.load's pickle_module: both its paths (zip: .Unpickler; legacy: .load) go through the allow-list
-safe_pickle = types.SimpleNamespace(Unpickler=_Unpickler, load=_load, __name__="safe_pickle")
+def _stand_ins(path: str) -> list[tuple[type, str]]:
+    """Every class or function `path` names that torch's weights-only loader does not already build, each allowed
+    under its own name as a StandIn subclass (so Megatron's enums and config classes load as inert records)."""
+    stand_ins = []
+    for name in torch.serialization.get_unsafe_globals_in_checkpoint(path):
+        module, _, qualname = name.rpartition(".")
+        if name in _PLAIN:      # attribute bags: built as themselves
+            stand_ins.append((_PLAIN[name], name))
+            continue
+        stand_ins.append((type(qualname, (StandIn,), {"__module__": f"standin.{module}"}), name))
+    return stand_ins
 
 
 def load_common(path: str) -> dict:
-    """common.pt / a legacy model_optim_rng.pt: a dict, classes outside the allow-list as inert stand-ins."""
+    """common.pt / a legacy model_optim_rng.pt: a dict, loaded with weights_only=True; any class outside torch's
+    weights-only set (argparse.Namespace, Megatron's enums and configs) is an inert stand-in, so nothing runs."""
     try:
-        # weights_only=False only because torch refuses a pickle_module beside weights_only=True; every class the
-        # file names goes through safe_pickle's allow-list (an os.system payload runs nothing: a test checks it)
-        state = torch.load(path, map_location="cpu", weights_only=False, pickle_module=safe_pickle)
+        with torch.serialization.safe_globals(_stand_ins(path)):
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ValueError(f"{path} is not a readable Megatron checkpoint file ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict):
