@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
-from llamapipe.model.layers import MLP, Attention, CausalAttention, RMSNorm, RotaryEmbedding
+from llamapipe.model.layers import MLP, Attention, CausalAttention, RMSNorm
+from llamapipe.model.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from llamapipe.model.llama.config import LlamaConfig

@@ -73,7 +73,7 @@ def test_rope_tables_do_not_depend_on_the_positions_layout():
     """Given positions cut to (b, s/cp) (contiguous) and the model's expanded default give RoPE tables of the
     same values, shape and strides: a layer compiled on one (the --compile warm-up) is not recompiled on the
     other (dynamo guards on strides)."""
-    from llamapipe.model.layers import RotaryEmbedding
+    from llamapipe.model.rotary import RotaryEmbedding
     rotary = RotaryEmbedding(8, 32, 10000.0)
     given = SequenceShard(2, 1)(torch.arange(16).repeat(3, 1))
     default = SequenceShard(2, 1).positions(8, 3, torch.device("cpu"))

@@ -411,7 +411,7 @@ def test_kv_channels_and_rotary_percent_logits_match_hf_phi3(kv_channels, rotary
 def test_partial_rotary_backward_matches_autograd_of_hf_rope():
     """Our RoPE's hand-written backward on a partial rotation vs autograd through HF Phi3's apply_rotary_pos_emb."""
     from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
-    from llamapipe.model.layers import RotaryEmbedding, apply_rotary
+    from llamapipe.model.rotary import RotaryEmbedding, apply_rotary
     rope = RotaryEmbedding(rotary_dim=6, max_positions=16, theta=10000.0)
     cos, sin = rope(16, None, torch.float32)                        # (s, 1, 1, 6)
     x = torch.randn(16, 2, 3, 10, dtype=torch.float64, requires_grad=True)    # (s, b, heads, d): 4 dims pass

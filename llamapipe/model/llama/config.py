@@ -19,7 +19,7 @@ class RopeScaling:
     """Llama 3.1's RoPE frequency scaling (Meta's apply_scaling; HF rope_type "llama3"): the frequencies whose
     wavelength exceeds original_max_position_embeddings / low_freq_factor are divided by `factor`, those below
     original / high_freq_factor stay, and the ones between are interpolated smoothly
-    (`model/layers.py` `scaled_inv_freq`)."""
+    (`model/rotary.py` `scaled_inv_freq`)."""
     factor: float
     low_freq_factor: float
     high_freq_factor: float
