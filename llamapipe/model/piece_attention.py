@@ -21,12 +21,14 @@ cache's tensors) and no mask; packed documents restrict each block by a same-doc
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
+from llamapipe.core.config import ConfigError
 from llamapipe.core.context_parallel.kernels import attend, attend_backward
+from llamapipe.core.context_parallel.ulysses import UlyssesGroup, check_query_groups, gather_heads, scatter_heads
 from llamapipe.core.document_attention import same_document
 from llamapipe.core.pipeline_parallel.seq_split import Piece
 
@@ -91,6 +93,28 @@ class _KVGradSink(torch.autograd.Function):
         for g, a in zip((gk, gv), acc):
             out.append(a if g is None else (g if a is None else g + a))
         return out[0], out[1], None, None
+
+
+def cached_piece_attention(cache: PieceKVCache, piece: Piece, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cp_group: Optional[Any], grouped: bool,
+                           document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A piece's attention with `cache` holding the earlier pieces' keys/values. Under a2a context parallelism
+    (`cp_group` a UlyssesGroup whose a2a level is the whole CP group) this rank holds its load-balanced shard of
+    the piece: the all-to-all gathers the whole piece, in global order, for this rank's heads, which is what the
+    cache keeps and `piece_attention` attends (the earlier pieces whole, for the same heads: all on this rank);
+    the reverse all-to-all returns this rank's tokens. q: (b, heads, s, d), k/v: (b, groups, s, d)."""
+    level = None
+    if cp_group is not None:
+        a2a, p2p = cp_group.levels() if isinstance(cp_group, UlyssesGroup) else (None, None)
+        if a2a is None or p2p.size() > 1:     # refused by the arguments: arguments/pipeline.check_seq_splits
+            raise ConfigError("num_seq_splits under context parallelism needs cp_comm_type a2a", "num_seq_splits",
+                              "cp_comm_type")
+        check_query_groups(k.shape[1], a2a)
+        level = a2a
+        q, k, v = (scatter_heads(t, level) for t in (q, k, v))
+    past_k, past_v, k, v = cache.extend(piece, k, v)
+    out = piece_attention(q, past_k, past_v, k, v, grouped, document_ids)
+    return out if level is None else gather_heads(out, level)
 
 
 def piece_attention(q: torch.Tensor, past_k: list, past_v: list, k: torch.Tensor, v: torch.Tensor, grouped: bool,
