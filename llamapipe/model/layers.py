@@ -216,7 +216,7 @@ class Attention(nn.Module):
         self.core = spec.core_attention(config, cp_group=cp_group, cp_comm_type=cp_comm_type,
                                         grouped=self.groups != self.heads)
         self.kv_cache = PieceKVCache()      # Seq1F1B: the earlier pieces' keys and values (piece_attention.py)
-        self.cp_group = cp_group            # a Seq1F1B piece under a2a CP gathers itself over it (piece_attention)
+        self.cp_group, self.cp_comm_type = cp_group, cp_comm_type     # a Seq1F1B piece's attention under CP
 
     def forward(self, x: torch.Tensor, rope: Rope, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x: (s, b, h) or (s/tp, b, h) -> same; document_ids: (b, s) of the whole sequence, or None
@@ -246,7 +246,7 @@ class Attention(nn.Module):
             out = self.core(q, k, v.permute(1, 2, 0, 3), document_ids)   # (b, heads, s, d)
         else:       # a Seq1F1B piece: also the keys of the sequence's earlier pieces
             out = cached_piece_attention(self.kv_cache, piece, q, k, v.permute(1, 2, 0, 3), self.cp_group,
-                                         self.groups != self.heads, document_ids)
+                                         self.groups != self.heads, document_ids, self.cp_comm_type)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
 

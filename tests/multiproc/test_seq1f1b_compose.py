@@ -15,8 +15,10 @@ from tests.multiproc.test_pipeline_llama import CONFIG, _sgd_steps, assert_match
 
 # (layout, schedule, vpp, microbatches, K, uneven pieces, packed documents)
 CASES = [("cp2", "1f1b", 1, 4, 2, True, False), ("cp2", "zbv", 2, 4, 2, False, False),
-         ("cp2", "zb-h1", 1, 4, 2, True, True), ("tp2-sp", "zbv", 2, 4, 2, False, False)]
+         ("cp2", "zb-h1", 1, 4, 2, True, True), ("cp2-allgather", "zbv", 2, 4, 2, True, True),
+         ("tp2-sp", "zbv", 2, 4, 2, False, False)]
 LAYOUTS = {"cp2": (dict(tp=1, pp=2, cp=2), dict(cp_comm_type="a2a")),
+           "cp2-allgather": (dict(tp=1, pp=2, cp=2), dict(cp_comm_type="allgather")),
            "tp2-sp": (dict(tp=2, pp=2), dict(sequence_parallel=True))}
 
 

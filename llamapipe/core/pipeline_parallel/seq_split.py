@@ -13,10 +13,10 @@ Boundaries: "flops" (the default, the paper's solver) gives every piece the same
 piece attends to more keys, so it is shorter. Equal compute keeps every unit of the pipeline the same length,
 which is what the schedules assume. "length" gives every piece seq/K tokens (equal activation memory per piece).
 
-Context parallelism (a2a only; docs/schedules.md says why): the pieces are cut from the whole sequence, and the
-model's `SequenceShard` then cuts each piece into its 2 x cp load-balanced chunks, so each CP rank's tokens of a
-sequence are its shards of the K pieces (s / (cp K) tokens each under "length"); the a2a attention gathers a
-piece whole for a head group, where it meets the cached earlier pieces (model/piece_attention.py).
+Context parallelism (a2a and allgather; docs/schedules.md says why not p2p): the pieces are cut from the whole
+sequence, and the model's `SequenceShard` then cuts each piece into its 2 x cp load-balanced chunks, so each CP
+rank's tokens of a sequence are its shards of the K pieces (s / (cp K) tokens each under "length"); the attention
+meets the cached earlier pieces across the CP group (model/piece_attention.py).
 """
 from __future__ import annotations
 

@@ -134,10 +134,10 @@ def check_seq_splits(args: argparse.Namespace, schedule: str, pp: int, tp: int, 
     if pp > 1 and (spec is None or spec.seq_builder is None):
         supported = ", ".join(name for name, s in SPECS.items() if s.seq_builder is not None)
         raise ArgumentError(f"--num-seq-splits {k} needs --pipeline-schedule one of {supported}, got {schedule}")
-    if cp > 1 and cp_comm_type != "a2a":
-        raise ArgumentError(f"--num-seq-splits {k} with --context-parallel-size {cp} needs --cp-comm-type a2a, got "
-                            f"{cp_comm_type}: p2p, allgather and a2a+p2p would attend a piece's queries to the cached "
-                            "keys of earlier pieces held by other CP ranks, which they do not do yet")
+    if cp > 1 and cp_comm_type not in ("a2a", "allgather"):
+        raise ArgumentError(f"--num-seq-splits {k} with --context-parallel-size {cp} needs --cp-comm-type a2a or "
+                            f"allgather, got {cp_comm_type}: its ring does not carry the earlier pieces' cached keys "
+                            "yet")
     for flag, on in (("--enable-vocab-parallel", vocab_parallel), ("--cpu-offload", offload)):
         if on:
             raise ArgumentError(f"--num-seq-splits {k} does not run with {flag} yet")
