@@ -32,6 +32,7 @@ from llamapipe.core.context_parallel.pieces import allgather_piece_attention
 from llamapipe.core.context_parallel.ulysses import UlyssesGroup, check_query_groups, gather_heads, scatter_heads
 from llamapipe.core.document_attention import same_document
 from llamapipe.core.pipeline_parallel.seq_split import Piece
+from llamapipe.core.tensor_parallel.graph_breaks import eager
 
 
 class PieceKVCache:
@@ -96,6 +97,7 @@ class _KVGradSink(torch.autograd.Function):
         return out[0], out[1], None, None
 
 
+@eager   # under --compile: the cache's dictionaries and hooks, and collectives on gloo, do not trace
 def cached_piece_attention(cache: PieceKVCache, piece: Piece, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cp_group: Optional[Any], grouped: bool, document_ids: Optional[torch.Tensor] = None,
                            cp_comm_type: str = "p2p") -> torch.Tensor:
