@@ -36,7 +36,7 @@ from llamapipe.core.document_attention import document_attention
 from llamapipe.core.pipeline_parallel import seq_split
 from llamapipe.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, add_bias, parallel_linear,
                                          set_tensor_model_parallel_attributes, tp_size_rank)
-from llamapipe.model.piece_attention import PieceKVCache, piece_attention
+from llamapipe.model.piece_attention import PieceKVCache, cached_piece_attention
 from llamapipe.model.recompute import discard_and_recompute, recompute_modules
 from llamapipe.model.rotary import Rope, apply_rotary
 
@@ -126,6 +126,7 @@ class Attention(nn.Module):
         self.core = spec.core_attention(config, cp_group=cp_group, cp_comm_type=cp_comm_type,
                                         grouped=self.groups != self.heads)
         self.kv_cache = PieceKVCache()      # Seq1F1B: the earlier pieces' keys and values (piece_attention.py)
+        self.cp_group, self.cp_comm_type = cp_group, cp_comm_type     # a Seq1F1B piece's attention under CP
 
     def forward(self, x: torch.Tensor, rope: Rope, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x: (s, b, h) or (s/tp, b, h) -> same; document_ids: (b, s) of the whole sequence, or None
@@ -154,8 +155,8 @@ class Attention(nn.Module):
         if piece is None:
             out = self.core(q, k, v.permute(1, 2, 0, 3), document_ids)   # (b, heads, s, d)
         else:       # a Seq1F1B piece: also the keys of the sequence's earlier pieces
-            past_k, past_v, k, v = self.kv_cache.extend(piece, k, v.permute(1, 2, 0, 3))
-            out = piece_attention(q, past_k, past_v, k, v, self.groups != self.heads, document_ids)
+            out = cached_piece_attention(self.kv_cache, piece, q, k, v.permute(1, 2, 0, 3), self.cp_group,
+                                         self.groups != self.heads, document_ids, self.cp_comm_type)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
 

@@ -21,14 +21,18 @@ cache's tensors) and no mask; packed documents restrict each block by a same-doc
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
+from llamapipe.core.config import ConfigError
 from llamapipe.core.context_parallel.kernels import attend, attend_backward
+from llamapipe.core.context_parallel.pieces import allgather_piece_attention
+from llamapipe.core.context_parallel.ulysses import UlyssesGroup, check_query_groups, gather_heads, scatter_heads
 from llamapipe.core.document_attention import same_document
 from llamapipe.core.pipeline_parallel.seq_split import Piece
+from llamapipe.core.tensor_parallel.graph_breaks import eager
 
 
 class PieceKVCache:
@@ -91,6 +95,38 @@ class _KVGradSink(torch.autograd.Function):
         for g, a in zip((gk, gv), acc):
             out.append(a if g is None else (g if a is None else g + a))
         return out[0], out[1], None, None
+
+
+@eager   # under --compile: the cache's dictionaries and hooks, and collectives on gloo, do not trace
+def cached_piece_attention(cache: PieceKVCache, piece: Piece, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cp_group: Optional[Any], grouped: bool, document_ids: Optional[torch.Tensor] = None,
+                           cp_comm_type: str = "p2p") -> torch.Tensor:
+    """A piece's attention with `cache` holding the earlier pieces' keys/values. Under context parallelism this
+    rank holds its load-balanced shard of the piece (q: (b, heads, s, d), k/v: (b, groups, s, d)):
+    - a2a (`cp_group` a UlyssesGroup whose a2a level is the whole CP group): the all-to-all gathers the whole
+      piece, in global order, for this rank's heads, which is what the cache keeps and `piece_attention`
+      attends (the earlier pieces whole, for the same heads: all on this rank); the reverse all-to-all returns
+      this rank's tokens;
+    - allgather: the cache keeps this rank's shards, and `allgather_piece_attention` gathers the piece's and
+      each earlier piece's keys/values over the CP group (core/context_parallel/pieces.py)."""
+    if cp_group is None:
+        past_k, past_v, k, v = cache.extend(piece, k, v)
+        return piece_attention(q, past_k, past_v, k, v, grouped, document_ids)
+    if not isinstance(cp_group, UlyssesGroup):
+        if cp_comm_type != "allgather":     # refused by the arguments: arguments/pipeline.check_seq_splits
+            raise ConfigError(f"num_seq_splits under context parallelism needs cp_comm_type a2a or allgather, not "
+                              f"{cp_comm_type}", "num_seq_splits", "cp_comm_type")
+        past_k, past_v, k, v = cache.extend(piece, k, v)
+        return allgather_piece_attention(q, k, v, past_k, past_v, cp_group, 1.0 / math.sqrt(q.shape[-1]),
+                                         document_ids)
+    a2a, p2p = cp_group.levels()
+    if p2p.size() > 1:
+        raise ConfigError("num_seq_splits under context parallelism needs cp_comm_type a2a or allgather, not "
+                          "a2a+p2p", "num_seq_splits", "cp_comm_type")
+    check_query_groups(k.shape[1], a2a)
+    q, k, v = (scatter_heads(t, a2a) for t in (q, k, v))
+    past_k, past_v, k, v = cache.extend(piece, k, v)
+    return gather_heads(piece_attention(q, past_k, past_v, k, v, grouped, document_ids), a2a)
 
 
 def piece_attention(q: torch.Tensor, past_k: list, past_v: list, k: torch.Tensor, v: torch.Tensor, grouped: bool,

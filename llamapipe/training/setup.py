@@ -27,7 +27,7 @@ from llamapipe.core.pipeline_parallel.offload_plan import OffloadOptions
 from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
 from llamapipe.core.pipeline_parallel.schedules import get_forward_backward_func
-from llamapipe.core.pipeline_parallel.seq_split import SeqSplits
+from llamapipe.core.pipeline_parallel.seq_split import SeqSplits, piece_align
 from llamapipe.core.tensor_parallel.vocab_pipeline import VocabTargets
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.offload_modules import module_paths
@@ -132,7 +132,7 @@ def seq_splits(config: Config) -> Optional[SeqSplits]:
         return None
     return SeqSplits.for_model(par.num_seq_splits, par.seq_split_balance, m.hidden_size, m.ffn_hidden_size,
                                m.num_attention_heads, m.head_dim, m.num_query_groups,
-                               align=par.tp_size if par.sequence_parallel else 1)
+                               align=piece_align(par.tp_size, par.sequence_parallel, par.cp_size))
 
 
 def offload_options(config: Config, chunks: list[torch.nn.Module]) -> Optional[OffloadOptions]:

@@ -1,11 +1,13 @@
 """Seq1F1B through the CLI (--num-seq-splits): pp 2 with every microbatch in K sequence pieces trains with the
-single process's losses (fp32, rel 1e-5), also with packed documents (--reset-attention-mask) and evaluation."""
+single process's losses (fp32, rel 1e-5), also with packed documents (--reset-attention-mask) and evaluation; so do
+dp 2 with ZeRO-1 (--use-distributed-optimizer) and ZeRO-3 (FSDP2), and cp 2 (a2a) with packed documents."""
 import pytest
 
 from tests.cli import train
 
 ITERS = ["--train-iters", "4", "--micro-batch-size", "1", "--global-batch-size", "4"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+PACKED = ["--reset-attention-mask", "--reset-position-ids", "--tokenizer-type", "NullTokenizer"]
 CASES = {
     "1f1b-k2": (PP2 + ["--num-seq-splits", "2"], []),
     "zbh1-k4-length": (PP2 + ["--pipeline-schedule", "zb-h1", "--num-seq-splits", "4",
@@ -14,9 +16,23 @@ CASES = {
                            "--num-seq-splits", "4"], ["--eval-iters", "1", "--eval-interval", "2"]),
     "zbh1-k2-post-validation": (PP2 + ["--pipeline-schedule", "zb-h1", "--num-seq-splits", "2",
                                        "--enable-optimizer-post-validation"], []),
-    "1f1b-k2-packed": (PP2 + ["--num-seq-splits", "2"], ["--reset-attention-mask", "--reset-position-ids",
-                                                         "--tokenizer-type", "NullTokenizer"]),
+    "1f1b-k2-packed": (PP2 + ["--num-seq-splits", "2"], PACKED),
+    "zero1-dp2-k2": (["--use-distributed-optimizer", "--num-seq-splits", "2"], []),
+    "zero3-dp2-k2": (["--data-parallel-sharding-strategy", "optim_grads_params", "--num-seq-splits", "2"], []),
+    "cp2-a2a-k2-packed": (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--num-seq-splits", "2"], PACKED),
 }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The single process's records for the given flags, run once per flags in this module (shared by cases)."""
+    runs: dict = {}
+
+    def run(common: list) -> list[dict]:
+        if tuple(common) not in runs:
+            runs[tuple(common)] = train(1, ITERS + common, str(tmp_path_factory.mktemp("ref") / "ref.jsonl"))
+        return runs[tuple(common)]
+    return run
 
 
 def _losses(records: list[dict], key: str) -> list[float]:
@@ -25,9 +41,9 @@ def _losses(records: list[dict], key: str) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_seq1f1b_matches_single_process(name, tmp_path):
+def test_seq1f1b_matches_single_process(name, tmp_path, reference):
     flags, common = CASES[name]
-    ref = train(1, ITERS + common, str(tmp_path / "ref.jsonl"))
+    ref = reference(common)
     got = train(2, ITERS + common + flags, str(tmp_path / "seq.jsonl"))
     for key in ("lm_loss", "valid_lm_loss"):
         want, have = _losses(ref, key), _losses(got, key)

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from llamapipe.core.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from llamapipe.model.llama import LlamaConfig
 from tests.harness import run_distributed
 
@@ -18,15 +19,22 @@ CONFIG = LlamaConfig(num_layers=8, hidden_size=64, ffn_hidden_size=176, num_atte
 BATCH, SEQ, STEPS, LR = 2, 16, 3, 0.05
 
 
-def _batches(m: int, step: int, dp_rank: int) -> list[dict]:
+def _batches(m: int, step: int, dp_rank: int, documents: bool = False) -> list[dict]:
+    """`documents`: packed samples, several documents each (boundaries off the pieces' and CP chunks' edges)."""
     g = torch.Generator().manual_seed(7919 * step + dp_rank)
-    return [{"tokens": torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g),
-             "labels": torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g)} for _ in range(m)]
+    batches = [{"tokens": torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g),
+                "labels": torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g)} for _ in range(m)]
+    if documents:
+        ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        ids[0, 5:], ids[0, 11:], ids[1, 9:] = 1, 2, 1
+        for batch in batches:
+            batch["document_ids"] = ids
+    return batches
 
 
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
-    out = model(input_ids=batch["tokens"], labels=batch["labels"])
+    out = model(input_ids=batch["tokens"], labels=batch["labels"], document_ids=batch.get("document_ids"))
     return out, lambda per_token: (per_token.float().sum(), torch.tensor(per_token.numel()), {})
 
 
@@ -39,23 +47,25 @@ def _full_grad(param: torch.nn.Parameter, ps) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)
 
 
-def _sgd_steps(chunks: list, fb, ps, m: int) -> tuple[list[float], dict]:
+def _sgd_steps(chunks: list, fb, ps, m: int, documents: bool = False) -> tuple[list[float], dict]:
     import torch.distributed as dist
     tokens, losses, first = m * ps.dp_size * BATCH * SEQ, [], None
     for step in range(STEPS):
-        batches = _batches(m, step, ps.dp_rank)
+        batches = _batches(m, step, ps.dp_rank, documents)
         out = fb(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
                  num_microbatches=m)
         total = torch.tensor([sum(float(o["loss_sum"]) for o in out)], dtype=torch.float64)
-        for group, size in ((ps.pp_group, ps.pp_size), (ps.dp_group, ps.dp_size)):
+        for group, size in ((ps.pp_group, ps.pp_size), (ps.dp_group, ps.dp_size), (ps.cp_group, ps.cp_size)):
             if size > 1:
                 dist.all_reduce(total, group=group)
         losses.append(float(total) / tokens)
+        allreduce_sequence_parallel_grads(chunks, ps.tp_group)     # norms on sequence shards: partial over TP
         params = {n: p for c in chunks for n, p in c.named_parameters()}
         for p in params.values():
             p.grad /= tokens
-            if ps.dp_size > 1:
-                dist.all_reduce(p.grad, group=ps.dp_group)
+            for group, size in ((ps.dp_group, ps.dp_size), (ps.cp_group, ps.cp_size)):    # each rank's tokens'
+                if size > 1:
+                    dist.all_reduce(p.grad, group=group)
         if first is None:
             first = {n: _full_grad(p, ps).numpy().copy() for n, p in params.items()}
         with torch.no_grad():
@@ -65,15 +75,16 @@ def _sgd_steps(chunks: list, fb, ps, m: int) -> tuple[list[float], dict]:
     return losses, first
 
 
-def llama_chunks(ps, schedule: str, pp: int, vpp: int) -> list:
-    """This rank's LlamaModel chunks of CONFIG under the schedule's placement, an even layer split."""
+def llama_chunks(ps, schedule: str, pp: int, vpp: int, **model_kw) -> list:
+    """This rank's LlamaModel chunks of CONFIG under the schedule's placement, an even layer split (`model_kw`:
+    more LlamaModel arguments)."""
     from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
     from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
     from llamapipe.model.llama import LlamaModel
     placement, stages = SPECS[schedule].placement(vpp), pp * vpp
     per = CONFIG.num_layers // stages
     return [LlamaModel(CONFIG, ps, layer_range=(s * per, (s + 1) * per), pre_process=s == 0,
-                       post_process=s == stages - 1)
+                       post_process=s == stages - 1, **model_kw)
             for s in (stage_of(ps.pp_rank, c, pp, placement) for c in range(vpp))]
 
 
@@ -94,10 +105,10 @@ def llama_worker(rank: int, world: int, tp: int, pp: int, cases: list) -> dict:
     return out
 
 
-def assert_match_single_rank(results: list[dict], cases: list, dp: int) -> None:
+def assert_match_single_rank(results: list[dict], cases: list, dp: int, documents: bool = False) -> None:
     """Every rank's losses, and the union of their gradients, equal the single-rank run's (rel 1e-5)."""
     for case in cases:
-        ref_losses, ref_grads = _single_rank(case[2], dp)
+        ref_losses, ref_grads = _single_rank(case[2], dp, documents)
         for r in results:
             torch.testing.assert_close(torch.tensor(r[case][0]), torch.tensor(ref_losses), rtol=1e-5, atol=0,
                                        msg=f"{case}: loss differs from the single-rank run")
@@ -107,15 +118,16 @@ def assert_match_single_rank(results: list[dict], cases: list, dp: int) -> None:
             torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=f"{case} {name}")
 
 
-def _single_rank(m: int, dp: int) -> tuple[list[float], dict]:
+def _single_rank(m: int, dp: int, documents: bool = False) -> tuple[list[float], dict]:
     from llamapipe.model.llama import LlamaModel
     model = LlamaModel(CONFIG)
     losses, first = [], None
     for step in range(STEPS):
         total = 0.0
         for dp_rank in range(dp):
-            for batch in _batches(m, step, dp_rank):
-                loss = model(input_ids=batch["tokens"], labels=batch["labels"]).float().sum()
+            for batch in _batches(m, step, dp_rank, documents):
+                loss = model(input_ids=batch["tokens"], labels=batch["labels"],
+                             document_ids=batch.get("document_ids")).float().sum()
                 loss.backward()
                 total += float(loss.detach())
         tokens = m * dp * BATCH * SEQ

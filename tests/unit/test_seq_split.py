@@ -107,7 +107,16 @@ def test_simulator_refuses_wrong_piece_order() -> None:
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe", "--num-seq-splits", "2"], 2,
      "--num-seq-splits 2 needs --pipeline-schedule one of 1f1b, interleaved, zb-h1, zbv, got gpipe"),
     (["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--num-seq-splits", "2"], 4,
-     "--num-seq-splits 2 does not run with --context-parallel-size > 1 yet"),
+     "--num-seq-splits 2 with --context-parallel-size 2 needs --cp-comm-type a2a or allgather, got p2p: its ring "
+     "does not carry the earlier pieces' cached keys yet"),
+    (["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "a2a",
+      "--num-seq-splits", "3", "--seq-length", "40", "--global-batch-size", "4"], 4,
+     "--num-seq-splits 3 does not divide the context-parallel shard: each piece is cut into 2 x "
+     "--context-parallel-size 2 = 4 chunks, so --seq-length 40 must be a multiple of 3 x 4 = 12"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2", "--cp-comm-type",
+      "a2a", "--num-query-groups", "4", "--num-seq-splits", "2", "--seq-length", "36"], 4,
+     "2 x --context-parallel-size 2 x --tensor-model-parallel-size 2 (sequence parallel) = 8 chunks, so "
+     "--seq-length 36 must be a multiple of 2 x 8 = 16"),
 ])
 def test_bad_splits_are_one_line(argv, world, fragment) -> None:
     from llamapipe.training.arguments.parser import ArgumentError, build_parser, config_from_args
@@ -123,6 +132,18 @@ def test_splits_reach_the_config() -> None:
             "--seq1f1b-balance-method", "length"]
     par = config_from_args(build_parser().parse_args(argv), 2).parallel
     assert (par.num_seq_splits, par.seq_split_balance) == (4, "length")
+
+
+def test_splits_with_a2a_context_parallelism_reach_the_config() -> None:
+    """pp 2 x cp 2 (a2a) with K 2: accepted; the pieces align to the 2 x cp chunks of the load-balanced layout."""
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
+    from llamapipe.training.setup import seq_splits
+    argv = ["--mock-data", "--model", "tiny", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
+            "--cp-comm-type", "a2a", "--num-seq-splits", "2", "--seq-length", "40", "--global-batch-size", "4"]
+    config = config_from_args(build_parser().parse_args(argv), 4)
+    splits = seq_splits(config)
+    assert (config.parallel.num_seq_splits, splits.align) == (2, 4)
+    assert all((b - a) % 4 == 0 for a, b in zip(splits.bounds(40), splits.bounds(40)[1:]))
 
 
 def test_plot_schedule_draws_pieces(tmp_path, capsys) -> None:

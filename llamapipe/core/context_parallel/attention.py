@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from llamapipe.core.config import ConfigError
 from llamapipe.core.context_parallel.kernels import attend, attend_backward
-from llamapipe.core.context_parallel.ulysses import A2A_TYPES, SubGroup, UlyssesGroup, gather_heads, scatter_heads
+from llamapipe.core.context_parallel.ulysses import (A2A_TYPES, SubGroup, UlyssesGroup, check_query_groups,
+                                                     gather_heads, scatter_heads)
 from llamapipe.core.context_parallel.sharding import chunk_ids, local_positions, shard_sequence, unshard_sequence
 from llamapipe.core.document_attention import document_attention, same_document
 from llamapipe.core.pipeline_parallel.position import waiting
@@ -295,9 +296,7 @@ def _ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_gro
     """a2a / a2a+p2p (ulysses.py): heads out and the sequence in over the a2a level, attention over the p2p level
     (one rank: the whole sequence, in global order), then back."""
     a2a, p2p = cp_group.levels()
-    if k.shape[1] % a2a.size():
-        raise ConfigError(f"num_query_groups per TP rank ({k.shape[1]}) is not divisible by the a2a size "
-                          f"{a2a.size()} (cp_comm_type a2a)", "num_query_groups", "cp_comm_type")
+    check_query_groups(k.shape[1], a2a)
     q, k, v = (scatter_heads(t, a2a) for t in (q, k, v))
     if p2p.size() == 1:
         out = context_parallel_attention(q, k, v, None, scale=scale, document_ids=document_ids)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llamapipe.core.config import ConfigError
 from llamapipe.core.context_parallel.sharding import shard_sequence, unshard_sequence
 
 A2A_TYPES = ("a2a", "a2a+p2p")
@@ -65,6 +66,13 @@ class UlyssesGroup:
         c, a = ranks.index(dist.get_rank()), self.a2a_size
         start = c - c % a
         return SubGroup(self.group, ranks[start:start + a]), SubGroup(self.group, ranks[c % a::a])
+
+
+def check_query_groups(groups: int, level: SubGroup) -> None:
+    """The query groups of this TP rank must split over the a2a level (each rank keeps groups / A of them)."""
+    if groups % level.size():
+        raise ConfigError(f"num_query_groups per TP rank ({groups}) is not divisible by the a2a size "
+                          f"{level.size()} (cp_comm_type a2a)", "num_query_groups", "cp_comm_type")
 
 
 class _AllToAll(torch.autograd.Function):

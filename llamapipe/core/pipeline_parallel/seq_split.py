@@ -12,6 +12,11 @@ pieces (`PieceIterator`).
 Boundaries: "flops" (the default, the paper's solver) gives every piece the same attention + MLP FLOPs; a later
 piece attends to more keys, so it is shorter. Equal compute keeps every unit of the pipeline the same length,
 which is what the schedules assume. "length" gives every piece seq/K tokens (equal activation memory per piece).
+
+Context parallelism (a2a and allgather; docs/schedules.md says why not p2p): the pieces are cut from the whole
+sequence, and the model's `SequenceShard` then cuts each piece into its 2 x cp load-balanced chunks, so each CP
+rank's tokens of a sequence are its shards of the K pieces (s / (cp K) tokens each under "length"); the attention
+meets the cached earlier pieces across the CP group (model/piece_attention.py).
 """
 from __future__ import annotations
 
@@ -76,6 +81,13 @@ class SeqSplits:
 
     def bounds(self, seq_len: int) -> tuple[int, ...]:
         return piece_bounds(seq_len, self.count, self.method, self.linear, self.pair, self.align)
+
+
+def piece_align(tp_size: int = 1, sequence_parallel: bool = False, cp_size: int = 1) -> int:
+    """The multiple of tokens every piece keeps: the TP size under sequence parallelism (each rank holds s/tp of
+    a piece), times 2 x CP under context parallelism (each piece is cut into the 2 x cp chunks of the
+    load-balanced layout, context_parallel/sharding.py)."""
+    return (tp_size if sequence_parallel else 1) * (2 * cp_size if cp_size > 1 else 1)
 
 
 def piece_bounds(seq_len: int, count: int, method: str = "flops", linear: float = 1.0, pair: float = 0.0,

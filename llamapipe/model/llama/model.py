@@ -211,9 +211,10 @@ class LlamaModel(nn.Module):
             assert self.input_tensor is not None, "set_input_tensor must be called before forward"
             hidden = self.input_tensor
         seq_len = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)   # this CP rank's tokens
+        start = self._piece_start(seq_len * shard.cp_size)
         if position_ids is None and shard.cp_size > 1:   # the global positions of this rank's tokens
-            position_ids = shard.positions(seq_len, hidden.shape[1], hidden.device)
-        rope = self._rope(seq_len, position_ids, hidden.dtype)
+            position_ids = shard.positions(seq_len, hidden.shape[1], hidden.device) + start
+        rope = self._rope(seq_len, start, position_ids, hidden.dtype)
         for i, layer in enumerate(self.layers.values()):
             if self._recompute_layer(i) and torch.is_grad_enabled():
                 hidden = checkpoint(layer, hidden, rope, document_ids, use_reentrant=False)
@@ -225,15 +226,20 @@ class LlamaModel(nn.Module):
             return self.final_norm(hidden)   # (s, b, h): the output layer runs in the plan's S/T actions
         return self._head(self.final_norm(hidden), labels)
 
-    def _rope(self, seq_len: int, position_ids: Optional[torch.Tensor], dtype: torch.dtype):
-        """RoPE tables of this forward's tokens; a Seq1F1B piece's positions start after the earlier pieces'."""
+    def _piece_start(self, piece_len: int) -> int:
+        """The first position of this forward's tokens in their sequence: after the earlier pieces' tokens for a
+        Seq1F1B piece of `piece_len` tokens (all CP ranks' together), else 0."""
         piece = seq_split.current()
         if piece is None:
-            return self.rotary(seq_len, position_ids, dtype)
+            return 0
         start = self._piece_starts.pop(piece.microbatch, 0) if piece.index else 0
         if piece.index < piece.count - 1:
-            self._piece_starts[piece.microbatch] = start + seq_len
-        if position_ids is not None:
+            self._piece_starts[piece.microbatch] = start + piece_len
+        return start
+
+    def _rope(self, seq_len: int, start: int, position_ids: Optional[torch.Tensor], dtype: torch.dtype):
+        """RoPE tables of this forward's `seq_len` tokens, at `position_ids`, else at start, start + 1, ..."""
+        if position_ids is not None or start == 0:
             return self.rotary(seq_len, position_ids, dtype)
         cos, sin = self.rotary(start + seq_len, None, dtype)
         return cos[start:], sin[start:]

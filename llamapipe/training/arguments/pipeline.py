@@ -122,7 +122,7 @@ GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 
 
 def check_seq_splits(args: argparse.Namespace, schedule: str, pp: int, tp: int, cp: int, sequence_parallel: bool,
-                     vocab_parallel: bool, offload: bool) -> int:
+                     vocab_parallel: bool, offload: bool, cp_comm_type: str = "p2p") -> int:
     """--num-seq-splits K (Seq1F1B): K itself, after the checks that make each a one-line error (the sequence
     length: `check_seq_pieces`)."""
     k = args.num_seq_splits
@@ -134,8 +134,11 @@ def check_seq_splits(args: argparse.Namespace, schedule: str, pp: int, tp: int, 
     if pp > 1 and (spec is None or spec.seq_builder is None):
         supported = ", ".join(name for name, s in SPECS.items() if s.seq_builder is not None)
         raise ArgumentError(f"--num-seq-splits {k} needs --pipeline-schedule one of {supported}, got {schedule}")
-    for flag, on in (("--context-parallel-size > 1", cp > 1), ("--enable-vocab-parallel", vocab_parallel),
-                     ("--cpu-offload", offload)):
+    if cp > 1 and cp_comm_type not in ("a2a", "allgather"):
+        raise ArgumentError(f"--num-seq-splits {k} with --context-parallel-size {cp} needs --cp-comm-type a2a or "
+                            f"allgather, got {cp_comm_type}: its ring does not carry the earlier pieces' cached keys "
+                            "yet")
+    for flag, on in (("--enable-vocab-parallel", vocab_parallel), ("--cpu-offload", offload)):
         if on:
             raise ArgumentError(f"--num-seq-splits {k} does not run with {flag} yet")
     return k
@@ -143,13 +146,21 @@ def check_seq_splits(args: argparse.Namespace, schedule: str, pp: int, tp: int, 
 
 def check_seq_pieces(par: ParallelConfig, seq_length: int) -> None:
     """One line when --num-seq-splits does not divide the sequence (into multiples of the TP size under sequence
-    parallelism)."""
-    from llamapipe.core.pipeline_parallel.seq_split import piece_bounds
-    if par.num_seq_splits > 1:
-        try:
-            piece_bounds(seq_length, par.num_seq_splits, "length", align=par.tp_size if par.sequence_parallel else 1)
-        except ValueError as err:
+    parallelism; under context parallelism each piece into the 2 x cp chunks of the load-balanced layout)."""
+    from llamapipe.core.pipeline_parallel.seq_split import piece_align, piece_bounds
+    k, cp = par.num_seq_splits, par.cp_size
+    if k <= 1:
+        return
+    align = piece_align(par.tp_size, par.sequence_parallel, cp)
+    try:
+        piece_bounds(seq_length, k, "length", align=align)
+    except ValueError as err:
+        if cp == 1:
             raise ArgumentError(f"{flag_message(err)} (--seq-length {seq_length})") from None
+        sp = f" x --tensor-model-parallel-size {par.tp_size} (sequence parallel)" if align > 2 * cp else ""
+        raise ArgumentError(f"--num-seq-splits {k} does not divide the context-parallel shard: each piece is cut into "
+                            f"2 x --context-parallel-size {cp}{sp} = {align} chunks, so --seq-length {seq_length} "
+                            f"must be a multiple of {k} x {align} = {k * align}") from None
 
 
 def grouped_schedule(args: argparse.Namespace, schedule: str, pp: int) -> str:
