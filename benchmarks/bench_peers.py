@@ -203,8 +203,8 @@ def _paired(rows: dict, ours: str, theirs: str) -> dict | None:
 
 def comparisons(rows: list[dict]) -> list[dict]:
     """The issue's two measures: ours automatic vs the fastest peer at vocab32, ours ZB-V vs the fastest peer's 1F1B
-    at the balanced shape; and ours automatic (one chunk per rank, and two) vs the fastest peer there (paired by round: ours / peer, below 1 when
-    ours is faster)."""
+    at the balanced shape; and ours automatic (one chunk per rank, and two) vs the fastest peer there (paired by
+    round: ours / peer, below 1 when ours is faster)."""
     out = []
     pairs = ((VOCABS["vocab32"], "ours-auto", ""), (VOCABS["balanced"], "ours-zbv", "-1f1b"),
              (VOCABS["balanced"], "ours-auto", ""), (VOCABS["balanced"], "ours-auto-v", ""))

@@ -97,7 +97,7 @@ def test_comparisons_and_loss_check_and_section():
 
 from benchmarks import peers_timers  # noqa: E402
 
-_LOG = """[2026-11-29 10:49:26] notice: --pipeline-model-parallel-layout auto chose 'Et*4|t*4L' (layers per virtual stage 4/4)
+_LOG = """[2026-11-29 10:49:26] notice: --pipeline-model-parallel-layout auto chose 'Et*4|t*4L' (layers 4/4)
 [2026-11-29 10:49:33] times across ranks (ms):
     forward-backward ................................: rank 0: 2185.10, rank 1: 2230.42
     compute .........................................: rank 0: 1000.00, rank 1: 900.00
@@ -157,9 +157,9 @@ def test_bad_combinations_get_one_line(argv, says, capsys):
 
 @pytest.mark.slow
 def test_synthetic_mode_runs_the_frameworks_and_states_what_it_is(tmp_path, monkeypatch):
-    """Plumbing, end to end on sleeping stages at p = 2 (the smallest launch): ours through our runtime and torch's
-    (torch's path runs in the benchmark, not here: one launch keeps this short) gives a row near the ideal; a peer that cannot run is a row with its reason; the docs section says
-    the numbers are synthetic."""
+    """Plumbing, end to end on sleeping stages at p = 2 (the smallest launch): ours through our runtime gives a row
+    near the ideal (one launch keeps this short; the peers' synthetic paths run in the benchmark); a peer that
+    cannot run is a row with its reason; the docs section says the numbers are synthetic."""
     import json
     real_missing = bp.missing_reason
     monkeypatch.setattr(bp, "missing_reason", lambda case: "deepspeed-1f1b: deepspeed is not importable from x"
