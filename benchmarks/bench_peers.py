@@ -26,7 +26,8 @@ framework's own schedule engine over SLEEPING stages (benchmarks/peers_synthetic
 mode), so 4 ranks on 2 cores still measure the schedules; those rows are marked synthetic and compared with the
 ideal m x (F + B + W) per rank, not with the real runs:
 
-    /work/peers-venv/bin/python -m benchmarks.bench_peers --pp 4 --synthetic --rounds 2 --iters 6 --warmup 3
+    /work/peers-venv/bin/python -m benchmarks.bench_peers --pp 4 --synthetic --sleep-ms 10 --rounds 2 --iters 5 \
+        --warmup 3       # 12 launches a round, 20-37 s each: 12 min on a loaded 2-core machine (--rounds 1: half)
 """
 from __future__ import annotations
 
