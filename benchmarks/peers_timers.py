@@ -62,7 +62,8 @@ def busy_share(cpu_s: list[float], iter_s: list[float], warmup: int) -> float:
 
 def breakdown_table(rows: list[dict]) -> str:
     """One line per case and rank: ours' timers (ms per iteration), a peer's busy share."""
-    lines = ["| V | case | rank | iteration ms | F | B | W | compute | communication | idle | busy (CPU / wall) |",
+    lines = ["| V | case | rank | iteration ms | F | B | W | compute | communication | idle | "
+             "ours: compute share; peers: CPU / wall |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for rank, t in enumerate(r.get("timers", [])):
