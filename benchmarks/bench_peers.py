@@ -19,6 +19,15 @@ the global torch; see docs/benchmarks.md):
 
     /work/peers-venv/bin/python -m benchmarks.bench_peers --rounds 2 --iters 6 --warmup 4   # ~16 min on 2 cores
     python -m benchmarks.bench_peers --section benchmarks/results/bench_peers.json   # the docs section, printed
+
+--timers adds where the time goes (benchmarks/peers_timers.py): ours' per-rank timers (--timing-log-level 2: F, B,
+W, communication, idle) and what `auto` chose; each peer rank's main-thread CPU share. --pp 4 --synthetic runs every
+framework's own schedule engine over SLEEPING stages (benchmarks/peers_synthetic.py, bench_schedules' synthetic
+mode), so 4 ranks on 2 cores still measure the schedules; those rows are marked synthetic and compared with the
+ideal m x (F + B + W) per rank, not with the real runs:
+
+    /work/peers-venv/bin/python -m benchmarks.bench_peers --pp 4 --synthetic --sleep-ms 10 --rounds 2 --iters 5 \
+        --warmup 3       # 12 launches a round, 20-37 s each: 12 min on a loaded 2-core machine (--rounds 1: half)
 """
 from __future__ import annotations
 
@@ -32,16 +41,17 @@ import sys
 import tempfile
 import time
 
+from benchmarks import peers_timers
+from benchmarks.peers_report import markdown_table, section   # noqa: F401 (the docs section; tests use both)
 from benchmarks.launch import ROOT, read_metrics, torchrun
 
 SHAPE = {"layers": 8, "hidden": 256, "ffn": 688, "heads": 8, "groups": 4, "seq": 256, "mbs": 2, "m": 8}
 VOCABS = {"balanced": 256, "vocab32": 8192}
-PP2 = ["--pipeline-model-parallel-size", "2"]
-OURS = {"ours-1f1b": PP2 + ["--pipeline-schedule", "1f1b"],
-        "ours-interleaved": PP2 + ["--pipeline-schedule", "interleaved", "--num-virtual-stages-per-pipeline-rank", "2"],
-        "ours-zbv": PP2 + ["--pipeline-schedule", "zbv", "--num-virtual-stages-per-pipeline-rank", "2"],
-        "ours-auto": PP2 + ["--pipeline-schedule", "auto", "--pipeline-model-parallel-layout", "auto",
-                            "--enable-optimizer-post-validation"]}
+AUTO = ["--pipeline-schedule", "auto", "--pipeline-model-parallel-layout", "auto", "--enable-optimizer-post-validation"]
+TWO = ["--num-virtual-stages-per-pipeline-rank", "2"]
+OURS = {"ours-1f1b": ["--pipeline-schedule", "1f1b"], "ours-interleaved": ["--pipeline-schedule", "interleaved"] + TWO,
+        "ours-zbv": ["--pipeline-schedule", "zbv"] + TWO, "ours-auto": AUTO,
+        "ours-auto-v": AUTO + TWO}      # auto over two chunks per rank: ZB-V is among its candidates
 PEERS = ["deepspeed-1f1b", "megatron-1f1b", "megatron-interleaved", "torch-1f1b", "torch-interleaved", "torch-zbv",
          "torch-dualpipev"]
 # What each case's model body is and how it computes attention (the FLOPs below count the same dense maths for
@@ -98,53 +108,90 @@ def one_line(output: str) -> str:
     return (errors or lines or ["no output"])[-1][:300]
 
 
-def run_case(case: str, vocab: int, iters: int, warmup: int) -> dict:
-    """{"iter_s": mean seconds per iteration after `warmup` (max over ranks), "first_loss"} or {"error": one line}."""
+def _ours(case: str, vocab: int, iters: int, warmup: int, opts) -> dict:
+    """Our pretrain_llama.py launch of `case`: mean iteration time after `warmup`, first loss, with --timers the
+    per-rank timers and what `auto` chose."""
     with tempfile.TemporaryDirectory() as tmp:
-        if case in OURS:
-            jsonl = os.path.join(tmp, "m.jsonl")
-            proc = torchrun(2, model_flags(vocab) + OURS[case] + ["--train-iters", str(iters), "--metrics-jsonl",
-                                                                   jsonl], timeout=1800)
-            if proc.returncode != 0:
-                return {"error": one_line(proc.stdout + proc.stderr)}
-            records = read_metrics(jsonl)
-            return {"iter_s": statistics.fmean(r["elapsed_ms"] for r in records[warmup:]) / 1e3,
-                    "first_loss": records[0]["lm_loss"]}
+        jsonl = os.path.join(tmp, "m.jsonl")
+        flags = model_flags(vocab) + ["--pipeline-model-parallel-size", str(opts.pp)] + OURS[case] + [
+            "--train-iters", str(iters), "--metrics-jsonl", jsonl] + (peers_timers.FLAGS if opts.timers else [])
+        proc = torchrun(opts.pp, flags, timeout=1800)
+        if proc.returncode != 0:
+            return {"error": one_line(proc.stdout + proc.stderr)}
+        records = read_metrics(jsonl)
+    got = {"iter_s": statistics.fmean(r["elapsed_ms"] for r in records[warmup:]) / 1e3,
+           "first_loss": records[0]["lm_loss"]}
+    if opts.timers:
+        out = proc.stdout + proc.stderr
+        got.update(timers=peers_timers.per_rank(peers_timers.parse_blocks(out), warmup),
+                   auto_choice=peers_timers.auto_choice(out))
+    return got
+
+
+def run_case(case: str, vocab: int, iters: int, warmup: int, opts=None) -> dict:
+    """{"iter_s": mean seconds per iteration after `warmup` (max over ranks), "first_loss", ...} or {"error": one
+    line}. `opts`: pp, synthetic (sleep_ms per layer), timers; None is the p = 2 real run."""
+    opts = opts or argparse.Namespace(pp=2, synthetic=False, sleep_ms=0.0, timers=False)
+    if case in OURS and not opts.synthetic:
+        return _ours(case, vocab, iters, warmup, opts)
+    with tempfile.TemporaryDirectory() as tmp:
         s = SHAPE
         args = ["--framework", case, "--vocab", str(vocab), "--iters", str(iters), "--out-dir", tmp]
         # no flag may be a prefix of one of torchrun's (it reads "--m" as its own, ambiguously)
         flags = {"layers": "layers", "hidden": "hidden", "ffn": "ffn", "heads": "heads", "groups": "groups",
                  "seq": "seq", "mbs": "micro-batch", "m": "microbatches"}
         args += [a for k, flag in flags.items() for a in (f"--{flag}", str(s[k]))]
-        proc = torchrun(2, args, script=os.path.join("benchmarks", "peers_worker.py"), timeout=1800)
+        args += ["--sleep-ms", str(opts.sleep_ms)] if opts.synthetic else []
+        proc = torchrun(opts.pp, args, script=os.path.join("benchmarks", "peers_worker.py"), timeout=1800)
         if proc.returncode != 0:
             return {"error": one_line(proc.stdout + proc.stderr)}
-        ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(2)]
+        ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(opts.pp)]
     losses = [r["first_loss"] for r in ranks if r["first_loss"] is not None]
-    return {"iter_s": max(statistics.fmean(r["iter_s"][warmup:]) for r in ranks),
-            "first_loss": losses[0] if losses else None, "patches": ranks[0]["patches"]}
+    got = {"iter_s": max(statistics.fmean(r["iter_s"][warmup:]) for r in ranks),
+           "first_loss": losses[0] if losses else None, "patches": ranks[0]["patches"]}
+    if opts.timers or opts.synthetic:
+        got["busy"] = [peers_timers.busy_share(r["cpu_s"], r["iter_s"], warmup) for r in ranks]
+    return got
 
 
-def measure(cases: list[str], vocab: int, rounds: int, iters: int, warmup: int) -> list[dict]:
+def synthetic_ideal_s(pp: int, sleep_ms: float, shape: dict = SHAPE) -> float:
+    """The synthetic run's lower bound: each rank sleeps m x (F + B + W) of its L / p layers, nothing idle."""
+    return shape["m"] * 3 * (shape["layers"] / pp) * sleep_ms / 1e3
+
+
+def _row(case: str, vocab: int, got: list[dict], opts) -> dict:
+    """The result row of a case that ran every round."""
+    times = [r["iter_s"] for r in got]
+    row = {"case": case, "vocab": vocab, "iter_s": statistics.median(times), "spread_s": [min(times), max(times)],
+           "rounds_s": times, "first_loss": got[0]["first_loss"], "ln_vocab": math.log(vocab),
+           "patches": got[0].get("patches", []), "launch_s": statistics.median(r["launch_s"] for r in got)}
+    if opts is not None and opts.synthetic:
+        row.update(pp=opts.pp, synthetic=True, sleep_ms=opts.sleep_ms,
+                   ideal_s=synthetic_ideal_s(opts.pp, opts.sleep_ms))
+    else:
+        row.update(pp=opts.pp if opts else 2, gflops_per_iter=iteration_flops(vocab) / 1e9,
+                   body=BODY[framework(case)])
+    for key in ("timers", "auto_choice"):
+        if key in got[-1]:
+            row[key] = got[-1][key]           # the last round's, when the machine had settled most
+    if "busy" in got[0]:
+        row["busy"] = [statistics.median(r["busy"][k] for r in got) for k in range(len(got[0]["busy"]))]
+    return row
+
+
+def measure(cases: list[str], vocab: int, rounds: int, iters: int, warmup: int, opts=None) -> list[dict]:
     runnable = [c for c in cases if missing_reason(c) is None]
     runs: dict[str, list[dict]] = {c: [] for c in runnable}
     for k in range(rounds if runnable else 0):
         for case in runnable[k % len(runnable):] + runnable[:k % len(runnable)]:
             start = time.perf_counter()
-            runs[case].append({**run_case(case, vocab, iters, warmup), "launch_s": time.perf_counter() - start})
+            got = run_case(case, vocab, iters, warmup, opts)
+            runs[case].append({**got, "launch_s": time.perf_counter() - start})
             print(f"  round {k + 1} V={vocab} {case}: {runs[case][-1]}", flush=True)
     rows = [{"case": c, "vocab": vocab, "error": missing_reason(c)} for c in cases if c not in runs]
     for case, got in runs.items():
         failed = [r["error"] for r in got if "error" in r]
-        if failed:
-            rows.append({"case": case, "vocab": vocab, "error": failed[0]})
-            continue
-        times = [r["iter_s"] for r in got]
-        rows.append({"case": case, "vocab": vocab, "iter_s": statistics.median(times),
-                     "spread_s": [min(times), max(times)],
-                     "rounds_s": times, "gflops_per_iter": iteration_flops(vocab) / 1e9,
-                     "first_loss": got[0]["first_loss"], "ln_vocab": math.log(vocab), "body": BODY[framework(case)],
-                     "patches": got[0].get("patches", []), "launch_s": statistics.median(r["launch_s"] for r in got)})
+        rows.append({"case": case, "vocab": vocab, "error": failed[0]} if failed else _row(case, vocab, got, opts))
     return rows
 
 
@@ -157,9 +204,12 @@ def _paired(rows: dict, ours: str, theirs: str) -> dict | None:
 
 def comparisons(rows: list[dict]) -> list[dict]:
     """The issue's two measures: ours automatic vs the fastest peer at vocab32, ours ZB-V vs the fastest peer's 1F1B
-    at the balanced shape (paired by round: ours / peer, below 1 when ours is faster)."""
+    at the balanced shape; and ours automatic (one chunk per rank, and two) vs the fastest peer there (paired by
+    round: ours / peer, below 1 when ours is faster)."""
     out = []
-    for vocab, ours, suffix in ((VOCABS["vocab32"], "ours-auto", ""), (VOCABS["balanced"], "ours-zbv", "-1f1b")):
+    pairs = ((VOCABS["vocab32"], "ours-auto", ""), (VOCABS["balanced"], "ours-zbv", "-1f1b"),
+             (VOCABS["balanced"], "ours-auto", ""), (VOCABS["balanced"], "ours-auto-v", ""))
+    for vocab, ours, suffix in pairs:
         ok = {r["case"]: r for r in rows if r["vocab"] == vocab and "iter_s" in r}
         peers = [c for c in ok if framework(c) != "ours" and c.endswith(suffix)]
         if peers:
@@ -181,45 +231,18 @@ def loss_check(rows: list[dict], tol: float = 0.01) -> list[str]:
     return bad
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| V | case | ms / iteration (median, min-max) | GFLOP / iteration | GFLOP/s | first loss (ln V) | body |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['vocab']} | {r['case']} | not run: {r['error']} | | | | |")
-            continue
-        lo, hi = r["spread_s"]
-        loss = "n/a" if r["first_loss"] is None else f"{r['first_loss']:.3f}"
-        lines.append(f"| {r['vocab']} | {r['case']} | {1e3 * r['iter_s']:,.0f} ({1e3 * lo:,.0f}-{1e3 * hi:,.0f}) | "
-                     f"{r['gflops_per_iter']:.1f} | {r['gflops_per_iter'] / r['iter_s']:.2f} | {loss} "
-                     f"({r['ln_vocab']:.3f}) | {r['body']} |")
-    return "\n".join(lines)
-
-
-def section(result: dict) -> str:
-    """The "Beside the peers" section of docs/benchmarks.md from a result file."""
-    a = result["args"]
-    cmd = (f"/work/peers-venv/bin/python -m benchmarks.bench_peers --rounds {a['rounds']} --iters {a['iters']} "
-           f"--warmup {a['warmup']}")
-    parts = ["## Beside the peers", "",
-             "The issue-48 shape (8 layers, hidden 256, FFN 688, 8 heads / 4 KV groups, sequence 256, micro-batch 2, "
-             "8 microbatches, fp32, p = 2, gloo, one thread per rank) through DeepSpeed, megatron-core, "
-             "torch.distributed.pipelining and ours, cases alternating by round (benchmarks/bench_peers.py). "
-             "Reproduce (peers are the `[peers]` extra; DeepSpeed in a venv that sees the global torch: "
-             "`python -m venv --system-site-packages /work/peers-venv && DS_BUILD_OPS=0 /work/peers-venv/bin/pip "
-             "install deepspeed`):", "", f"    {cmd}", "", markdown_table(result["rows"]), ""]
-    for c in result.get("comparisons", []):
-        parts.append(f"- V={c['vocab']}: {c['ours']} / {c['peer']} = {c['ratio']:.3f} "
-                     f"(rounds {c['spread'][0]:.3f}-{c['spread'][1]:.3f}).")
-    bad = result.get("loss_check", [])
-    parts.append("- First-iteration losses within 1% of ours-1f1b: " + ("all." if not bad else "; ".join(bad)))
-    parts.append("- Model bodies: torch and DeepSpeed run our LlamaModel's layers (even split), megatron-core its own "
-                 "GPTModel (local spec) whose attention computes the full s x s scores and masks them, where SDPA's "
-                 "causal kernel may skip the masked half; the FLOPs column counts attention whole for all.")
-    patches = next((r["patches"] for r in result["rows"] if r["case"].startswith("megatron") and r.get("patches")), [])
-    if patches:
-        parts.append("- megatron-core CPU patches (benchmarks/peers_megatron.py): " + "; ".join(patches) + ".")
-    return "\n".join(parts) + "\n"
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """One line for a combination that cannot be measured honestly."""
+    if args.warmup >= args.iters:
+        p.error(f"--warmup {args.warmup} leaves no timed iteration of --iters {args.iters}")
+    cores = os.cpu_count() or 1
+    if args.pp > cores and not args.synthetic:
+        p.error(f"--pp {args.pp} on {cores} cores measures the machine's time-sharing, not the schedules: add "
+                "--synthetic (sleeping stages)")
+    if args.pp < 2 or SHAPE["layers"] % (2 * args.pp):
+        p.error(f"--pp {args.pp}: the {SHAPE['layers']} layers must split into 2 chunks on each of p >= 2 ranks")
+    if args.synthetic and args.sleep_ms <= 0:
+        p.error(f"--sleep-ms {args.sleep_ms:g}: the synthetic stages need a positive sleep")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,16 +254,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=4, help="untimed first iterations (ours' auto profiles in them)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_peers.json"))
     p.add_argument("--section", metavar="RESULT_JSON", help="print the docs section of an earlier run and exit")
+    p.add_argument("--pp", type=int, default=2, help="pipeline ranks (more than the cores: only with --synthetic)")
+    p.add_argument("--synthetic", action="store_true", help="sleeping stages in every framework (the balanced "
+                   "shape; vocabulary and model compute do not enter)")
+    p.add_argument("--sleep-ms", type=float, default=10.0, help="--synthetic: F = B = W per layer and microbatch")
+    p.add_argument("--timers", action="store_true", help="ours' per-rank timers and auto's choice; peers' CPU share")
     args = p.parse_args(argv)
     if args.section:
         print(section(json.load(open(args.section))), end="")
         return 0
-    if args.warmup >= args.iters:
-        p.error(f"--warmup {args.warmup} leaves no timed iteration of --iters {args.iters}")
-    rows = [row for shape in args.shapes for row in measure(args.cases, VOCABS[shape], args.rounds, args.iters,
-                                                             args.warmup)]
+    check_args(p, args)
+    if args.synthetic and args.out == p.get_default("out"):
+        args.out = os.path.join(ROOT, "benchmarks", "results", f"bench_peers_synthetic_p{args.pp}.json")
+    shapes, load = ["balanced"] if args.synthetic else args.shapes, [os.getloadavg()[0]]
+    rows = [row for shape in shapes for row in measure(args.cases, VOCABS[shape], args.rounds, args.iters,
+                                                       args.warmup, args)]
     result = {"args": vars(args), "shape": SHAPE, "rows": rows, "comparisons": comparisons(rows),
-              "loss_check": loss_check(rows)}
+              "loss_check": [] if args.synthetic else loss_check(rows),
+              "load_average_1min": load + [os.getloadavg()[0]]}      # at the start and the end: was it quiet?
     from benchmarks.results_io import write_json
     write_json(args.out, result, indent=1)
     md = os.path.splitext(args.out)[0] + ".md"

@@ -1,11 +1,12 @@
 """One peer framework's training iterations, run by benchmarks/bench_peers.py under torchrun (one process a rank,
-gloo, one thread each). Every rank writes {"iter_s": [seconds of each iteration], "first_loss": mean token loss
-of iteration 1 or null, "patches": [...]} to OUT_DIR/rank<r>.json.
+gloo, one thread each). Every rank writes {"iter_s": [seconds of each iteration], "cpu_s": [its main-thread CPU
+seconds], "first_loss": mean token loss of iteration 1 or null, "patches": [...]} to OUT_DIR/rank<r>.json.
 
 An iteration: zero the gradients, one forward-backward over M microbatches with the framework's schedule, a
 torch.optim.Adam step on this rank's parameters (DeepSpeed: its engine's `train_batch`, which steps the same Adam).
 Model bodies: torch.distributed.pipelining and DeepSpeed run llamapipe's LlamaModel chunks (the very layers ours
 runs, split evenly); megatron-core runs its own GPTModel with the local spec (benchmarks/peers_megatron.py).
+With --sleep-ms every framework (ours too) runs sleeping stages instead (benchmarks/peers_synthetic.py).
 
     torchrun --nproc_per_node 2 benchmarks/peers_worker.py --framework torch-zbv --vocab 256 --out-dir /tmp/x
 """
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 FRAMEWORKS = ["deepspeed-1f1b", "megatron-1f1b", "megatron-interleaved", "torch-1f1b", "torch-interleaved",
               "torch-zbv", "torch-dualpipev"]
+SYNTHETIC_ONLY = ["ours-1f1b", "ours-interleaved", "ours-zbv", "ours-auto", "ours-auto-v"]
 TWO_CHUNKS = {"megatron-interleaved", "torch-interleaved", "torch-zbv", "torch-dualpipev"}
 
 
@@ -133,13 +135,18 @@ def megatron(shape, name: str):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--framework", choices=FRAMEWORKS, required=True)
+    p.add_argument("--framework", choices=FRAMEWORKS + SYNTHETIC_ONLY, required=True)
     for flag, default in (("layers", 8), ("hidden", 256), ("ffn", 688), ("heads", 8), ("groups", 4), ("seq", 256),
                           ("micro-batch", 2), ("microbatches", 8), ("vocab", 256), ("iters", 6)):
         p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--sleep-ms", type=float, default=0.0,
+                   help="synthetic stages: F = B = W sleep per layer and microbatch (0: the real model)")
     p.add_argument("--out-dir", required=True)
     shape = p.parse_args(argv)
+    shape.sleep_s = shape.sleep_ms / 1e3
+    if shape.framework in SYNTHETIC_ONLY and not shape.sleep_s:
+        p.error(f"--framework {shape.framework} runs here only with --sleep-ms (ours' real runs are pretrain_llama.py)")
     torch.set_num_threads(1)
     torch.manual_seed(1234)
     if shape.framework.startswith("deepspeed"):
@@ -148,28 +155,32 @@ def main(argv=None) -> None:
         deepspeed.init_distributed(dist_backend="gloo")
     else:
         dist.init_process_group("gloo")
-    if shape.framework.startswith("torch"):
+    if shape.sleep_s:
+        from benchmarks import peers_synthetic
+        chunks, step, patches = peers_synthetic.build(shape, shape.framework)
+    elif shape.framework.startswith("torch"):
         chunks, step, patches = torch_pipelining(shape, shape.framework)
     elif shape.framework.startswith("megatron"):
         chunks, step, patches = megatron(shape, shape.framework)
     else:
         chunks, step, patches = deepspeed_1f1b(shape, shape.lr)
     optimizer = None if chunks is None else torch.optim.Adam([q for c in chunks for q in c.parameters()], lr=shape.lr)
-    times, first_loss = [], None
+    times, cpu, first_loss = [], [], None
     for it in range(shape.iters):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         losses = step()
         if optimizer is not None:
             optimizer.step()
         times.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
         if it == 0 and losses:
             first_loss = sum(losses) / len(losses)
     dist.barrier()
     os.makedirs(shape.out_dir, exist_ok=True)
     with open(os.path.join(shape.out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({"iter_s": times, "first_loss": first_loss, "patches": patches}, f)
+        json.dump({"iter_s": times, "cpu_s": cpu, "first_loss": first_loss, "patches": patches}, f)
     dist.destroy_process_group()
 
 

@@ -91,3 +91,91 @@ def test_comparisons_and_loss_check_and_section():
                        "loss_check": bad})
     assert text.startswith("## Beside the peers\n") and "--rounds 2 --iters 5 --warmup 3" in text
     assert "ours-auto / megatron-1f1b = 0.800" in text and "megatron-1f1b: first loss" in text
+
+
+# --- where the time goes (--timers) and the synthetic mode (--pp 4 --synthetic) ---
+
+from benchmarks import peers_timers  # noqa: E402
+
+_LOG = """[2026-11-29 10:49:26] notice: --pipeline-model-parallel-layout auto chose 'Et*4|t*4L' (layers 4/4)
+[2026-11-29 10:49:33] times across ranks (ms):
+    forward-backward ................................: rank 0: 2185.10, rank 1: 2230.42
+    compute .........................................: rank 0: 1000.00, rank 1: 900.00
+    communication ...................................: rank 0: 20.00, rank 1: 6.00
+    idle ............................................: rank 0: 100.00, rank 1: 300.00
+    forward-compute .................................: rank 0: 300.00, rank 1: 280.00
+per-rank time per iteration (ms): rank 0: compute 1000.0, communication 20.0, idle 100.0 (bubble 8.9%)
+[2026-11-29 10:49:33] iteration      1/     3 | elapsed time per iteration (ms): 2732.3
+[2026-11-29 10:49:35] auto schedule: F=59.02 ms B=74.58 ms W=50.07 ms comm=0.985 ms -> auto: simulated bubble 5.6%
+[2026-11-29 10:49:35] times across ranks (ms):
+    compute .........................................: rank 0: 1200.00, rank 1: 1100.00
+    communication ...................................: rank 0: 30.00, rank 1: 10.00
+    idle ............................................: rank 0: 200.00, rank 1: 100.00
+    forward-compute .................................: rank 0: 400.00, rank 1: 380.00
+[2026-11-29 10:49:35] iteration      2/     3 | elapsed time per iteration (ms): 1734.1
+"""
+
+
+def test_timer_blocks_are_read_per_rank_and_averaged_after_the_warmup():
+    blocks = peers_timers.parse_blocks(_LOG)
+    assert len(blocks) == 2 and blocks[0]["forward-backward"] == [2185.10, 2230.42]
+    assert blocks[1] == {"compute": [1200.0, 1100.0], "communication": [30.0, 10.0], "idle": [200.0, 100.0],
+                         "forward-compute": [400.0, 380.0]}
+    assert peers_timers.per_rank(blocks, warmup=1)[1]["idle"] == 100.0
+    both = peers_timers.per_rank(blocks, warmup=0)
+    assert both[0]["compute"] == pytest.approx(1100.0) and both[1]["forward-compute"] == pytest.approx(330.0)
+    assert peers_timers.per_rank(blocks, warmup=2) == []
+    choice = peers_timers.auto_choice(_LOG)
+    assert choice[0].startswith("notice: --pipeline-model-parallel-layout auto chose 'Et*4|t*4L'")
+    assert choice[1].startswith("auto schedule: F=59.02 ms") and len(choice) == 2
+
+
+def test_breakdown_table_and_busy_share():
+    assert peers_timers.busy_share([9.0, 0.5, 0.5], [9.0, 1.0, 1.0], warmup=1) == 0.5
+    rows = [dict(_row("ours-auto"), timers=[{"compute": 900.0, "communication": 30.0, "idle": 70.0,
+                                              "forward-compute": 300.0}]),
+            dict(_row("torch-zbv"), busy=[0.8, 0.75])]
+    lines = peers_timers.breakdown_table(rows).splitlines()
+    assert len(lines) == 2 + 1 + 2 and len({ln.count("|") for ln in lines}) == 1
+    assert lines[2].startswith("| 256 | ours-auto | 0 | 1,000 | 300 | 0 | 0 | 900 | 30 | 70 | 90% |")
+    assert lines[4].endswith("| 75% |")
+
+
+def test_synthetic_ideal_is_each_rank_busy_for_its_layers():
+    # p = 4: 2 of the 8 layers a rank, 8 microbatches, F + B + W = 3 x 10 ms a layer
+    assert bp.synthetic_ideal_s(4, 10.0) == pytest.approx(8 * 2 * 3 * 0.010)
+
+
+@pytest.mark.parametrize("argv, says", [(["--pp", "64"], "--pp 64 on"), (["--pp", "3", "--synthetic"], "--pp 3"),
+                                        (["--synthetic", "--sleep-ms", "0"], "--sleep-ms 0")])
+def test_bad_combinations_get_one_line(argv, says, capsys):
+    with pytest.raises(SystemExit):
+        bp.main(argv)
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_synthetic_mode_runs_the_frameworks_and_states_what_it_is(tmp_path, monkeypatch):
+    """Plumbing, end to end on sleeping stages at p = 2 (the smallest launch): ours through our runtime gives a row
+    near the ideal (one launch keeps this short; the peers' synthetic paths run in the benchmark); a peer that
+    cannot run is a row with its reason; the docs section says the numbers are synthetic."""
+    import json
+    real_missing = bp.missing_reason
+    monkeypatch.setattr(bp, "missing_reason", lambda case: "deepspeed-1f1b: deepspeed is not importable from x"
+                        if case.startswith("deepspeed") else real_missing(case))
+    out = tmp_path / "syn.json"
+    assert bp.main(["--pp", "2", "--synthetic", "--sleep-ms", "2", "--cases", "ours-zbv",
+                    "deepspeed-1f1b", "--rounds", "1", "--iters", "3", "--warmup", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["case"]: r for r in result["rows"]}
+    assert rows["deepspeed-1f1b"]["error"].startswith("deepspeed-1f1b: deepspeed is not importable")
+    ideal = bp.synthetic_ideal_s(2, 2.0)
+    for case in ("ours-zbv",):
+        assert rows[case]["synthetic"] is True and rows[case]["pp"] == 2 and rows[case]["ideal_s"] == ideal
+        # a schedule cannot beat every rank sleeping its own work; a working one is far from 3x it
+        assert ideal * 0.98 <= rows[case]["iter_s"] <= 3 * ideal + 0.5, rows[case]
+        assert len(rows[case]["busy"]) == 2
+    text = (tmp_path / "syn.md").read_text()
+    assert "synthetic stages (SLEEPS, not the model)" in text and "--pp 2 --synthetic --sleep-ms 2" in text
+    assert "not run: deepspeed-1f1b" in text
