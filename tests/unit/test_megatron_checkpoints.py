@@ -177,21 +177,22 @@ def test_a_legacy_file_that_is_not_a_state_dict_or_a_missing_rank_is_refused(sav
 
 
 @pytest.mark.parametrize("legacy", [False, True])
-def test_load_of_a_megatron_save_says_how_to_convert_it(saved, tmp_path, legacy):
-    import argparse
-    from llamapipe.core.config import ArgumentError
-    from llamapipe.training.arguments.checkpoint_args import with_checkpoint_args
+def test_use_checkpoint_args_takes_the_model_from_a_megatron_saves_args(saved, tmp_path, legacy):
+    """--load of a Megatron save with --use-checkpoint-args: the shape, query groups, RoPE base, sequence and
+    vocabulary from its args (common.pt, or a legacy rank file), as from a checkpoint of ours."""
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
     root = str(tmp_path / "meg")
     if legacy:
         mc.save_megatron_legacy(saved[0], root, 9)
     else:
         import shutil
         shutil.copytree(saved[3], root)
-    args = argparse.Namespace(use_checkpoint_args=True, load=root, override_opt_param_scheduler=False,
-                              use_checkpoint_opt_param_scheduler=False)
-    with pytest.raises(ArgumentError, match=f"--load {root} is a Megatron-LM save directory; convert it first "
-                       f"with `llamapipe convert-megatron import --load {root} --save NEW_DIR`"):
-        with_checkpoint_args(args, [])
+    config = config_from_args(build_parser().parse_args(["--mock-data", "--load", root, "--use-checkpoint-args"]), 1)
+    model = config.model
+    assert (model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
+            model.num_query_groups, model.vocab_size, model.rope_theta, model.tie_word_embeddings) == \
+        (2, 64, 160, 4, 2, 128, 10000.0, False)
+    assert config.training.seq_length == 32
 
 
 def test_args_that_do_not_fit_the_tensors_are_refused(saved, tmp_path):

@@ -159,8 +159,17 @@ def _optimizer_shard(optim_state: dict, specs: dict[str, TensorSpec], skip: set[
 def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: Any, scheduler: Any,
                     parallel_state: Optional[ParallelState], config: Config, no_load_optim: bool = False,
                     no_load_rng: bool = False, finetune: bool = False) -> Optional[LoadResult]:
-    """Load the newest complete checkpoint into this rank's chunks; None when there is none."""
+    """Load the newest complete checkpoint into this rank's chunks; None when there is none. A Megatron-LM save
+    directory is staged as one of ours first (megatron_resume.py)."""
+    from llamapipe.training.checkpointing.megatron_resume import resolved
     ps = parallel_state or ParallelState()
+    wants_optimizer = optimizer is not None and not (finetune or no_load_optim)
+    with resolved(load_dir, config, ps.rank, wants_optimizer=wants_optimizer) as directory:
+        return _load(directory, model_chunks, optimizer, scheduler, ps, config, no_load_optim, no_load_rng, finetune)
+
+
+def _load(load_dir: str, model_chunks: list[nn.Module], optimizer: Any, scheduler: Any, ps: ParallelState,
+          config: Config, no_load_optim: bool, no_load_rng: bool, finetune: bool) -> Optional[LoadResult]:
     found = choose_checkpoint(load_dir, _layout(ps))
     if found is None:
         get_logger().info(f"no checkpoint in {load_dir}; starting from scratch")
