@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import sys
 
 import torch
@@ -213,7 +214,7 @@ def import_megatron(load: str, save_dir: str, tp: int = 1, pp: int = 1, vpp: int
         config=run_config(config, common["args"], tp, pp, vpp), progress=progress, consumed_samples=consumed))
 
 
-def megatron_args(config: LlamaConfig, seq_length: int, iteration: int) -> argparse.Namespace:
+def megatron_args(config: LlamaConfig, seq_length: int, iteration: int, **more) -> argparse.Namespace:
     """The args Megatron-LM records in common.pt, for the model fields."""
     return argparse.Namespace(
         num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
@@ -226,11 +227,12 @@ def megatron_args(config: LlamaConfig, seq_length: int, iteration: int) -> argpa
         untie_embeddings_and_output_weights=not config.tie_word_embeddings, position_embedding_type="rope",
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by, num_experts=None,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, ckpt_format="torch_dist",
-        iteration=iteration, consumed_train_samples=0)
+        iteration=iteration, **{"consumed_train_samples": 0, **more})
 
 
-def export_megatron(load: str, save_dir: str) -> str:
-    """Write our checkpoint in `load` (any layout) as a Megatron torch_dist save in `save_dir`; returns its iter dir."""
+def export_megatron(load: str, save_dir: str, *, replace: bool = False) -> str:
+    """Write our checkpoint in `load` (any layout) as a Megatron torch_dist save in `save_dir`; returns its iter dir.
+    The iter dir is written as iter_X.tmp and renamed; `replace`: an iter_X already there is replaced."""
     if os.path.isfile(os.path.join(load, cio.METADATA)):
         path = load
     else:
@@ -246,24 +248,31 @@ def export_megatron(load: str, save_dir: str) -> str:
     tensors = mf.to_megatron(full, config.num_layers, config.num_attention_heads, config.num_query_groups,
                              config.tie_word_embeddings)
     iteration = int(reader.meta.get("iteration", 0))
-    seq = (reader.meta.get("config") or {}).get("training", {}).get("seq_length", config.max_position_embeddings)
+    training = (reader.meta.get("config") or {}).get("training") or {}
+    seq = training.get("seq_length", config.max_position_embeddings)
     out = os.path.join(save_dir, f"iter_{iteration:07d}")
-    if os.path.exists(out):
+    if os.path.exists(out) and not replace:
         raise ValueError(f"--save {save_dir} already holds {os.path.basename(out)}")
+    final, out = out, out + ".tmp"
+    shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     # each layer's linear modules' _extra_state (None in the local spec), as megatron-core packs a ShardedObject
     objects = {f"decoder.layers.{name}._extra_state/shard_{i}_{config.num_layers}": [None]
                for name in mf.EXTRA_STATE for i in range(config.num_layers)}
     dcp.save({**tensors, **objects}, storage_writer=dcp.FileSystemWriter(out), no_dist=True,
              planner=DefaultSavePlanner(flatten_state_dict=False))
-    torch.save({"args": megatron_args(config, seq, iteration), "iteration": iteration, "checkpoint_version": 3.0},
-               os.path.join(out, "common.pt"))
+    args = megatron_args(config, seq, iteration, consumed_train_samples=int(reader.meta.get("consumed_samples", 0)),
+                         global_batch_size=training.get("global_batch_size"), exported_from=path)
+    torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0}, os.path.join(out, "common.pt"))
     with open(os.path.join(out, "metadata.json"), "w") as fh:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}, fh)
-    with open(os.path.join(save_dir, TRACKER), "w") as fh:
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(out, final)
+    with open(os.path.join(save_dir, TRACKER + ".tmp"), "w") as fh:
         fh.write(str(iteration))
-    return out
+    os.replace(os.path.join(save_dir, TRACKER + ".tmp"), os.path.join(save_dir, TRACKER))
+    return final
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

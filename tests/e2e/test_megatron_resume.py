@@ -103,3 +103,57 @@ def test_load_of_a_megatron_save_resumes_at_the_next_iteration_with_megatrons_lr
     assert math.isclose(direct[0]["lm_loss"], imported[0]["lm_loss"], rel_tol=1e-5)
     assert not math.isclose(imported[0]["lr"], lr, rel_tol=1e-3)    # --no-load-optim: a fresh schedule
     assert not os.path.exists(tmp_path / "run" / "megatron_import.tmp")
+
+
+SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160", "--num-attention-heads", "4",
+         "--group-query-attention", "--num-query-groups", "2", "--vocab-size", "128", "--seq-length", "32",
+         "--max-position-embeddings", "32"]
+PLAIN = [flag for flag in BASE if flag != "--use-checkpoint-args"] + SHAPE
+
+
+@pytest.mark.slow
+def test_ckpt_format_torch_dist_saves_what_megatron_core_loads_and_resumes_with_the_uninterrupted_losses(tmp_path):
+    """pp 2 trains 4 iterations saving with --ckpt-format torch_dist at 2 and 4: megatron-core's
+    dist_checkpointing.load of iter_0000004 into its GPTModel gives the logits of our checkpoint there (fp32,
+    1e-5), and the directory as it was at iteration 2, resumed, continues with the uninterrupted run's losses."""
+    import shutil
+    mc.require()
+    save, resumed = str(tmp_path / "save"), str(tmp_path / "resumed")
+    flags = ["--pipeline-model-parallel-size", "2", "--save-interval", "2", "--ckpt-format", "torch_dist",
+             "--train-iters", "4"]
+    whole = train(2, flags + ["--save", save], str(tmp_path / "whole.jsonl"), tiny=PLAIN)
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt",
+                                        "llamapipe"]
+    _megatron_core_loads_our_logits(save, 4)
+    shutil.copytree(save, resumed)           # the directory as it was after the save at iteration 2
+    for directory in (resumed, os.path.join(resumed, "llamapipe")):
+        shutil.rmtree(os.path.join(directory, "iter_0000004"))
+        with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as fh:
+            fh.write("2")
+    then = train(2, flags + ["--save", resumed, "--load", resumed], str(tmp_path / "then.jsonl"), tiny=PLAIN)
+    assert [r["iteration"] for r in then] == [3, 4]
+    for got, want in zip(then, whole[2:]):
+        assert math.isclose(got["lm_loss"], want["lm_loss"], rel_tol=1e-5), (got, want)
+    assert os.path.isdir(os.path.join(resumed, "iter_0000004", "llamapipe")) is False
+    assert sorted(os.listdir(os.path.join(resumed, "iter_0000004"))) == sorted(
+        os.listdir(os.path.join(save, "iter_0000004")))
+
+
+def _megatron_core_loads_our_logits(save: str, iteration: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from tests.unit.test_megatron_checkpoints import _our_logits
+    tokens = torch.randint(0, mc.TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(2))
+    ours, _ = _our_logits(os.path.join(save, "llamapipe"), tokens)
+    mc.init_parallel()
+    try:
+        model = mc.build_model(seed=9)
+        assert (mc.forward(model, tokens) - ours).abs().max() > 1e-2     # other weights until the load
+        with mc.cpu_patches():
+            state = dist_checkpointing.load(model.sharded_state_dict(prefix=""),
+                                            os.path.join(save, f"iter_{iteration:07d}"))
+        model.load_state_dict(state, strict=False)
+        torch.testing.assert_close(mc.forward(model, tokens), ours, rtol=0, atol=1e-5)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

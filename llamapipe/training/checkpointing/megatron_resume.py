@@ -31,7 +31,7 @@ from llamapipe.core.optimizer.lr_scheduler import DECAY_STYLES
 from llamapipe.training.checkpointing import catalog
 from llamapipe.training.checkpointing.selection import is_megatron_save, scan
 
-OURS = "llamapipe"               # our checkpoints inside a --ckpt-format torch_dist save directory
+OURS = catalog.OURS              # our checkpoints inside a --ckpt-format torch_dist save directory
 STAGING = "megatron_import.tmp"  # a Megatron save staged as ours, removed after the load
 _OPTIM = "optimizer.state."
 _FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "master_param"}

@@ -87,6 +87,9 @@ def save_checkpoint(save_dir: str, iteration: int, *, model_chunks: list[nn.Modu
                   scheduler=scheduler.state_dict() if scheduler is not None else None)
     start(SaveJob(save_dir, iteration, ps.rank, ps.world_size, files, keep_last_n=keep_last_n, background=async_save,
                   meta=lambda records: cio.write_metadata(tmp, records, **fields)))
+    if config.checkpoint.megatron_save is not None:    # --ckpt-format torch_dist
+        from llamapipe.training.checkpointing.megatron_save import write_megatron_copy
+        write_megatron_copy(config.checkpoint.megatron_save, cio.iter_dir(save_dir, iteration), ps.rank, keep_last_n)
 
 
 def _rank_files(model_chunks: list[nn.Module], optimizer: Any, ps: ParallelState, copy: bool) -> list[FileJob]:
