@@ -45,33 +45,57 @@ def megatron_save(tmp_path_factory):
     return str(root / "meg"), model, optimizer.optimizer, lr
 
 
-def _run_config(train_samples=None):
+def _run_config(train_samples=None):  # the fields of Config that stage() reads
     import types
     return types.SimpleNamespace(
         checkpoint=types.SimpleNamespace(override_opt_param_scheduler=False, save=None),
         training=types.SimpleNamespace(train_samples=train_samples))
 
 
-def test_the_staged_checkpoint_carries_adams_state_the_iteration_and_the_schedule_bit_for_bit(megatron_save,
-                                                                                                   tmp_path):
+def _load_here(root: str, *extra: str):
+    """(LoadResult, our Optimizer, our scheduler) after load_checkpoint of `root` into a single-process model built
+    from the command line a run would have, in this process."""
+    from llamapipe.core.optimizer.lr_scheduler import OptimizerParamScheduler
+    from llamapipe.core.optimizer.optimizer import build_optimizer
+    from llamapipe.core.parallel_state import ParallelState
+    from llamapipe.model.families import family_of
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
+    from llamapipe.training.checkpointing.save_load import load_checkpoint
+    config = config_from_args(build_parser().parse_args(BASE + ["--load", root, "--train-iters", "8", *extra]), 1)
+    ps = ParallelState()
+    chunks = [family_of(config.model).model_class(config.model, ps)]
+    optimizer = build_optimizer(chunks, config.optimizer, ps)
+    scheduler = OptimizerParamScheduler(optimizer, config.optimizer, config.training.train_iters)
+    result = load_checkpoint(root, model_chunks=chunks, optimizer=optimizer, scheduler=scheduler, parallel_state=ps,
+                             config=config, finetune=config.checkpoint.finetune,
+                             no_load_optim=config.checkpoint.no_load_optim)
+    return result, optimizer, scheduler
+
+
+def test_load_puts_megatrons_adam_state_iteration_and_schedule_into_ours_and_finetune_takes_weights_only(
+        megatron_save):
+    """Through load_checkpoint in this process: our Optimizer's moments are megatron-core's AdamW state bit for
+    bit, the step, iteration, consumed samples and the schedule continue; --finetune: weights only, iteration 0."""
     from llamapipe.tools import megatron_format as mf
-    from llamapipe.training.checkpointing import io as cio
-    from llamapipe.training.checkpointing.megatron_resume import source, stage
+    from llamapipe.training.checkpointing.megatron_resume import source
     root, model, adam, _ = megatron_save
     assert source(root) == ("megatron", root)
-    line = stage(root, str(tmp_path / "staged"), _run_config(), wants_optimizer=True)
-    assert "Megatron-LM save" in line and "Adam's state" in line
-    reader = cio.CheckpointReader(cio.latest_checkpoint(str(tmp_path / "staged"))[1])
-    assert (reader.meta["iteration"], reader.meta["consumed_samples"]) == (ITERATION, ITERATION * GBS)
-    assert reader.meta["scheduler"] == {"num_steps": ITERATION, "max_lr": 1e-3, "min_lr": 1e-4, "lr_warmup_steps": 2,
-                                        "lr_decay_steps": 20, "lr_decay_style": "cosine"}
-    assert reader.load_pt(cio.OPTIM_COMMON)["step"] == ITERATION
+    result, optimizer, scheduler = _load_here(root)
+    assert (result.iteration, result.consumed_samples) == (ITERATION, ITERATION * GBS)
+    assert (scheduler.num_steps, scheduler.lr_warmup_steps, scheduler.lr_decay_steps) == (ITERATION, 2, 20)
+    state = optimizer.state_dict()
+    assert state["step"] == ITERATION
     names = dict(model.named_parameters())
     for field in ("exp_avg", "exp_avg_sq"):   # megatron-core's own AdamW state, under its parameter names
         want = mf.to_ours({name: adam.state[p][field] for name, p in names.items()}, 2, 4, 2, "reference")
+        assert set(want) == set(state["param_state"])
         for key, tensor in want.items():
-            got = reader.logical(f"{key}/{field}", "optim")
-            assert torch.equal(got[:tensor.shape[0]], tensor), f"{key}/{field}"
+            assert torch.equal(state["param_state"][key][field], tensor), f"{key}/{field}"
+    assert not os.path.exists(os.path.join(root, "megatron_import.tmp"))
+    result, optimizer, _ = _load_here(root, "--finetune")
+    assert (result.iteration, result.consumed_samples) == (0, 0)
+    assert optimizer.state_dict()["step"] == 0
+    assert all(not fields["exp_avg"].any() for fields in optimizer.state_dict()["param_state"].values())
 
 
 def test_a_save_without_per_parameter_optimizer_state_asks_for_no_load_optim(megatron_save, tmp_path):
@@ -157,3 +181,4 @@ def _megatron_core_loads_our_logits(save: str, iteration: int) -> None:
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+

@@ -225,3 +225,28 @@ def test_a_save_by_megatron_at_tp2_pp2_imports_with_the_logits_megatron_core_loa
         logits, meta = _our_logits(str(tmp_path / f"ours{tp}{pp}"), tokens)
         assert meta["iteration"] == 3
         torch.testing.assert_close(logits, want, rtol=0, atol=TOL)
+
+
+def test_ckpt_format_torch_dist_keeps_ours_in_a_subdirectory_and_other_formats_are_one_line(tmp_path):
+    from llamapipe.core.config import ArgumentError
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
+    argv = ["--mock-data", "--save", str(tmp_path), "--ckpt-format"]
+    checkpoint = config_from_args(build_parser().parse_args(argv + ["torch_dist"]), 1).checkpoint
+    assert (checkpoint.save, checkpoint.megatron_save) == (str(tmp_path / "llamapipe"), str(tmp_path))
+    assert config_from_args(build_parser().parse_args(argv + ["torch"]), 1).checkpoint.save == str(tmp_path)
+    with pytest.raises(ArgumentError, match="^--ckpt-format zarr is not supported: give torch .llamapipe's "
+                                            r"checkpoints. or torch_dist .Megatron-LM's as well.$"):
+        config_from_args(build_parser().parse_args(argv + ["zarr"]), 1)
+
+
+def test_keep_last_n_prunes_only_the_megatron_copies_this_writer_made(tmp_path):
+    """Copies whose checkpoint of ours was pruned go; a kept one and a Megatron run's own iter dir stay."""
+    import argparse
+    from llamapipe.training.checkpointing.megatron_save import prune_copies
+    for iteration, exported in ((1, None), (2, "ours/iter_0000002"), (4, "ours/iter_0000004")):
+        path = tmp_path / f"iter_{iteration:07d}"
+        path.mkdir()
+        torch.save({"args": argparse.Namespace(exported_from=exported), "iteration": iteration}, path / "common.pt")
+    (tmp_path / "llamapipe" / "iter_0000004").mkdir(parents=True)
+    assert prune_copies(str(tmp_path), str(tmp_path / "llamapipe")) == [2]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "iter_0000004", "llamapipe"]
