@@ -182,16 +182,6 @@ def _ours(megatron: dict[str, torch.Tensor], config: LlamaConfig, source: str) -
     return full
 
 
-def fit_rows(full: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
-    """The vocabulary tensors cut or zero-padded to `rows` (Megatron padded to its TP, we to ours)."""
-    out = dict(full)
-    for key in ("embedding.weight", "output.weight"):
-        if key in out and out[key].shape[0] != rows:
-            t = out[key]
-            out[key] = t[:rows] if t.shape[0] > rows else torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])])
-    return out
-
-
 def run_config(config: LlamaConfig, args, tp: int = 1, pp: int = 1, vpp: int = 1) -> dict:
     """The `config` a checkpoint of ours records, for a model imported from Megatron run `args`."""
     parallel = ParallelConfig(world_size=tp * pp, tp_size=tp, pp_size=pp, vpp_size=vpp)
@@ -208,7 +198,7 @@ def import_megatron(load: str, save_dir: str, tp: int = 1, pp: int = 1, vpp: int
         raise ValueError(f"--tensor-model-parallel-size {tp} does not fit this model: {exc}") from None
     iteration = int(common.get("iteration", 0) or 0)
     consumed = int(getattr(common["args"], "consumed_train_samples", 0) or 0)
-    full = fit_rows(full, config.padded_vocab_size(1))
+    full = mf.fit_rows(full, config.padded_vocab_size(1))
     return _write_import(save_dir, overwrite, lambda progress: cio.write_layout(
         save_dir, iteration, full, specs, dataclasses.asdict(config), tp=tp, pp=pp, vpp=vpp,
         config=run_config(config, common["args"], tp, pp, vpp), progress=progress, consumed_samples=consumed))
@@ -244,7 +234,7 @@ def export_megatron(load: str, save_dir: str, *, replace: bool = False) -> str:
     config = config_from_dict(reader.meta["model_config"])
     if config.family != "llama":
         raise ValueError(f"checkpoint {path} is a {config.family} model; only llama exports to Megatron")
-    full = fit_rows({key: reader.logical(key) for key in reader.keys("model")}, config.padded_vocab_size(1))
+    full = mf.fit_rows({key: reader.logical(key) for key in reader.keys("model")}, config.padded_vocab_size(1))
     tensors = mf.to_megatron(full, config.num_layers, config.num_attention_heads, config.num_query_groups,
                              config.tie_word_embeddings)
     iteration = int(reader.meta.get("iteration", 0))

@@ -94,7 +94,8 @@ def scheduler_state(state: Optional[dict], args: Any, counts_samples: bool, over
 def optimizer_state(tensors: dict[str, torch.Tensor], common: dict, config: Any,
                     path: str) -> tuple[Optional[dict], str]:
     """(our Optimizer.state_dict form, or None; why None) from a Megatron save's `optimizer.*` tensors."""
-    from llamapipe.tools.convert_megatron import _ours, fit_rows
+    from llamapipe.tools.convert_megatron import _ours
+    from llamapipe.tools.megatron_format import fit_rows
     by_field: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         if key.startswith(_OPTIM):
@@ -117,7 +118,8 @@ def optimizer_state(tensors: dict[str, torch.Tensor], common: dict, config: Any,
 
 def stage(load_dir: str, staging: str, run: Any, *, wants_optimizer: bool) -> str:
     """Write the Megatron save in `load_dir` as a checkpoint of ours in `staging`; returns the log line."""
-    from llamapipe.tools.convert_megatron import fit_rows, read_megatron, run_config
+    from llamapipe.tools.convert_megatron import read_megatron, run_config
+    from llamapipe.tools.megatron_format import fit_rows
     from llamapipe.tools.convert_hf import model_specs
     from llamapipe.training.checkpointing.io import write_layout
     config, full, common, path, tensors = read_megatron(load_dir)
