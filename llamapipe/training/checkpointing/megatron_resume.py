@@ -11,10 +11,12 @@ resumes from it (it reads logical tensors, so the staged tp 1 x pp 1 loads into 
 Staged from the Megatron save: the weights; the iteration and consumed samples (common.pt `iteration`,
 `args.consumed_train_samples`); the LR schedule (common.pt `opt_param_scheduler`: Megatron counts it in
 samples, so an iteration-based run divides by `args.global_batch_size`); Adam's moments, the fp32 master
-weights and the step where the save holds them per parameter (`optimizer.state.{exp_avg,exp_avg_sq,
-fp32_param}.<param>` and common.pt's `common_step`: the non-distributed optimizer, or the distributed one with
-`--dist-ckpt-optim-fully-reshardable`). Not staged: the RNG state (per rank, CUDA's) and the distributed
-optimizer's default flattened buffers; such a save resumes with `--no-load-optim` or `--finetune`.
+weights and the step where the save holds them per parameter: `optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.
+<param>` and common.pt's `common_step` (the non-distributed optimizer, tested), or `optimizer.state.{exp_avg,
+exp_avg_sq,param}.<param>` and the param groups' `step` (the distributed one with
+`--dist-ckpt-optim-fully-reshardable`, megatron-core 0.16.1's names; no CPU test makes one). Not staged: the RNG
+state (per rank, CUDA's) and the distributed optimizer's default flattened buffers; such a save resumes with
+`--no-load-optim` or `--finetune`.
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ from llamapipe.training.checkpointing.selection import is_megatron_save, scan
 OURS = catalog.OURS              # our checkpoints inside a --ckpt-format torch_dist save directory
 STAGING = "megatron_import.tmp"  # a Megatron save staged as ours, removed after the load
 _OPTIM = "optimizer.state."
-_FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "master_param"}
+# Megatron's field -> ours: the non-distributed optimizer's fp32 masters are `fp32_param`, the distributed
+# one's (fully_reshardable) `param`
+_FIELDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "master_param", "param": "master_param"}
 
 
 def _newest_complete(directory: str) -> Optional[int]:
@@ -112,7 +116,10 @@ def optimizer_state(tensors: dict[str, torch.Tensor], common: dict, config: Any,
         if field in by_field:
             for name, tensor in fit_rows(_ours(by_field[field], config, path), rows).items():
                 param_state.setdefault(name, {})[mine] = tensor.float()
-    step = ((common.get("optimizer") or {}).get("state") or {}).get("common_step", 0)
+    saved = common.get("optimizer") or {}
+    groups = saved.get("param_groups") or [{}]    # the distributed optimizer keeps the step in its groups
+    step = (saved.get("state") or {}).get("common_step", groups[0].get("step", 0) if isinstance(groups[0], dict)
+                                          else 0)
     return {"param_state": param_state, "step": int(step), "grad_scaler": {}}, ""
 
 
