@@ -237,6 +237,9 @@ def test_ckpt_format_torch_dist_keeps_ours_in_a_subdirectory_and_other_formats_a
     with pytest.raises(ArgumentError, match="^--ckpt-format zarr is not supported: give torch .llamapipe's "
                                             r"checkpoints. or torch_dist .Megatron-LM's as well.$"):
         config_from_args(build_parser().parse_args(argv + ["zarr"]), 1)
+    with pytest.raises(ArgumentError, match="^--ckpt-format torch_dist writes Megatron-LM's LLaMA-shaped GPTModel, "
+                                            "but this run's model is a qwen2 model; save with --ckpt-format torch$"):
+        config_from_args(build_parser().parse_args(argv + ["torch_dist", "--add-qkv-bias"]), 1)
 
 
 def test_keep_last_n_prunes_only_the_megatron_copies_this_writer_made(tmp_path):

@@ -196,7 +196,7 @@ def data_parallel_sharding_strategy(args: argparse.Namespace) -> str:
     return strategy
 
 
-def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
+def checkpoint_config(args: argparse.Namespace, family: str = "llama") -> CheckpointConfig:
     # --load equal to --save may not exist yet: the first launch of a restartable (torchrun) job.
     if args.load is not None and not os.path.isdir(args.load) and args.load != args.save:
         raise ArgumentError(f"--load {args.load} is not a directory")
@@ -208,6 +208,9 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
     if args.ckpt_format not in ("torch", "torch_dist"):
         raise ArgumentError(f"--ckpt-format {args.ckpt_format} is not supported: give torch (llamapipe's checkpoints) "
                             "or torch_dist (Megatron-LM's as well)")
+    if args.ckpt_format == "torch_dist" and family != "llama":
+        raise ArgumentError(f"--ckpt-format torch_dist writes Megatron-LM's LLaMA-shaped GPTModel, but this run's model "
+                            f"is a {family} model; save with --ckpt-format torch")
     megatron = args.save if args.ckpt_format == "torch_dist" and args.save is not None else None
     return CheckpointConfig(save=args.save if megatron is None else os.path.join(megatron, catalog.OURS),
                             megatron_save=megatron, save_interval=args.save_interval, load=args.load,
