@@ -165,17 +165,51 @@ def megatron_args(shape: dict | None = None, **extra) -> argparse.Namespace:
     return argparse.Namespace(**fields)
 
 
-def save_megatron(model, save_dir: str, iteration: int, args: argparse.Namespace | None = None) -> str:
+def trained_optimizer(model, steps: int, global_batch: int, lr: float = 1e-3, min_lr: float = 1e-4,
+                      warmup_iters: int = 2, decay_iters: int = 20, style: str = "cosine"):
+    """(megatron-core's FP32Optimizer over torch AdamW after `steps` updates of seeded random gradients, its
+    OptimizerParamScheduler stepped `steps` times as Megatron-LM's training steps it: by the global batch size,
+    its warmup and decay in samples). FP32Optimizer makes its loss scale on "cuda": made on the CPU here."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    adam = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(steps)
+    for _ in range(steps):
+        for param in model.parameters():
+            param.grad = 0.01 * torch.randn(param.shape, generator=gen)
+        adam.step()
+    real = torch.tensor
+    with mock.patch("torch.tensor", lambda *a, device=None, **k: real(*a, **k)):
+        optimizer = FP32Optimizer(adam, OptimizerConfig(optimizer="adam", lr=lr), lambda *a: None)
+    scheduler = OptimizerParamScheduler(adam, init_lr=0.0, max_lr=lr, min_lr=min_lr,
+                                        lr_warmup_steps=warmup_iters * global_batch,
+                                        lr_decay_steps=decay_iters * global_batch, lr_decay_style=style,
+                                        start_wd=0.1, end_wd=0.1, wd_incr_steps=decay_iters * global_batch,
+                                        wd_incr_style="constant")
+    for _ in range(steps):
+        scheduler.step(increment=global_batch)
+    return optimizer, scheduler
+
+
+def save_megatron(model, save_dir: str, iteration: int, args: argparse.Namespace | None = None,
+                  optimizer=None, scheduler=None) -> str:
     """`model` saved as Megatron-LM's training saves it (checkpointing.py, torch_dist): save_dir/
     latest_checkpointed_iteration.txt and iter_%07d/ holding the DCP files, metadata.json and common.pt
-    ({args, iteration, checkpoint_version 3.0, ...}); returns the iter directory."""
+    ({args, iteration, checkpoint_version 3.0, opt_param_scheduler, ...}); with `optimizer`, its
+    sharded_state_dict under "optimizer" as Megatron's generate_state_dict puts it. Returns the iter directory."""
     from megatron.core import dist_checkpointing
     args = args or megatron_args()
     args.iteration = iteration
     path = os.path.join(save_dir, f"iter_{iteration:07d}")
     os.makedirs(path, exist_ok=True)
-    state = {"model": model.sharded_state_dict(prefix=""), "args": args, "iteration": iteration,
+    model_state = model.sharded_state_dict(prefix="")
+    state = {"model": model_state, "args": args, "iteration": iteration,
              "checkpoint_version": 3.0, "num_floating_point_operations_so_far": 0}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_state)
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
     with cpu_patches():
         dist_checkpointing.save(state, path, sharded_strategy=("torch_dist", 1))
     import torch.distributed as dist

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import sys
 
 import torch
@@ -136,54 +137,74 @@ def read_legacy(path: str) -> tuple[dict, dict[str, torch.Tensor], LlamaConfig]:
     return common, mf.merge_legacy(shards, config.num_layers, tp, pp, path), config
 
 
-def read_megatron(load: str) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict, str]:
-    """(config, our full logical state dict, common state, iter dir) of a Megatron save (torch_dist or legacy)."""
+def read_megatron(load: str) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict, str, dict[str, torch.Tensor]]:
+    """(config, our full logical state dict, common state, iter dir, the save's `optimizer.*` tensors as stored)
+    of a Megatron save (torch_dist or legacy; a legacy save's optimizer state is not read: {})."""
     path = iteration_dir(load)
     if not os.path.isfile(os.path.join(path, ".metadata")):
         common, model, config = read_legacy(path)
-        full = mf.to_ours(model, config.num_layers, config.num_attention_heads, config.num_query_groups, path)
-        if config.tie_word_embeddings:
-            full.pop("output.weight", None)
-        return config, full, common, path
-    common_path = os.path.join(path, "common.pt")
-    if not os.path.isfile(common_path):
-        raise ValueError(f"{path} has no common.pt (the run's args); checkpoints of releases that keep it "
-                         "inside the DCP files are not read yet")
-    common = mf.load_common(common_path)
-    if common.get("args") is None:
-        raise ValueError(f"{common_path} records no args")
+        return config, _ours(model, config, path), common, path, {}
+    common = _common(path)
     config = config_of(common["args"], path)
     tensors = read_tensors(path)
     model = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()
              if not k.startswith("optimizer")}
-    full = mf.to_ours(model, config.num_layers, config.num_attention_heads, config.num_query_groups, path)
+    optimizer = {k: v for k, v in tensors.items() if k.startswith("optimizer")}
+    return config, _ours(model, config, path), common, path, optimizer
+
+
+def _common(path: str) -> dict:
+    """common.pt of a torch_dist iter dir, or the first rank's model_optim_rng.pt of a legacy one; it has args."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        file = os.path.join(path, "common.pt")
+        if not os.path.isfile(file):
+            raise ValueError(f"{path} has no common.pt (the run's args); checkpoints of releases that keep it "
+                             "inside the DCP files are not read yet")
+    else:
+        ranks = sorted(n for n in os.listdir(path) if _LEGACY.match(n))
+        file = os.path.join(path, ranks[0], "model_optim_rng.pt") if ranks else os.path.join(path, "common.pt")
+    common = mf.load_common(file)
+    if common.get("args") is None:
+        raise ValueError(f"{file} records no args")
+    return common
+
+
+def megatron_args_of(path: str):
+    """The args (argparse Namespace, classes as stand-ins) a Megatron iter dir records."""
+    return _common(path)["args"]
+
+
+def _ours(megatron: dict[str, torch.Tensor], config: LlamaConfig, source: str) -> dict[str, torch.Tensor]:
+    """Our full logical tensors from Megatron's global ones named like its model's (weights or an optimizer field)."""
+    full = mf.to_ours(megatron, config.num_layers, config.num_attention_heads, config.num_query_groups, source)
     if config.tie_word_embeddings:
         full.pop("output.weight", None)
-    return config, full, common, path
+    return full
+
+
+def run_config(config: LlamaConfig, args, tp: int = 1, pp: int = 1, vpp: int = 1) -> dict:
+    """The `config` a checkpoint of ours records, for a model imported from Megatron run `args`."""
+    parallel = ParallelConfig(world_size=tp * pp, tp_size=tp, pp_size=pp, vpp_size=vpp)
+    training = TrainingConfig(seq_length=getattr(args, "seq_length", config.max_position_embeddings))
+    return dataclasses.asdict(Config(model=config, parallel=parallel, training=training))
 
 
 def import_megatron(load: str, save_dir: str, tp: int = 1, pp: int = 1, vpp: int = 1, *,
                     overwrite: bool = False) -> str:
-    config, full, common, path = read_megatron(load)
+    config, full, common, path, _ = read_megatron(load)
     try:
         specs = model_specs(config, tp)
     except ValueError as exc:
         raise ValueError(f"--tensor-model-parallel-size {tp} does not fit this model: {exc}") from None
     iteration = int(common.get("iteration", 0) or 0)
-    parallel = ParallelConfig(world_size=tp * pp, tp_size=tp, pp_size=pp, vpp_size=vpp)
-    training = TrainingConfig(seq_length=getattr(common["args"], "seq_length", config.max_position_embeddings))
-    run_config = dataclasses.asdict(Config(model=config, parallel=parallel, training=training))
-    rows = config.padded_vocab_size(1)
-    for key in ("embedding.weight", "output.weight"):   # Megatron padded to its TP: keep the rows ours expects
-        if key in full and full[key].shape[0] != rows:
-            full[key] = full[key][:rows] if full[key].shape[0] > rows else torch.cat(
-                [full[key], full[key].new_zeros(rows - full[key].shape[0], full[key].shape[1])])
+    consumed = int(getattr(common["args"], "consumed_train_samples", 0) or 0)
+    full = mf.fit_rows(full, config.padded_vocab_size(1))
     return _write_import(save_dir, overwrite, lambda progress: cio.write_layout(
-        save_dir, iteration, full, specs, dataclasses.asdict(config), tp=tp, pp=pp, vpp=vpp, config=run_config,
-        progress=progress))
+        save_dir, iteration, full, specs, dataclasses.asdict(config), tp=tp, pp=pp, vpp=vpp,
+        config=run_config(config, common["args"], tp, pp, vpp), progress=progress, consumed_samples=consumed))
 
 
-def megatron_args(config: LlamaConfig, seq_length: int, iteration: int) -> argparse.Namespace:
+def megatron_args(config: LlamaConfig, seq_length: int, iteration: int, **more) -> argparse.Namespace:
     """The args Megatron-LM records in common.pt, for the model fields."""
     return argparse.Namespace(
         num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
@@ -196,11 +217,12 @@ def megatron_args(config: LlamaConfig, seq_length: int, iteration: int) -> argpa
         untie_embeddings_and_output_weights=not config.tie_word_embeddings, position_embedding_type="rope",
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by, num_experts=None,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, ckpt_format="torch_dist",
-        iteration=iteration, consumed_train_samples=0)
+        iteration=iteration, **{"consumed_train_samples": 0, **more})
 
 
-def export_megatron(load: str, save_dir: str) -> str:
-    """Write our checkpoint in `load` (any layout) as a Megatron torch_dist save in `save_dir`; returns its iter dir."""
+def export_megatron(load: str, save_dir: str, *, replace: bool = False) -> str:
+    """Write our checkpoint in `load` (any layout) as a Megatron torch_dist save in `save_dir`; returns its iter dir.
+    The iter dir is written as iter_X.tmp and renamed; `replace`: an iter_X already there is replaced."""
     if os.path.isfile(os.path.join(load, cio.METADATA)):
         path = load
     else:
@@ -212,33 +234,35 @@ def export_megatron(load: str, save_dir: str) -> str:
     config = config_from_dict(reader.meta["model_config"])
     if config.family != "llama":
         raise ValueError(f"checkpoint {path} is a {config.family} model; only llama exports to Megatron")
-    full = {key: reader.logical(key) for key in reader.keys("model")}
-    rows = config.padded_vocab_size(1)
-    for key in ("embedding.weight", "output.weight"):
-        if key in full:
-            full[key] = full[key][:rows] if full[key].shape[0] >= rows else torch.cat(
-                [full[key], full[key].new_zeros(rows - full[key].shape[0], full[key].shape[1])])
+    full = mf.fit_rows({key: reader.logical(key) for key in reader.keys("model")}, config.padded_vocab_size(1))
     tensors = mf.to_megatron(full, config.num_layers, config.num_attention_heads, config.num_query_groups,
                              config.tie_word_embeddings)
     iteration = int(reader.meta.get("iteration", 0))
-    seq = (reader.meta.get("config") or {}).get("training", {}).get("seq_length", config.max_position_embeddings)
+    training = (reader.meta.get("config") or {}).get("training") or {}
+    seq = training.get("seq_length", config.max_position_embeddings)
     out = os.path.join(save_dir, f"iter_{iteration:07d}")
-    if os.path.exists(out):
+    if os.path.exists(out) and not replace:
         raise ValueError(f"--save {save_dir} already holds {os.path.basename(out)}")
+    final, out = out, out + ".tmp"
+    shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     # each layer's linear modules' _extra_state (None in the local spec), as megatron-core packs a ShardedObject
     objects = {f"decoder.layers.{name}._extra_state/shard_{i}_{config.num_layers}": [None]
                for name in mf.EXTRA_STATE for i in range(config.num_layers)}
     dcp.save({**tensors, **objects}, storage_writer=dcp.FileSystemWriter(out), no_dist=True,
              planner=DefaultSavePlanner(flatten_state_dict=False))
-    torch.save({"args": megatron_args(config, seq, iteration), "iteration": iteration, "checkpoint_version": 3.0},
-               os.path.join(out, "common.pt"))
+    args = megatron_args(config, seq, iteration, consumed_train_samples=int(reader.meta.get("consumed_samples", 0)),
+                         global_batch_size=training.get("global_batch_size"), exported_from=path)
+    torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0}, os.path.join(out, "common.pt"))
     with open(os.path.join(out, "metadata.json"), "w") as fh:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}, fh)
-    with open(os.path.join(save_dir, TRACKER), "w") as fh:
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(out, final)
+    with open(os.path.join(save_dir, TRACKER + ".tmp"), "w") as fh:
         fh.write(str(iteration))
-    return out
+    os.replace(os.path.join(save_dir, TRACKER + ".tmp"), os.path.join(save_dir, TRACKER))
+    return final
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

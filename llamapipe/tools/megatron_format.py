@@ -123,6 +123,16 @@ def to_megatron(ours: dict[str, torch.Tensor], num_layers: int, heads: int, grou
     return {key: tensor.contiguous() for key, tensor in megatron.items()}
 
 
+def fit_rows(full: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """The vocabulary tensors cut or zero-padded to `rows` (Megatron padded to its TP, we to ours)."""
+    out = dict(full)
+    for key in ("embedding.weight", "output.weight"):
+        if key in out and out[key].shape[0] != rows:
+            t = out[key]
+            out[key] = t[:rows] if t.shape[0] > rows else torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])])
+    return out
+
+
 class StandIn:
     """What a class outside the allow-list unpickles to: its recorded name and state, nothing run."""
 

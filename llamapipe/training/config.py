@@ -25,6 +25,8 @@ class CheckpointConfig:
     async_save: bool = False                         # write checkpoints on a background thread
     allow_tokenizer_change: bool = False             # resume a checkpoint trained with another tokenizer
     overwrite_save: bool = False                     # a fresh run deletes the checkpoints already in --save
+    megatron_save: Optional[str] = None              # --ckpt-format torch_dist: Megatron's copies go here, ours
+                                                     # into `save` = megatron_save/llamapipe (megatron_save.py)
 
 
 @dataclass(frozen=True)

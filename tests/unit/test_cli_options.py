@@ -37,7 +37,7 @@ FLAGS = """
 --rampup-batch-size --manual-gc --manual-gc-interval --no-manual-gc-eval --train-data-path --valid-data-path
 --test-data-path --log-throughput --log-params-norm --log-num-zeros-in-grad --wandb-project --wandb-exp-name
 --wandb-save-dir --use-checkpoint-args --recompute-activations --use-flash-attn
---pipeline-schedule-file --pipeline-profile --allow-tokenizer-change --dry-run --overwrite-save
+--pipeline-schedule-file --pipeline-profile --allow-tokenizer-change --dry-run --overwrite-save --ckpt-format
 --reset-position-ids --reset-attention-mask --eod-mask-loss
 --use-rope-scaling --rope-scaling-factor
 --decoupled-lr --decoupled-min-lr

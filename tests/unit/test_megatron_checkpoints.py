@@ -177,21 +177,22 @@ def test_a_legacy_file_that_is_not_a_state_dict_or_a_missing_rank_is_refused(sav
 
 
 @pytest.mark.parametrize("legacy", [False, True])
-def test_load_of_a_megatron_save_says_how_to_convert_it(saved, tmp_path, legacy):
-    import argparse
-    from llamapipe.core.config import ArgumentError
-    from llamapipe.training.arguments.checkpoint_args import with_checkpoint_args
+def test_use_checkpoint_args_takes_the_model_from_a_megatron_saves_args(saved, tmp_path, legacy):
+    """--load of a Megatron save with --use-checkpoint-args: the shape, query groups, RoPE base, sequence and
+    vocabulary from its args (common.pt, or a legacy rank file), as from a checkpoint of ours."""
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
     root = str(tmp_path / "meg")
     if legacy:
         mc.save_megatron_legacy(saved[0], root, 9)
     else:
         import shutil
         shutil.copytree(saved[3], root)
-    args = argparse.Namespace(use_checkpoint_args=True, load=root, override_opt_param_scheduler=False,
-                              use_checkpoint_opt_param_scheduler=False)
-    with pytest.raises(ArgumentError, match=f"--load {root} is a Megatron-LM save directory; convert it first "
-                       f"with `llamapipe convert-megatron import --load {root} --save NEW_DIR`"):
-        with_checkpoint_args(args, [])
+    config = config_from_args(build_parser().parse_args(["--mock-data", "--load", root, "--use-checkpoint-args"]), 1)
+    model = config.model
+    assert (model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
+            model.num_query_groups, model.vocab_size, model.rope_theta, model.tie_word_embeddings) == \
+        (2, 64, 160, 4, 2, 128, 10000.0, False)
+    assert config.training.seq_length == 32
 
 
 def test_args_that_do_not_fit_the_tensors_are_refused(saved, tmp_path):
@@ -224,3 +225,31 @@ def test_a_save_by_megatron_at_tp2_pp2_imports_with_the_logits_megatron_core_loa
         logits, meta = _our_logits(str(tmp_path / f"ours{tp}{pp}"), tokens)
         assert meta["iteration"] == 3
         torch.testing.assert_close(logits, want, rtol=0, atol=TOL)
+
+
+def test_ckpt_format_torch_dist_keeps_ours_in_a_subdirectory_and_other_formats_are_one_line(tmp_path):
+    from llamapipe.core.config import ArgumentError
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
+    argv = ["--mock-data", "--save", str(tmp_path), "--ckpt-format"]
+    checkpoint = config_from_args(build_parser().parse_args(argv + ["torch_dist"]), 1).checkpoint
+    assert (checkpoint.save, checkpoint.megatron_save) == (str(tmp_path / "llamapipe"), str(tmp_path))
+    assert config_from_args(build_parser().parse_args(argv + ["torch"]), 1).checkpoint.save == str(tmp_path)
+    with pytest.raises(ArgumentError, match="^--ckpt-format zarr is not supported: give torch .llamapipe's "
+                                            r"checkpoints. or torch_dist .Megatron-LM's as well.$"):
+        config_from_args(build_parser().parse_args(argv + ["zarr"]), 1)
+    with pytest.raises(ArgumentError, match="^--ckpt-format torch_dist writes Megatron-LM's LLaMA-shaped GPTModel, "
+                                            "but this run's model is a qwen2 model; save with --ckpt-format torch$"):
+        config_from_args(build_parser().parse_args(argv + ["torch_dist", "--add-qkv-bias"]), 1)
+
+
+def test_keep_last_n_prunes_only_the_megatron_copies_this_writer_made(tmp_path):
+    """Copies whose checkpoint of ours was pruned go; a kept one and a Megatron run's own iter dir stay."""
+    import argparse
+    from llamapipe.training.checkpointing.megatron_save import prune_copies
+    for iteration, exported in ((1, None), (2, "ours/iter_0000002"), (4, "ours/iter_0000004")):
+        path = tmp_path / f"iter_{iteration:07d}"
+        path.mkdir()
+        torch.save({"args": argparse.Namespace(exported_from=exported), "iteration": iteration}, path / "common.pt")
+    (tmp_path / "llamapipe" / "iter_0000004").mkdir(parents=True)
+    assert prune_copies(str(tmp_path), str(tmp_path / "llamapipe")) == [2]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "iter_0000004", "llamapipe"]

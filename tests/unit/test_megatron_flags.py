@@ -86,6 +86,8 @@ MEGATRON_EFFECTIVE = {
 }
 # Deliberate differences: (Megatron's default, ours, why).
 DIVERGENCES = {
+    "--ckpt-format": ("torch_dist", "torch", "llamapipe's own checkpoints by default; torch_dist writes Megatron's "
+                      "copy beside them (docs/megatron_checkpoints.md)"),
     "--micro-batch-size": (None, 1, "Megatron asserts it is given; 1 keeps short commands working"),
     "--lr": (None, 3e-4, "Megatron has no usable default (its scheduler fails on None)"),
     "--distributed-backend": ("nccl", None, "None picks nccl on CUDA and gloo on CPU"),

@@ -144,9 +144,9 @@ NOOPS = [
     (PP2 + ["--pipeline-profile-iters", "5"], 2,
      ["--pipeline-profile-iters 5 has no effect: only the auto and zb-h2 schedules at --pipeline-model-parallel-size "
       "> 1 profile (this run: 1f1b, pp 2)"]),
-    (["--save-interval", "5", "--keep-last-n", "2", "--async-save"], 1,
+    (["--save-interval", "5", "--keep-last-n", "2", "--async-save", "--ckpt-format", "torch_dist"], 1,
      [f"{flag} has no effect without --save: no checkpoint is written"
-      for flag in ("--save-interval 5", "--keep-last-n 2", "--async-save")]),
+      for flag in ("--save-interval 5", "--keep-last-n 2", "--async-save", "--ckpt-format torch_dist")]),
     # the same flags where they act: no notice
     (["--use-distributed-optimizer", "--overlap-grad-reduce", "--global-batch-size", "2"], 2, []),
     (PP2 + ["--pipeline-schedule", "zb-h2", "--pipeline-profile-iters", "5"], 2, []),

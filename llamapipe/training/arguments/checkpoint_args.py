@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+from typing import Optional
 
 from llamapipe.core.config import ArgumentError
 from llamapipe.model.families import family_named, qkv_bias_family
@@ -40,14 +41,12 @@ def with_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> argpar
         return args
     if args.load is None:
         raise ArgumentError("--use-checkpoint-args needs --load DIR, the checkpoint to take the model arguments from")
-    found = _newest_complete(args.load)
-    if found is None:
+    meta, path = _saved_meta(args.load)
+    if meta is None:
         notices.append(f"notice: --use-checkpoint-args: no checkpoint in --load {args.load} yet; "
                        "using the model arguments of the command line")
         return args
-    with open(os.path.join(found[1], METADATA)) as fh:
-        meta = json.load(fh)
-    model = _checked_model(meta["model_config"], found[1])
+    model = _checked_model(meta["model_config"], path)
     values = {flag: model.get(field) for field, flag in _FILLED.items() if getattr(args, flag) is None}
     if args.vocab_size is None and (args.tokenizer_model is not None or args.tokenizer_type == "NullTokenizer"):
         # with a tokenizer the vocabulary follows from it and the run's own --vocab-size (NullTokenizer's is
@@ -65,7 +64,7 @@ def with_checkpoint_args(args: argparse.Namespace, notices: list[str]) -> argpar
     taken = ", ".join([f"--{flag.replace('_', '-')} {value}" for flag, value in values.items()]
                       + (["RoPE scaling's " + ", ".join(f"{field[5:]} {value:g}" for field, value in scaling.items())]
                          if scaling else []))
-    notices.append(f"--use-checkpoint-args: {taken} from {found[1]}")
+    notices.append(f"--use-checkpoint-args: {taken} from {path}")
     tie = bool(model.get("tie_word_embeddings"))
     return argparse.Namespace(**{**vars(args), **values, **scaling, "checkpoint_family": model.get("family", "llama"),
                                  "tie_embeddings_and_output_weights": tie,
@@ -98,6 +97,23 @@ def _checked_model(model: dict, path: str) -> dict:
         raise ArgumentError(f"{where} records model_config {field} {value!r}, not a finite "
                             f"{'number' if real else 'integer'}; give the model's flags without --use-checkpoint-args")
     return model
+
+
+def _saved_meta(load_dir: str) -> tuple[Optional[dict], Optional[str]]:
+    """(metadata, its checkpoint dir) of what --load resumes (megatron_resume.source): the newest complete
+    checkpoint of ours, or a Megatron save's args as our fields; (None, None) when there is none yet."""
+    from llamapipe.training.checkpointing.megatron_resume import megatron_meta, source
+    kind, directory = source(load_dir) if os.path.isdir(load_dir) else ("ours", load_dir)
+    if kind == "megatron":
+        try:
+            return megatron_meta(directory)
+        except ValueError as exc:
+            raise ArgumentError(f"--use-checkpoint-args: {exc}") from None
+    found = _newest_complete(directory)
+    if found is None:
+        return None, None
+    with open(os.path.join(found[1], METADATA)) as fh:
+        return json.load(fh), found[1]
 
 
 def _newest_complete(load_dir: str):

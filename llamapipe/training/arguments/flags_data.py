@@ -64,6 +64,10 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-save", action="store_true",
                    help="copy the state to CPU and write the checkpoint on a background thread while training "
                         "goes on; the tracker is updated once every rank's files are written and verified")
+    g.add_argument("--ckpt-format", default="torch",
+                   help="torch: llamapipe's checkpoints (safetensors shards, metadata.json) in --save; torch_dist: "
+                        "also Megatron-LM's torch_dist format, --save's iter_* directories, which Megatron and "
+                        "megatron-core load, with ours kept in --save/llamapipe/ (docs/megatron_checkpoints.md)")
     g.add_argument("--allow-tokenizer-change", action="store_true",
                    help="on --load, go on when the checkpoint was trained with another tokenizer (another file "
                         "or size) than --tokenizer-model; without it that is an error, as its token ids mean "

@@ -48,9 +48,6 @@ NOTICES: tuple[CompatFlag, ...] = (
                "the distributed optimizer gathers the parameters right after its step"),
     CompatFlag("--grad-reduce-in-bf16", "half-precision gradients are reduced in fp32"),
     CompatFlag("--accumulate-allreduce-grads-in-fp32", "half-precision gradients are always reduced in fp32"),
-    CompatFlag("--ckpt-format", "checkpoints are llamapipe's own format (safetensors shards and metadata.json), "
-               "which load into any parallel layout; `llamapipe convert-megatron export` writes one as torch_dist",
-               str),
     CompatFlag("--ckpt-fully-parallel-load", "checkpoint loading has one strategy: each rank reads what it holds"),
     CompatFlag("--async-strategy", "--async-save has one strategy here: a background writer thread per rank", str),
     CompatFlag("--empty-unused-memory-level", "the CUDA caching allocator is not emptied between steps", int),

@@ -68,7 +68,8 @@ def _checkpoint(args: argparse.Namespace) -> list[str]:
         return []
     given = [f"--save-interval {args.save_interval}" if args.save_interval is not None else None,
              f"--keep-last-n {args.keep_last_n}" if args.keep_last_n is not None else None,
-             "--async-save" if args.async_save else None, "--overwrite-save" if args.overwrite_save else None]
+             "--async-save" if args.async_save else None, "--overwrite-save" if args.overwrite_save else None,
+             f"--ckpt-format {args.ckpt_format}" if args.ckpt_format != "torch" else None]
     return [f"{flag} has no effect without --save: no checkpoint is written" for flag in given if flag]
 
 

@@ -114,7 +114,7 @@ def _build_config(args: argparse.Namespace, world_size: int, check_memory: bool)
                           machine_memory_bytes(parallel.distributed_backend),
                           int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     config = Config(model=model, parallel=parallel, training=training, optimizer=optimizer_config(args, parallel),
-                    data=data, checkpoint=checkpoint_config(args), logging=logging_config(args))
+                    data=data, checkpoint=checkpoint_config(args, model.family), logging=logging_config(args))
     for line in notices:
         get_logger().info(line)
     return config

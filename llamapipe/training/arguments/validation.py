@@ -18,6 +18,7 @@ from llamapipe.core.config import FSDP_STRATEGIES, ArgumentError, ParallelConfig
 from llamapipe.core.context_parallel import COMM_TYPES
 from llamapipe.core.parallel_state import AXES, DEFAULT_ORDER, full_order
 from llamapipe.training.arguments.offload_args import check_offload, check_offload_modules
+from llamapipe.training.checkpointing import catalog
 from llamapipe.training.arguments.memory_limit import MemoryBytes
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
 from llamapipe.training.arguments.pipeline import check_seq_splits, grouped_schedule, schedule_chunks, vpp_size
@@ -195,7 +196,7 @@ def data_parallel_sharding_strategy(args: argparse.Namespace) -> str:
     return strategy
 
 
-def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
+def checkpoint_config(args: argparse.Namespace, family: str = "llama") -> CheckpointConfig:
     # --load equal to --save may not exist yet: the first launch of a restartable (torchrun) job.
     if args.load is not None and not os.path.isdir(args.load) and args.load != args.save:
         raise ArgumentError(f"--load {args.load} is not a directory")
@@ -204,7 +205,15 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
             raise ArgumentError(f"--save {args.save} is a dangling symbolic link (to {os.readlink(args.save)}, which "
                                 "does not exist); create that directory or give another --save")
         raise ArgumentError(f"--save {args.save} is a file, not a directory; checkpoints go into a directory")
-    return CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
+    if args.ckpt_format not in ("torch", "torch_dist"):
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format} is not supported: give torch (llamapipe's checkpoints) "
+                            "or torch_dist (Megatron-LM's as well)")
+    if args.ckpt_format == "torch_dist" and family != "llama":
+        raise ArgumentError(f"--ckpt-format torch_dist writes Megatron-LM's LLaMA-shaped GPTModel, but this run's model "
+                            f"is a {family} model; save with --ckpt-format torch")
+    megatron = args.save if args.ckpt_format == "torch_dist" and args.save is not None else None
+    return CheckpointConfig(save=args.save if megatron is None else os.path.join(megatron, catalog.OURS),
+                            megatron_save=megatron, save_interval=args.save_interval, load=args.load,
                             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
                             finetune=args.finetune, keep_last_n=args.keep_last_n,
                             override_opt_param_scheduler=args.override_opt_param_scheduler,

@@ -24,6 +24,7 @@ FORMAT_VERSION = 2          # 2: files carry sha256 checksums; 1 (sizes only) st
 READABLE_VERSIONS = (1, 2)
 METADATA = "metadata.json"
 TRACKER = "latest_checkpointed_iteration.txt"
+OURS = "llamapipe"   # our checkpoints inside a --ckpt-format torch_dist save directory (megatron_save.py)
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 _TMP_DIR = re.compile(r"^iter_(\d{7,})\.tmp$")
 

@@ -178,8 +178,11 @@ def read_model_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
 
 def write_layout(save_dir: str, iteration: int, state_dict: dict[str, torch.Tensor], specs: dict[str, TensorSpec],
                  model_config: dict, *, tp: int, pp: int, vpp: int = 1, config: Optional[dict] = None,
-                 progress: Optional[Iterable] = None) -> str:
-    """Write a full logical state dict as a (tp, pp, vpp) model-only checkpoint, no processes needed.
+                 progress: Optional[Iterable] = None, consumed_samples: int = 0, optim: Optional[dict] = None,
+                 scheduler: Optional[dict] = None) -> str:
+    """Write a full logical state dict as a (tp, pp, vpp) checkpoint, no processes needed: model-only, or with
+    optimizer state `optim` = {"param_state": {name: {field: full tensor}}, "step": n, "grad_scaler": {}}
+    (Optimizer.state_dict's form) and the LR `scheduler`'s state_dict.
 
     `progress` wraps the (pp_rank, tp_rank) loop (e.g. tqdm). Returns the committed checkpoint dir.
     """
@@ -198,7 +201,17 @@ def write_layout(save_dir: str, iteration: int, state_dict: dict[str, torch.Tens
         fname = shard_name("model", tp_rank, pp_rank)
         files[fname] = write_shard_file(os.path.join(tmp, fname), shards, specs, tp_rank, pp_rank,
                                         rank=pp_rank * tp + tp_rank)   # the tp-cp-dp-pp rank of (tp_rank, pp_rank)
+        if optim is not None:
+            fields = {f"{n}/{field}": (n, t) for n in names for field, t in optim["param_state"][n].items()}
+            shards = {key: split_shard(t[:vocab] if specs[n].vocab_padded else t, specs[n], tp, tp_rank, padded_rows)
+                      for key, (n, t) in fields.items()}
+            fname = shard_name("optim", tp_rank, pp_rank)
+            files[fname] = write_shard_file(os.path.join(tmp, fname), shards, {k: specs[n] for k, (n, _) in
+                                                                              fields.items()}, tp_rank, pp_rank)
+    if optim is not None:
+        files[OPTIM_COMMON] = write_torch(os.path.join(tmp, OPTIM_COMMON),
+                                          {k: v for k, v in optim.items() if k != "param_state"}, 0)
     layout = {"world_size": tp * pp, "tp": tp, "cp": 1, "pp": pp, "vpp": vpp, "dp": 1, "order": "tp-cp-dp-pp"}
-    write_metadata(tmp, files, iteration=iteration, consumed_samples=0, model_config=model_config, config=config,
-                   layout=layout, has_optimizer=False, scheduler=None)
+    write_metadata(tmp, files, iteration=iteration, consumed_samples=consumed_samples, model_config=model_config,
+                   config=config, layout=layout, has_optimizer=optim is not None, scheduler=scheduler)
     return commit(tmp, save_dir, iteration)

@@ -23,7 +23,9 @@ OVERWRITE_FLAG = "--overwrite-save"
 
 
 def _same_dir(a: Optional[str], b: str) -> bool:
-    return a is not None and os.path.realpath(a) == os.path.realpath(b)
+    """Whether --load `a` resumes --save `b`: the same directory, or `b` is `a`'s own checkpoints inside a
+    --ckpt-format torch_dist directory."""
+    return a is not None and os.path.realpath(b) in (os.path.realpath(a), os.path.realpath(os.path.join(a, catalog.OURS)))
 
 
 def check_history(save_dir: str, load_dir: Optional[str], overwrite: bool, *, resume_hint: bool = True) -> None:

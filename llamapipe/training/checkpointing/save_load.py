@@ -87,6 +87,9 @@ def save_checkpoint(save_dir: str, iteration: int, *, model_chunks: list[nn.Modu
                   scheduler=scheduler.state_dict() if scheduler is not None else None)
     start(SaveJob(save_dir, iteration, ps.rank, ps.world_size, files, keep_last_n=keep_last_n, background=async_save,
                   meta=lambda records: cio.write_metadata(tmp, records, **fields)))
+    if config.checkpoint.megatron_save is not None:    # --ckpt-format torch_dist
+        from llamapipe.training.checkpointing.megatron_save import write_megatron_copy
+        write_megatron_copy(config.checkpoint.megatron_save, cio.iter_dir(save_dir, iteration), ps.rank, keep_last_n)
 
 
 def _rank_files(model_chunks: list[nn.Module], optimizer: Any, ps: ParallelState, copy: bool) -> list[FileJob]:
@@ -159,8 +162,17 @@ def _optimizer_shard(optim_state: dict, specs: dict[str, TensorSpec], skip: set[
 def load_checkpoint(load_dir: str, *, model_chunks: list[nn.Module], optimizer: Any, scheduler: Any,
                     parallel_state: Optional[ParallelState], config: Config, no_load_optim: bool = False,
                     no_load_rng: bool = False, finetune: bool = False) -> Optional[LoadResult]:
-    """Load the newest complete checkpoint into this rank's chunks; None when there is none."""
+    """Load the newest complete checkpoint into this rank's chunks; None when there is none. A Megatron-LM save
+    directory is staged as one of ours first (megatron_resume.py)."""
+    from llamapipe.training.checkpointing.megatron_resume import resolved
     ps = parallel_state or ParallelState()
+    wants_optimizer = optimizer is not None and not (finetune or no_load_optim)
+    with resolved(load_dir, config, ps.rank, wants_optimizer=wants_optimizer) as directory:
+        return _load(directory, model_chunks, optimizer, scheduler, ps, config, no_load_optim, no_load_rng, finetune)
+
+
+def _load(load_dir: str, model_chunks: list[nn.Module], optimizer: Any, scheduler: Any, ps: ParallelState,
+          config: Config, no_load_optim: bool, no_load_rng: bool, finetune: bool) -> Optional[LoadResult]:
     found = choose_checkpoint(load_dir, _layout(ps))
     if found is None:
         get_logger().info(f"no checkpoint in {load_dir}; starting from scratch")

@@ -100,11 +100,12 @@ def choose_checkpoint(load_dir: str, layout: Optional[dict] = None, *, verify: b
 
 def unusable(load_dir: str, skipped: list[str]) -> str:
     """The one line for a --load whose checkpoints are all unusable (`skipped`: 'iter_X (why)' each); a
-    Megatron-LM save directory is named as one, with the command that converts it."""
+    Megatron-LM save directory is named as one (training imports it as it loads, megatron_resume.py; what reads
+    only our checkpoints, the dry run, says how to convert it)."""
     if is_megatron_save(load_dir):
-        return (f"--load {load_dir} is a Megatron-LM save directory; convert it first with `llamapipe "
-                f"convert-megatron import --load {load_dir} --save NEW_DIR` and give --load NEW_DIR "
-                "(docs/megatron_checkpoints.md)")
+        return (f"--load {load_dir} is a Megatron-LM save directory, which training imports as it loads but this "
+                f"reads only llamapipe checkpoints; convert it with `llamapipe convert-megatron import --load "
+                f"{load_dir} --save NEW_DIR` and give --load NEW_DIR (docs/megatron_checkpoints.md)")
     return (f"--load {load_dir} holds checkpoints but none is usable: {'; '.join(skipped)}; repair or remove them, "
             "or point --load elsewhere")
 

@@ -104,8 +104,11 @@ class ResumeSource:
 
     @classmethod
     def from_load(cls, load_dir: str) -> Optional["ResumeSource"]:
-        """What `--load` resumes from; None when it holds no checkpoint (the run starts from scratch)."""
-        found = choose_checkpoint(load_dir, verify=False)
+        """What `--load` resumes from; None when it holds no checkpoint (the run starts from scratch). In a
+        --ckpt-format torch_dist directory that is ours in DIR/llamapipe (megatron_resume.source)."""
+        from llamapipe.training.checkpointing.megatron_resume import source
+        _, directory = source(load_dir) if os.path.isdir(load_dir) else ("ours", load_dir)
+        found = choose_checkpoint(directory, verify=False)     # a Megatron save: one line saying to convert it
         return None if found is None else cls(found[1], cio.read_metadata(found[1]))
 
     @classmethod
