@@ -29,12 +29,11 @@ from llamapipe.core.config import ParallelConfig, TrainingConfig
 from llamapipe.training.flag_names import flag_message
 from llamapipe.training.flag_parser import FlagParser
 from llamapipe.training.config import Config
-from llamapipe.core.parallel_state import ParallelState
 from llamapipe.safe_files import check_target, replace_atomically, replace_with
 from llamapipe.training.checkpointing import save_lock
 from llamapipe.training.checkpointing.integrity import write_safetensors
 from llamapipe.training.checkpointing.save_history import check_history
-from llamapipe.training.checkpointing.resharding import TensorSpec, spec_of
+from llamapipe.training.checkpointing.resharding import model_specs
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.tools.hf_import_checks import (check_numbers, check_sizes, check_trainable, check_weights,
                                               expected_shapes, read_config)
@@ -72,13 +71,6 @@ def _weight_files(hf_dir: str) -> list[str]:
         if os.path.isfile(os.path.join(hf_dir, name)):
             return [os.path.join(hf_dir, name)]
     raise ValueError(f"--hf-dir {hf_dir} has no model.safetensors, pytorch_model.bin or *.index.json")
-
-
-def model_specs(config: LlamaConfig, tp: int) -> dict[str, TensorSpec]:
-    """Partition specs of every logical name, from a weightless (meta) model; checks tp against shapes."""
-    with torch.device("meta"):
-        model = family_of(config).model_class(config, ParallelState(tp_size=tp, world_size=tp))
-    return {name: spec_of(param) for name, param in model.named_parameters()}
 
 
 def import_hf(hf_dir: str, save_dir: str, tp: int, pp: int, layers_per_virtual_stage: int | None,

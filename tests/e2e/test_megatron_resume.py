@@ -76,7 +76,7 @@ def test_load_puts_megatrons_adam_state_iteration_and_schedule_into_ours_and_fin
         megatron_save):
     """Through load_checkpoint in this process: our Optimizer's moments are megatron-core's AdamW state bit for
     bit, the step, iteration, consumed samples and the schedule continue; --finetune: weights only, iteration 0."""
-    from llamapipe.tools import megatron_format as mf
+    from llamapipe.training.checkpointing import megatron_format as mf
     from llamapipe.training.checkpointing.megatron_resume import source
     root, model, adam, _ = megatron_save
     assert source(root) == ("megatron", root)

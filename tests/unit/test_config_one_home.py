@@ -91,7 +91,7 @@ def test_checkpoint_args_leave_the_parsed_flags_as_they_were(tmp_path):
     """--use-checkpoint-args takes the shape from the checkpoint into the config, not into the caller's flags."""
     from llamapipe.core.config import TrainingConfig
     from llamapipe.model.llama import LlamaConfig, LlamaModel
-    from llamapipe.tools.convert_hf import model_specs
+    from llamapipe.training.checkpointing.resharding import model_specs
     from llamapipe.training.checkpointing.io import write_layout
     saved = LlamaConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
                         vocab_size=100, max_position_embeddings=64)

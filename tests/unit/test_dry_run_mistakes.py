@@ -136,7 +136,7 @@ def test_a_checkpoint_of_another_model(tmp_path, capsys):
 
 
 def test_a_checkpoint_without_optimizer_state(tmp_path, capsys):
-    from llamapipe.tools.convert_hf import model_specs
+    from llamapipe.training.checkpointing.resharding import model_specs
     from llamapipe.training.checkpointing.io import write_layout
     config = dry_run_config(build_parser().parse_args(["--world-size", "1"] + BASE))
     chunks, _ = build_model_chunks(config, config.model, ParallelState(), torch.device("cpu"))

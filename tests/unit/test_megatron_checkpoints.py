@@ -196,7 +196,7 @@ def test_use_checkpoint_args_takes_the_model_from_a_megatron_saves_args(saved, t
 
 
 def test_args_that_do_not_fit_the_tensors_are_refused(saved, tmp_path):
-    from llamapipe.tools.convert_megatron import read_megatron
+    from llamapipe.training.checkpointing.megatron_read import read_megatron
     root, path = _copy(saved[3], tmp_path)
     args = mc.megatron_args(dict(num_attention_heads=8, num_query_groups=8))   # the tensors have 4 heads, 2 groups
     torch.save({"args": args, "iteration": 7, "checkpoint_version": 3.0}, path / "common.pt")

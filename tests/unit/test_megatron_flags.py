@@ -345,7 +345,7 @@ def test_refused_flags_pass_at_the_value_that_means_off(llamapipe_log):
 
 def test_use_checkpoint_args_fills_the_shape_and_forces_the_architecture(tmp_path):
     from llamapipe.model.llama import LlamaConfig, LlamaModel
-    from llamapipe.tools.convert_hf import model_specs
+    from llamapipe.training.checkpointing.resharding import model_specs
     from llamapipe.training.checkpointing.io import write_layout
     saved = LlamaConfig(num_layers=3, hidden_size=48, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
                         vocab_size=100, max_position_embeddings=80, rope_theta=5e5, kv_channels=16,

@@ -157,7 +157,7 @@ def test_use_checkpoint_args_takes_the_rope_scaling(tmp_path):
     """--use-checkpoint-args forces the checkpoint's RoPE scaling (as Megatron forces the RoPE base and percent),
     and a run whose scaling differs from the checkpoint's is refused at load naming the flag."""
     import dataclasses
-    from llamapipe.tools.convert_hf import model_specs
+    from llamapipe.training.checkpointing.resharding import model_specs
     from llamapipe.training.checkpointing.io import write_layout
     from llamapipe.training.arguments.checkpoint_args import check_saved_model
     saved = LlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,

@@ -62,7 +62,7 @@ def source(load_dir: str) -> tuple[str, str]:
 def megatron_meta(load_dir: str) -> tuple[dict, str]:
     """(the fields of a checkpoint's metadata.json that --use-checkpoint-args reads, the iter dir) of a Megatron
     save: the model from common.pt's args, the sequence length and the tokenizer's vocabulary size."""
-    from llamapipe.tools.convert_megatron import config_of, iteration_dir, megatron_args_of
+    from llamapipe.training.checkpointing.megatron_read import config_of, iteration_dir, megatron_args_of
     path = iteration_dir(load_dir)
     args = megatron_args_of(path)
     config = config_of(args, path)
@@ -98,8 +98,8 @@ def scheduler_state(state: Optional[dict], args: Any, counts_samples: bool, over
 def optimizer_state(tensors: dict[str, torch.Tensor], common: dict, config: Any,
                     path: str) -> tuple[Optional[dict], str]:
     """(our Optimizer.state_dict form, or None; why None) from a Megatron save's `optimizer.*` tensors."""
-    from llamapipe.tools.convert_megatron import _ours
-    from llamapipe.tools.megatron_format import fit_rows
+    from llamapipe.training.checkpointing.megatron_read import _ours
+    from llamapipe.training.checkpointing.megatron_format import fit_rows
     by_field: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         if key.startswith(_OPTIM):
@@ -125,9 +125,9 @@ def optimizer_state(tensors: dict[str, torch.Tensor], common: dict, config: Any,
 
 def stage(load_dir: str, staging: str, run: Any, *, wants_optimizer: bool) -> str:
     """Write the Megatron save in `load_dir` as a checkpoint of ours in `staging`; returns the log line."""
-    from llamapipe.tools.convert_megatron import read_megatron, run_config
-    from llamapipe.tools.megatron_format import fit_rows
-    from llamapipe.tools.convert_hf import model_specs
+    from llamapipe.training.checkpointing.megatron_read import read_megatron, run_config
+    from llamapipe.training.checkpointing.megatron_format import fit_rows
+    from llamapipe.training.checkpointing.resharding import model_specs
     from llamapipe.training.checkpointing.io import write_layout
     config, full, common, path, tensors = read_megatron(load_dir)
     args = common["args"]

@@ -34,7 +34,7 @@ def write_megatron_copy(megatron_dir: str, ours: str, rank: int, keep_last_n: Op
     error = None
     if rank == 0:
         try:
-            from llamapipe.tools.convert_megatron import export_megatron
+            from llamapipe.training.checkpointing.megatron_write import export_megatron
             out = export_megatron(ours, megatron_dir, replace=True)
             if keep_last_n is not None:
                 prune_copies(megatron_dir, os.path.dirname(ours))
@@ -50,7 +50,7 @@ def write_megatron_copy(megatron_dir: str, ours: str, rank: int, keep_last_n: Op
 def prune_copies(megatron_dir: str, ours_dir: str) -> list[int]:
     """Remove the Megatron copies this writer made whose checkpoint of ours --keep-last-n removed; a Megatron
     run's own iter_* directories (no `exported_from` in their args) stay."""
-    from llamapipe.tools.megatron_format import load_common
+    from llamapipe.training.checkpointing.megatron_format import load_common
     kept = set(catalog.list_iterations(ours_dir))
     removed = []
     for iteration in catalog.list_iterations(megatron_dir):

@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 import torch.nn as nn
 
 from llamapipe.core.distributed.tied_embeddings import is_copy
+from llamapipe.core.parallel_state import ParallelState
 from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.core.pipeline_parallel.schedule_ir import rank_chunk_of
+from llamapipe.model.families import family_of
+
+if TYPE_CHECKING:
+    from llamapipe.model.llama import LlamaConfig
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -133,3 +138,10 @@ def pp_rank_of(name: str, num_layers: int, pp_size: int, vpp_size: int = 1,
     else:
         stage = 0 if name.startswith("embedding.") else len(ranges) - 1
     return rank_chunk_of(stage, pp_size, placement)[0]
+
+
+def model_specs(config: LlamaConfig, tp: int) -> dict[str, TensorSpec]:
+    """Partition specs of every logical name, from a weightless (meta) model; checks tp against shapes."""
+    with torch.device("meta"):
+        model = family_of(config).model_class(config, ParallelState(tp_size=tp, world_size=tp))
+    return {name: spec_of(param) for name, param in model.named_parameters()}
