@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)  # exits 2 with one plain line on any inconsistent flag combination
     from llamapipe.training.startup import log_startup
     log_startup(config)
-    from llamapipe.training.loop import pretrain
+    from llamapipe.training.pretrain import pretrain
     return pretrain(config)
 
 

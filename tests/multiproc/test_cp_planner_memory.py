@@ -27,7 +27,7 @@ def activation_worker(rank: int, world: int, flags: list[str]) -> int:
     from llamapipe.core.pipeline_parallel import executor
     from llamapipe.core.pipeline_parallel.schedules import cached_plan
     from llamapipe.training.arguments.parser import build_parser, config_from_args
-    from llamapipe.training.loop import set_seeds
+    from llamapipe.training.pretrain import set_seeds
     from llamapipe.training.setup import build_iterators, build_model_chunks, forward_step
     config = config_from_args(build_parser().parse_args(BASE + flags), world)
     par = config.parallel

@@ -90,7 +90,7 @@ def _measure(config, ps) -> dict:
     from llamapipe.core.optimizer import build_optimizer
     from llamapipe.core.pipeline_parallel import executor
     from llamapipe.core.pipeline_parallel.schedules import cached_plan
-    from llamapipe.training.loop import set_seeds
+    from llamapipe.training.pretrain import set_seeds
     from llamapipe.training.setup import build_iterators, build_model_chunks, forward_step
     set_seeds(config.training.seed, ps.tp_rank)
     chunks, roles = build_model_chunks(config, config.model, ps, torch.device("cpu"))

@@ -254,7 +254,7 @@ def test_manual_gc_and_final_validation(tmp_path, monkeypatch):
     every --manual-gc-interval 2 iterations and around each evaluation; --train-iters 5 with
     --eval-interval 4 validates at 4 and once more at the end."""
     from llamapipe.core.parallel_state import destroy_model_parallel
-    from llamapipe.training import loop
+    from llamapipe.training import loop, pretrain
     from llamapipe.training.arguments import parse_args
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(free_port())).items():
@@ -277,7 +277,7 @@ def test_manual_gc_and_final_validation(tmp_path, monkeypatch):
     monkeypatch.setattr(loop.Trainer, "train_step", train_step)
     monkeypatch.setattr(loop.Trainer, "evaluate", evaluate)
     try:
-        assert loop.pretrain(config) == 0
+        assert pretrain.pretrain(config) == 0
     finally:
         destroy_model_parallel()
         monkeypatch.setattr(gc, "collect", real_collect)
