@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from llamapipe.core.context_parallel import context_parallel_attention
-from llamapipe.core.context_parallel.attention import attention_blocks
+from llamapipe.core.context_parallel.blocks import attention_blocks
 from llamapipe.core.context_parallel.kernels import attend, attend_backward, attend_math, attend_math_backward
 from llamapipe.training.flag_names import worded_as_flags
 

@@ -28,103 +28,24 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from llamapipe.core.config import ConfigError
-from llamapipe.core.context_parallel.kernels import attend, attend_backward
+from llamapipe.core.context_parallel.blocks import (accumulators, attention_blocks, backward_blocks, docs_of,
+                                                    forward_blocks, gather_kv)
 from llamapipe.core.context_parallel.ulysses import (A2A_TYPES, SubGroup, UlyssesGroup, check_query_groups,
                                                      gather_heads, scatter_heads)
-from llamapipe.core.context_parallel.sharding import chunk_ids, local_positions, shard_sequence, unshard_sequence
-from llamapipe.core.document_attention import document_attention, same_document
+from llamapipe.core.context_parallel.sharding import chunk_ids, shard_sequence
+from llamapipe.core.document_attention import document_attention
 from llamapipe.core.pipeline_parallel.position import waiting
 from llamapipe.core.tensor_parallel.graph_breaks import eager
 from llamapipe.core.tensor_parallel.mappings import reduce_scatter
 
 COMM_TYPES = ("p2p", "allgather", *A2A_TYPES)
-Block = tuple[int, int, int, int, bool]   # query chunks [q0, q1), key chunks [k0, k1), causal diagonal?
-Docs = Optional[tuple[torch.Tensor, torch.Tensor]]   # document ids (b, s_q) of the local queries, (b, s_k) of the keys
-
-
-def attention_blocks(q_chunks: Sequence[int], k_chunks: Sequence[int]) -> list[Block]:
-    """The kernel calls that cover causal attention of local query chunks to a set of key chunks.
-
-    Chunks are given by global index, each list in increasing order. Query chunk i attends key chunk j fully
-    when j < i, causally when j == i, not at all when j > i. Identical lists are one causal call; otherwise
-    each diagonal pair is a causal call and the full pairs of neighbouring query chunks that attend the same
-    (contiguous) key chunks share one call."""
-    q_chunks, k_chunks = list(q_chunks), list(k_chunks)
-    assert q_chunks == sorted(q_chunks) and k_chunks == sorted(k_chunks)
-    if q_chunks == k_chunks:
-        return [(0, len(q_chunks), 0, len(k_chunks), True)]
-    blocks: list[Block] = []
-    for i, qc in enumerate(q_chunks):
-        full = [j for j, kc in enumerate(k_chunks) if kc < qc]
-        if full:
-            assert full == list(range(full[0], full[-1] + 1)), "full key chunks must be contiguous"
-            last = blocks[-1] if blocks else None
-            if last and not last[4] and last[1] == i and last[2:4] == (full[0], full[-1] + 1):
-                blocks[-1] = (last[0], i + 1, last[2], last[3], False)
-            else:
-                blocks.append((i, i + 1, full[0], full[-1] + 1, False))
-        blocks += [(i, i + 1, j, j + 1, True) for j, kc in enumerate(k_chunks) if kc == qc]
-    return blocks
-
-
-def _allowed(docs: Docs, rows: slice, cols: slice, causal: bool) -> tuple[bool, Optional[torch.Tensor]]:
-    """(whether the block has any pair to attend, its document mask or None without documents)."""
-    if docs is None:
-        return True, None
-    allowed = same_document(docs[0][:, rows], docs[1][:, cols], causal)
-    return bool(allowed.any()), allowed
-
-
-def _forward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block], chunk: int,
-                    scale: float, out: torch.Tensor, lse: torch.Tensor, docs: Docs) -> None:
-    """Attend q's rows to k/v per block; merge into the running fp32 `out` and `lse` by log-sum-exp."""
-    for q0, q1, k0, k1, causal in blocks:
-        rows, cols = slice(q0 * chunk, q1 * chunk), slice(k0 * chunk, k1 * chunk)
-        any_pair, allowed = _allowed(docs, rows, cols, causal)
-        if not any_pair:
-            continue
-        block_out, block_lse = attend(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale, allowed)
-        old_out, old_lse = out[:, :, rows], lse[:, :, rows]
-        new_lse = torch.logaddexp(old_lse, block_lse)
-        # a row that has attended no key yet (documents) keeps lse -inf: weigh by 0, not by exp(-inf + inf)
-        finite = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
-        old_out.mul_((old_lse - finite).exp_().unsqueeze(-1))
-        old_out.add_(block_out.float() * (block_lse - finite).exp_().unsqueeze(-1))
-        old_lse.copy_(new_lse)
-
-
-def _backward_blocks(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor, blocks: list[Block], chunk: int, scale: float, dq: torch.Tensor,
-                     dkv: torch.Tensor, docs: Docs) -> None:
-    """Add each block's gradients into the fp32 `dq` (like q) and `dkv` (2, like k): global out and lse."""
-    for q0, q1, k0, k1, causal in blocks:
-        rows, cols = slice(q0 * chunk, q1 * chunk), slice(k0 * chunk, k1 * chunk)
-        any_pair, allowed = _allowed(docs, rows, cols, causal)
-        if not any_pair:
-            continue
-        dq_b, dk_b, dv_b = attend_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
-                                           out[:, :, rows], lse[:, :, rows], causal, scale, allowed)
-        dq[:, :, rows] += dq_b
-        dkv[0][:, :, cols] += dk_b
-        dkv[1][:, :, cols] += dv_b
-
-
-def _accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero fp32 output and -inf log-sum-exp for q's rows. The output is (b, heads, s, d) stored sequence-first,
-    (s, b, heads, d) in memory, so the model's (s, b, heads * d) view of it needs no copy (the saved output is
-    then the o projection's saved input too, as with SDPA's CPU kernel)."""
-    b, heads, s, d = q.shape
-    out = torch.zeros((s, b, heads, d), dtype=torch.float32, device=q.device).permute(1, 2, 0, 3)
-    return out, torch.full((b, heads, s), float("-inf"), dtype=torch.float32, device=q.device)
-
-
 class _Ring:
     """Non-blocking sends to the next CP rank and receives from the previous one (batch_isend_irecv)."""
 
@@ -175,16 +96,6 @@ def _restore(ctx) -> tuple:
     return q, k, v, out, lse, group, ctx.scale, _size(group), _rank(group), dq
 
 
-def _docs(documents: Optional[torch.Tensor], cp_size: int, q_rank: int, k_rank: Optional[int]) -> Docs:
-    """The document ids of CP rank q_rank's queries and of CP rank k_rank's keys (None: the whole sequence)."""
-    if documents is None:
-        return None
-    s = documents.shape[1]
-    mine = documents[:, local_positions(s, cp_size, q_rank).to(documents.device)]
-    keys = documents if k_rank is None else documents[:, local_positions(s, cp_size, k_rank).to(documents.device)]
-    return mine, keys
-
-
 class _RingAttention(torch.autograd.Function):
     """p2p: K/V around the ring, forward and backward; dK/dV accumulators follow them home."""
 
@@ -193,14 +104,14 @@ class _RingAttention(torch.autograd.Function):
                 documents: Optional[torch.Tensor]) -> torch.Tensor:
         cp_size, cp_rank = _size(group), _rank(group)
         ring, chunk = _Ring(group), q.shape[2] // 2
-        out, lse = _accumulators(q)
+        out, lse = accumulators(q)
         kv = torch.stack([k, v])  # (2, b, groups, s_local, d): one message per step
         for step in range(cp_size):
             if step + 1 < cp_size:
                 kv_next, works = ring.start(kv, tag=0)
             src = (cp_rank - step) % cp_size
             blocks = attention_blocks(chunk_ids(cp_size, cp_rank), chunk_ids(cp_size, src))
-            _forward_blocks(q, kv[0], kv[1], blocks, chunk, scale, out, lse, _docs(documents, cp_size, cp_rank, src))
+            forward_blocks(q, kv[0], kv[1], blocks, chunk, scale, out, lse, docs_of(documents, cp_size, cp_rank, src))
             if step + 1 < cp_size:
                 _wait(works, ring)
                 kv = kv_next
@@ -217,8 +128,8 @@ class _RingAttention(torch.autograd.Function):
             src = (cp_rank - step) % cp_size
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # grads of src's K/V
             blocks = attention_blocks(chunk_ids(cp_size, cp_rank), chunk_ids(cp_size, src))
-            _backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, chunk, scale, dq, dkv,
-                             _docs(ctx.documents, cp_size, cp_rank, src))
+            backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, chunk, scale, dq, dkv,
+                             docs_of(ctx.documents, cp_size, cp_rank, src))
             if step > 0:    # what the ranks before me added to src's K/V gradients
                 _wait(dkv_works, ring, "key/value gradients")
                 dkv += dkv_in
@@ -232,13 +143,6 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
 
 
-def _gather_kv(kv: torch.Tensor, group: Any) -> torch.Tensor:
-    """(2, b, groups, s_local, d) on each rank -> (2, b, groups, s, d) in global sequence order."""
-    parts = [torch.empty_like(kv) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, kv, group=group)
-    return unshard_sequence(parts, dim=3)
-
-
 class _AllGatherAttention(torch.autograd.Function):
     """allgather: every rank gathers K/V and attends its two query chunks to the keys before them."""
 
@@ -246,21 +150,21 @@ class _AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float,
                 documents: Optional[torch.Tensor]) -> torch.Tensor:
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        kv = _gather_kv(torch.stack([k, v]), group)  # (2, b, groups, s, d)
-        out, lse = _accumulators(q)
+        kv = gather_kv(torch.stack([k, v]), group)  # (2, b, groups, s, d)
+        out, lse = accumulators(q)
         blocks = attention_blocks(chunk_ids(cp_size, cp_rank), range(2 * cp_size))
-        _forward_blocks(q, kv[0], kv[1], blocks, q.shape[2] // 2, scale, out, lse,
-                        _docs(documents, cp_size, cp_rank, None))
+        forward_blocks(q, kv[0], kv[1], blocks, q.shape[2] // 2, scale, out, lse,
+                        docs_of(documents, cp_size, cp_rank, None))
         return _save(ctx, q, k, v, out, lse, group, scale, documents)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse, group, scale, cp_size, cp_rank, dq = _restore(ctx)
-        kv = _gather_kv(torch.stack([k, v]), group)
+        kv = gather_kv(torch.stack([k, v]), group)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         blocks = attention_blocks(chunk_ids(cp_size, cp_rank), range(2 * cp_size))
-        _backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, q.shape[2] // 2, scale, dq, dkv,
-                         _docs(ctx.documents, cp_size, cp_rank, None))
+        backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, q.shape[2] // 2, scale, dq, dkv,
+                         docs_of(ctx.documents, cp_size, cp_rank, None))
         per_rank = torch.cat([shard_sequence(dkv, 3, cp_size, r) for r in range(cp_size)])  # (cp * 2, ...)
         mine = reduce_scatter(per_rank, group)   # (2, b, groups, s_local, d): my K/V's, summed over ranks
         return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None

@@ -18,8 +18,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from llamapipe.core.context_parallel.attention import (_accumulators, _backward_blocks, _docs, _forward_blocks,
-                                                       _gather_kv, attention_blocks)
+from llamapipe.core.context_parallel.blocks import (accumulators, attention_blocks, backward_blocks, docs_of,
+                                                    forward_blocks, gather_kv)
 from llamapipe.core.context_parallel.sharding import chunk_ids, shard_sequence
 from llamapipe.core.tensor_parallel.mappings import reduce_scatter
 
@@ -29,7 +29,7 @@ def _plan(documents: Optional[torch.Tensor], q: torch.Tensor, cp_size: int, cp_r
     s_local, piece = q.shape[2], q.shape[2] * cp_size
     own_blocks = attention_blocks(chunk_ids(cp_size, cp_rank), range(2 * cp_size))
     own_ids = None if documents is None else documents[:, documents.shape[1] - piece:]
-    own_docs = _docs(own_ids, cp_size, cp_rank, None)
+    own_docs = docs_of(own_ids, cp_size, cp_rank, None)
     earlier, start = [], 0
     for pk in past[::2]:
         n = pk.shape[2] * cp_size
@@ -51,12 +51,12 @@ class _AllGatherPieceAttention(torch.autograd.Function):
                 documents: Optional[torch.Tensor], *past: torch.Tensor) -> torch.Tensor:
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         own_blocks, own_docs, earlier = _plan(documents, q, cp_size, cp_rank, past)
-        out, lse = _accumulators(q)
-        kv = _gather_kv(torch.stack([k, v]), group)
-        _forward_blocks(q, kv[0], kv[1], own_blocks, q.shape[2] // 2, scale, out, lse, own_docs)
+        out, lse = accumulators(q)
+        kv = gather_kv(torch.stack([k, v]), group)
+        forward_blocks(q, kv[0], kv[1], own_blocks, q.shape[2] // 2, scale, out, lse, own_docs)
         for i, (block, docs) in enumerate(earlier):
-            kv = _gather_kv(torch.stack([past[2 * i], past[2 * i + 1]]), group)
-            _forward_blocks(q, kv[0], kv[1], [block], 1, scale, out, lse, docs)
+            kv = gather_kv(torch.stack([past[2 * i], past[2 * i + 1]]), group)
+            forward_blocks(q, kv[0], kv[1], [block], 1, scale, out, lse, docs)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *past)
         ctx.group, ctx.scale, ctx.documents = group, scale, documents
@@ -71,14 +71,14 @@ class _AllGatherPieceAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         grads = []
         for i, (block, docs) in enumerate(earlier):
-            kv = _gather_kv(torch.stack([past[2 * i], past[2 * i + 1]]), group)
+            kv = gather_kv(torch.stack([past[2 * i], past[2 * i + 1]]), group)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            _backward_blocks(dout, q, kv[0], kv[1], out, lse, [block], 1, scale, dq, dkv, docs)
+            backward_blocks(dout, q, kv[0], kv[1], out, lse, [block], 1, scale, dq, dkv, docs)
             mine = _scatter_back(dkv, group, cp_size)
             grads += [mine[0].to(past[2 * i].dtype), mine[1].to(past[2 * i + 1].dtype)]
-        kv = _gather_kv(torch.stack([k, v]), group)
+        kv = gather_kv(torch.stack([k, v]), group)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        _backward_blocks(dout, q, kv[0], kv[1], out, lse, own_blocks, q.shape[2] // 2, scale, dq, dkv, own_docs)
+        backward_blocks(dout, q, kv[0], kv[1], out, lse, own_blocks, q.shape[2] // 2, scale, dq, dkv, own_docs)
         mine = _scatter_back(dkv, group, cp_size)
         return (dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, *grads)
 
