@@ -91,7 +91,7 @@ class CommTimer:
     @contextlib.contextmanager
     def patched(self):
         from llamapipe.core.context_parallel import attention, ulysses
-        targets = [(attention, n) for n in ("_wait", "_gather_kv", "reduce_scatter")] + [(ulysses, "_exchange")]
+        targets = [(attention, n) for n in ("_wait", "gather_kv", "reduce_scatter")] + [(ulysses, "_exchange")]
         originals = {(module, n): getattr(module, n) for module, n in targets}
 
         def timed(fn):
