@@ -39,6 +39,10 @@ LAYOUTS = {  # name: (world size, flags)
     "cp2 a2a bf16": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--bf16"]),   # all-to-all buffers
     "pp4 vpp2 dualpipev bf16": (4, ["--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank",
                                     "2", "--pipeline-schedule", "dualpipev", "--bf16"]),
+    "cp4 a2a+p2p 2x2 bf16": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                 "--hierarchical-context-parallel-sizes", "2", "2", "--bf16"]),
+    "pp2 1f1b seq1f1b 2 pieces": (2, PP2 + ["--num-seq-splits", "2"]),          # the pieces' own bytes, walked
+    "pp2 zbv seq1f1b 4 pieces bf16": (2, V2 + ["zbv", "--num-seq-splits", "4", "--bf16"]),
 }
 
 
@@ -46,7 +50,8 @@ def planned(config) -> list:
     par, opt = config.parallel, config.optimizer
     layout = Layout(par.tp_size, par.pp_size, par.vpp_size, par.dp_size, par.pipeline_schedule, MICRO_BATCH,
                     config.model.recompute_granularity or "none", opt.use_distributed_optimizer,
-                    "bf16" if opt.bf16 else "fp32", par.pipeline_layout, cp=par.cp_size, cp_comm=par.cp_comm_type)
+                    "bf16" if opt.bf16 else "fp32", par.pipeline_layout, cp=par.cp_size, cp_comm=par.cp_comm_type,
+                    cp_a2a=par.cp_a2a_size or 0, seq_splits=par.num_seq_splits)
     return rank_memory(config.model, layout, config.training.seq_length, GLOBAL_BATCH)
 
 
