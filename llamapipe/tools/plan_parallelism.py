@@ -239,6 +239,10 @@ def explain(lay: Layout, e: Estimate) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if min(args.num_seq_splits) < 1:
+        sys.stderr.write(f"llamapipe plan: --num-seq-splits takes piece counts of at least 1, got "
+                         f"{' '.join(map(str, args.num_seq_splits))}\n")
+        return 2
     if args.profile:
         shaped = args.model is not None or any(getattr(args, name) is not None for name in SHAPE_FIELDS)
         try:

@@ -132,6 +132,11 @@ def test_candidates_and_the_dry_runs_checks_agree():
         assert refusal(args, lay, M8B) == expected, lay
 
 
+def test_a_piece_count_below_one_is_one_line(capsys):
+    assert main("--model llama3.1-8b --gpus 8 --global-batch-size 8 --num-seq-splits 4 0".split()) == 2
+    assert capsys.readouterr().err == "llamapipe plan: --num-seq-splits takes piece counts of at least 1, got 4 0\n"
+
+
 @pytest.mark.slow       # the plan (4 s) and the dry runs of its top row (12 s) and best Seq1F1B row (8 s)
 def test_llama3_8b_at_131k_tokens_on_64_gpus_ranks_ring_a2a_and_seq1f1b_and_its_rows_pass_the_dry_run(capsys):
     argv = ("--model llama3.1-8b --gpus 64 --seq-length 131072 --global-batch-size 8 --max-context-parallel-size 8 "
