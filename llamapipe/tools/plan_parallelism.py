@@ -2,13 +2,14 @@
 
     llamapipe plan --model llama2-7b --gpus 8 --gpu-memory-gb 80 --seq-length 4096 --global-batch-size 512
 
-Enumerates tp x pp x dp = gpus, model chunks per rank and schedule (every --pipeline-schedule with a fixed
-order, at every chunk count up to 8 it takes: an uneven layout string where the layers do not divide),
-micro-batch size, full activation recompute or none and the distributed optimizer (selective recompute
-is left out: attention runs on SDPA's flash kernels, which never store the s^2 scores, so it saves nothing); estimates each layout's memory on
-its most loaded rank and its step time (llamapipe.tools.parallel_estimate), keeps those that fit under
---headroom x the GPU memory and prints them fastest first. The top row's command line is printed ready to run,
-with its `llamapipe dry-run`; --explain N shows the memory breakdown of row N.
+Takes the candidates of `plan_candidates` (tp x cp x pp x dp = gpus, schedules and chunk counts, micro-batch
+sizes, full activation recompute or none, the distributed optimizer, ring / a2a / a2a+p2p attention up to
+--max-context-parallel-size, Seq1F1B with --num-seq-splits; selective recompute is left out: attention runs on
+SDPA's flash kernels, which never store the s^2 scores, so it saves nothing) that the dry run's argument checks
+accept, estimates each one's memory on its most loaded rank and its step time (llamapipe.tools.parallel_estimate),
+keeps those that fit under --headroom x the GPU memory and prints them fastest first, with the best row of each
+way to split a long sequence. The top row's command line is printed ready to run, with its `llamapipe dry-run`;
+--explain N shows the memory breakdown of row N.
 
 With --profile PROFILE.json (written by `llamapipe profile` on the machine to plan for) the step times come
 from the measured profile instead (`profile_plan`): per-stage simulated costs, the layer split and the
