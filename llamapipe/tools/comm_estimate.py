@@ -2,23 +2,20 @@
 
 The buffers are counted by core/comm_memory.py, the model `llamapipe dry-run` counts them with; this module only
 supplies, from the model's shape and the layout, what the dry run measures on the real shards: the pipeline peers
-of each rank and their message (the hidden states of one microbatch, sequence-split over tp under sequence
-parallelism, which the planned command turns on), the parameters of each rank in the model's order (the
-embedding, each layer's norm, q, k, v, o, norm, gate, up, down, then the final norm and the output layer), and
-ZeRO-1's padded flat shard. The job's commands keep the default bucket size and no --overlap-grad-reduce.
+of each rank and their message (the hidden states of one microbatch, or of its largest Seq1F1B piece,
+sequence-split over tp under sequence parallelism, which the planned command turns on), the parameters of each
+rank in the model's order (the embedding, each layer's norm, q, k, v, o, norm, gate, up, down, then the final
+norm and the output layer), and ZeRO-1's padded flat shard. The job's commands keep the default bucket size and
+no --overlap-grad-reduce.
 """
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
-
 from llamapipe.core.comm_memory import a2a_buffer_bytes, grad_bucket_bytes, p2p_receive_bytes, zero1_gather_bytes
 from llamapipe.core.config import ParallelConfig
 from llamapipe.core.optimizer.distrib_optimizer import ShardLayout
 from llamapipe.model.llama import LlamaConfig
-
-if TYPE_CHECKING:       # parallel_estimate imports this module
-    from llamapipe.tools.parallel_estimate import Layout
+from llamapipe.tools.parallel_layout import Layout, piece_lengths
 
 
 def _layer_numels(m: LlamaConfig, tp: int) -> tuple[int, ...]:
@@ -51,7 +48,8 @@ def rank_comm_bytes(m: LlamaConfig, lay: Layout, seq: int, stage_ranks: list[int
                     param_bytes: int) -> list[int]:
     """Communication buffers of each pipeline rank of `lay` under `comm_memory`'s model; `stage_ranks`,
     `stage_layers`: the rank and decoder layers of each virtual stage."""
-    message = seq // lay.cp // lay.tp * lay.micro_batch * m.hidden_size * param_bytes   # sequence parallel
+    # the hidden states of a microbatch (its largest Seq1F1B piece), sequence parallel
+    message = max(piece_lengths(m, lay, seq)) // lay.tp * lay.micro_batch * m.hidden_size * param_bytes
     a2a = (a2a_buffer_bytes(seq // lay.cp * lay.micro_batch, m.num_attention_heads // lay.tp,
                             m.num_query_groups // lay.tp, m.head_dim, param_bytes)
            if lay.cp > 1 and lay.cp_comm in ("a2a", "a2a+p2p") else 0)

@@ -2,13 +2,14 @@
 
     llamapipe plan --model llama2-7b --gpus 8 --gpu-memory-gb 80 --seq-length 4096 --global-batch-size 512
 
-Enumerates tp x pp x dp = gpus, model chunks per rank and schedule (every --pipeline-schedule with a fixed
-order, at every chunk count up to 8 it takes: an uneven layout string where the layers do not divide),
-micro-batch size, full activation recompute or none and the distributed optimizer (selective recompute
-is left out: attention runs on SDPA's flash kernels, which never store the s^2 scores, so it saves nothing); estimates each layout's memory on
-its most loaded rank and its step time (llamapipe.tools.parallel_estimate), keeps those that fit under
---headroom x the GPU memory and prints them fastest first. The top row's command line is printed ready to run,
-with its `llamapipe dry-run`; --explain N shows the memory breakdown of row N.
+Takes the candidates of `plan_candidates` (tp x cp x pp x dp = gpus, schedules and chunk counts, micro-batch
+sizes, full activation recompute or none, the distributed optimizer, ring / a2a / a2a+p2p attention up to
+--max-context-parallel-size, Seq1F1B with --num-seq-splits; selective recompute is left out: attention runs on
+SDPA's flash kernels, which never store the s^2 scores, so it saves nothing) that the dry run's argument checks
+accept, estimates each one's memory on its most loaded rank and its step time (llamapipe.tools.parallel_estimate),
+keeps those that fit under --headroom x the GPU memory and prints them fastest first, with the best row of each
+way to split a long sequence. The top row's command line is printed ready to run, with its `llamapipe dry-run`;
+--explain N shows the memory breakdown of row N.
 
 With --profile PROFILE.json (written by `llamapipe profile` on the machine to plan for) the step times come
 from the measured profile instead (`profile_plan`): per-stage simulated costs, the layer split and the
@@ -18,23 +19,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import sys
 from typing import Optional
 
 from llamapipe.training.flag_parser import FlagParser
-from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
+from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.families import FAMILIES, PRESETS, family_of_preset
 from llamapipe.tools import launch_line, profile_plan
 from llamapipe.training import profile_schema
 from llamapipe.tools.parallel_estimate import DEVICES, GIB, Estimate, Layout, estimate
+from llamapipe.tools.plan_candidates import (  # noqa: F401  (the planner's names, as before the split)
+    MAX_CHUNKS, RECOMPUTE_FLAGS, SCHEDULES, SEQ_SPLITS, layouts, refusal, shape_refusal, trainer_flags,
+    uneven_layout)
 
-SCHEDULES = [name for name, spec in SPECS.items() if spec.planned and not spec.profiled]
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size")
-MAX_CHUNKS = 8     # model chunks per pipeline rank that `plan` tries at most
-RECOMPUTE_FLAGS = {"none": [], "selective": ["--recompute-activations"], "lgd": ["--recompute-lgd"],
-                   "full": ["--recompute-granularity", "full", "--recompute-method", "uniform"]}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-micro-batch-size", type=int, default=8)
     p.add_argument("--max-context-parallel-size", type=int, default=1,
                    help="also rank layouts that split each sequence over up to this many ranks "
-                        "(--context-parallel-size; ring attention)")
+                        "(--context-parallel-size; ring, a2a and a2a+p2p attention)")
+    p.add_argument("--num-seq-splits", type=int, nargs="+", default=list(SEQ_SPLITS), metavar="K",
+                   help="Seq1F1B pieces per microbatch to rank besides the unsplit layouts (--num-seq-splits; "
+                        "1 alone: none)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--explain", type=int, default=None, metavar="N", help="memory breakdown of row N (1 = top)")
     p.add_argument("--profile", default=None, metavar="JSON",
@@ -78,68 +80,13 @@ def model_from_args(args: argparse.Namespace) -> LlamaConfig:
     return family.config_class(**fields)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def layouts(m: LlamaConfig, gpus: int, global_batch: int, max_mbs: int, max_cp: int = 1,
-            seq_length: int = 0) -> list[Layout]:
-    """Every layout the flags could express for this model and cluster (context parallelism up to `max_cp`
-    ranks, where `seq_length` splits into 2 x cp chunks of a multiple of tp tokens)."""
-    out = []
-    for tp in [d for d in _divisors(gpus) if d <= 8 and m.num_query_groups % d == 0 and m.ffn_hidden_size % d == 0]:
-        for cp, pp in [(cp, pp) for cp in _divisors(gpus // tp) if cp <= max_cp and seq_length % (2 * cp * tp) == 0
-                       or cp == 1 for pp in _divisors(gpus // (tp * cp))]:
-            dp = gpus // (tp * cp * pp)
-            for mbs in [b for b in (1, 2, 4, 8) if b <= max_mbs and global_batch % (b * dp) == 0]:
-                if pp > 1 and global_batch // (mbs * dp) < pp:
-                    continue
-                for schedule, vpp, split in _schedules(m.num_layers, pp):
-                    for recompute, comm in itertools.product(("none", "full"), _cp_comms(m, tp, cp)):
-                        for dist_opt in (False, True) if dp * cp > 1 else (False,):   # ZeRO-1 over dp x cp
-                            out.append(Layout(tp, pp, vpp, dp, schedule, mbs, recompute, dist_opt,
-                                              pipeline_layout=split, cp=cp, cp_comm=comm))
-    return out
-
-
-def _cp_comms(m: LlamaConfig, tp: int, cp: int) -> tuple[str, ...]:
-    """The attentions a CP layout is ranked with: the ring, and a2a where each rank gets whole query groups."""
-    if cp == 1:
-        return ("p2p",)
-    return ("p2p", "a2a") if (m.num_query_groups // tp) % cp == 0 else ("p2p",)
-
-
-def _schedules(num_layers: int, pp: int) -> list[tuple[str, int, Optional[str]]]:
-    """(schedule, model chunks per rank, layout string or None) to rank: every chunk count from 1 to MAX_CHUNKS
-    that the schedule takes (Megatron's interleaved layouts have up to 8 and more), split evenly where pp x chunks
-    divides the layers, else by `uneven_layout`."""
-    if pp == 1:
-        return [(default_schedule(1), 1, None)]
-    out = []
-    for name in SCHEDULES:
-        spec = SPECS[name]
-        for vpp in [v for v in range(1, MAX_CHUNKS + 1) if spec.accepts(v) and pp * v <= num_layers]:
-            out.append((name, vpp, None if num_layers % (pp * vpp) == 0 else uneven_layout(num_layers, pp * vpp)))
-    return out
-
-
-def uneven_layout(num_layers: int, stages: int) -> str:
-    """A --pipeline-model-parallel-layout string for layers that do not divide over the stages: each stage gets
-    layers // stages and the rest go one each to the stages nearest the middle, so the first stage (with the
-    embedding) and the last (with the output layer and the loss) are never the larger ones."""
-    base, extra = divmod(num_layers, stages)
-    by_middle = sorted(range(stages), key=lambda s: (abs(2 * s - (stages - 1)), s))
-    counts = [base + (s in by_middle[:extra]) for s in range(stages)]
-    parts = ["t" * n for n in counts]
-    parts[0], parts[-1] = "E" + parts[0], parts[-1] + "L"
-    return "|".join(parts)
-
-
 def rank(m: LlamaConfig, args: argparse.Namespace, dev) -> list[tuple[Layout, Estimate]]:
     budget = args.headroom * args.gpu_memory_gb * GIB
     rows = []
     for lay in layouts(m, args.gpus, args.global_batch_size, args.max_micro_batch_size,
-                       args.max_context_parallel_size, args.seq_length):
+                       args.max_context_parallel_size, args.seq_length, tuple(args.num_seq_splits)):
+        if shape_refusal(args, lay, m) is not None:     # the trainer's own checks, as the dry run runs them
+            continue
         est = estimate(m, lay, args.seq_length, args.global_batch_size, dev)
         if est.total > budget:      # a pipeline that does not fit may with its cheap parts recomputed or offloaded
             lay, est = _with_levers(m, lay, est, args, dev, budget)
@@ -160,7 +107,7 @@ def _with_levers(m: LlamaConfig, lay: Layout, est: Estimate, args: argparse.Name
     lgd = dataclasses.replace(lay, recompute="lgd")
     options = [(lgd, estimate(m, lgd, args.seq_length, args.global_batch_size, dev)),
                _with_offload(m, lay, args, dev, budget)]
-    fits = [(l, e) for l, e in options if e is not None and e.total <= budget]
+    fits = [(l, e) for l, e in options if e is not None and e.total <= budget and refusal(args, l, m) is None]
     return min(fits, key=lambda row: row[1].step_s) if fits else (lay, None)
 
 
@@ -183,31 +130,6 @@ def _with_offload(m: LlamaConfig, lay: Layout, args: argparse.Namespace, dev,
     return found
 
 
-def trainer_flags(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig] = None) -> list[str]:
-    """pretrain_llama.py's flags for one job of `lay` (`m`: the model, whose position limit a long --seq-length
-    raises)."""
-    shape = [f"--model {args.model}"] if args.model else [
-        f"--{n.replace('_', '-')} {getattr(args, n)}" for n in ("num_layers", "hidden_size", "ffn_hidden_size",
-                                                                   "num_attention_heads", "num_query_groups",
-                                                                   "vocab_size") if getattr(args, n) is not None]
-    if m is not None and args.seq_length > m.max_position_embeddings:
-        shape.append(f"--max-position-embeddings {args.seq_length}")
-    parts = [*shape, f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
-    if lay.cp > 1:
-        parts.append(f"--context-parallel-size {lay.cp}")
-        parts += [f"--cp-comm-type {lay.cp_comm}"] if lay.cp_comm != "p2p" else []
-    if lay.pp > 1:
-        parts += [f"--num-virtual-stages-per-pipeline-rank {lay.vpp}", f"--pipeline-schedule {lay.schedule}"]
-    if lay.pipeline_layout is not None:
-        parts.append(f"--pipeline-model-parallel-layout '{lay.pipeline_layout}'")
-    parts += [f"--micro-batch-size {lay.micro_batch}", f"--global-batch-size {args.global_batch_size}",
-              f"--seq-length {args.seq_length}", "--bf16"] + (["--sequence-parallel"] if lay.tp > 1 else [])
-    parts += RECOMPUTE_FLAGS[lay.recompute] + (["--use-distributed-optimizer"] if lay.dist_opt else [])
-    parts += [f"--cpu-offload --offload-chunk-num {lay.offload}"] if lay.offload else []
-    parts += ["--offload-weight-grad-inputs"] if lay.offload and SPECS[lay.schedule].zero_bubble else []
-    return parts + [profile_plan.MOCK_DATA]
-
-
 def command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConfig] = None) -> str:
     """The command line of `lay`'s job: torchrun on one node, scripts/launch_multi_node.sh on each of several."""
     return " ".join([launch_line.launcher(args.gpus), *trainer_flags(args, lay, m)])
@@ -222,7 +144,9 @@ def dry_run_command(args: argparse.Namespace, lay: Layout, m: Optional[LlamaConf
 
 def table(rows: list[tuple[Layout, Estimate]], top: int) -> str:
     width = max([11] + [len(lay.schedule) for lay, _ in rows[:top]])     # group-interleaved is longer
-    head = (f"{'#':>3} {'tp':>3} {'cp':>8} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<{width}} {'mbs':>3} {'recompute':<9} "
+    cp_width = max([8] + [len(_cp_text(lay)) for lay, _ in rows[:top]])    # "16 a2a+p2p 2x8"
+    head = (f"{'#':>3} {'tp':>3} {'cp':>{cp_width}} {'pp':>3} {'vpp':>3} {'dp':>3} {'schedule':<{width}} {'seq':>3} "
+            f"{'mbs':>3} {'recompute':<9} "
             f"{'offload':<7} {'distopt':<7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'comm':>7} {'total':>7} {'step s':>8} "
             f"{'MFU':>6}")
     memory = head.index("params") - 1         # the unit of the six memory columns, over them
@@ -230,25 +154,59 @@ def table(rows: list[tuple[Layout, Estimate]], top: int) -> str:
              "-" * len(head)]
     for i, (lay, e) in enumerate(rows[:top], 1):
         gib = [x / GIB for x in (e.params, e.grads, e.optimizer, e.activations, e.comm, e.total)]
-        lines.append(f"{i:>3} {lay.tp:>3} {_cp_text(lay):>8} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>3} {lay.schedule:<{width}} {lay.micro_batch:>3} "
+        seq = lay.seq_splits if lay.seq_splits > 1 else "-"
+        lines.append(f"{i:>3} {lay.tp:>3} {_cp_text(lay):>{cp_width}} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>3} "
+                     f"{lay.schedule:<{width}} {seq:>3} {lay.micro_batch:>3} "
                      f"{lay.recompute:<9} {_offload_text(lay):<7} {'yes' if lay.dist_opt else 'no':<7} "
                      + " ".join(f"{x:>7.1f}" for x in gib) + f" {e.step_s:>8.2f} {e.mfu:>6.1%}")
     return "\n".join(lines)
 
 
+def checked(rows: list[tuple[Layout, Estimate]], args: argparse.Namespace, m: LlamaConfig,
+            top: int) -> list[tuple[Layout, Estimate]]:
+    """`rows` less those whose whole flags the dry run's checks refuse (`refusal`), checked for the rows `plan`
+    prints: the first `top` and the best of each way to split a sequence (`attention_options`)."""
+    out, seen = [], set()
+    for lay, est in rows:
+        if (len(out) < top or _option(lay) not in seen) and refusal(args, lay, m) is not None:
+            continue
+        seen.add(_option(lay))
+        out.append((lay, est))
+    return out
+
+
+def _option(lay: Layout) -> tuple[str, bool]:
+    return (_comm_name(lay) if lay.cp > 1 else "", lay.seq_splits > 1)
+
+
 def attention_options(rows: list[tuple[Layout, Estimate]]) -> str:
-    """One line per context-parallel attention among the ranked rows: its best row, also below the table's top."""
+    """One line per way of splitting a long sequence among the ranked rows (each context-parallel attention,
+    Seq1F1B): its best row, also below the table's top."""
     best: dict[str, int] = {}
     for i, (lay, _) in enumerate(rows, 1):
         if lay.cp > 1:
-            best.setdefault("ring" if lay.cp_comm == "p2p" else lay.cp_comm, i)
-    return "\n".join(f"best {comm} context parallelism: row {i} (cp {rows[i - 1][0].cp}, step {rows[i - 1][1].step_s:.2f} "
-                     f"s, {rows[i - 1][1].total / GIB:.1f} GiB)" for comm, i in best.items())
+            best.setdefault(f"{_comm_name(lay)} context parallelism", i)
+        if lay.seq_splits > 1:
+            best.setdefault("Seq1F1B (--num-seq-splits)", i)
+    lines = []
+    for option, i in best.items():
+        lay, e = rows[i - 1]
+        what = [f"cp {lay.cp}"] if lay.cp > 1 else []
+        what += [f"{lay.seq_splits} pieces, {lay.schedule}"] if lay.seq_splits > 1 else []
+        lines.append(f"best {option}: row {i} ({', '.join(what)}, step {e.step_s:.2f} s, {e.total / GIB:.1f} GiB)")
+    return "\n".join(lines)
+
+
+def _comm_name(lay: Layout) -> str:
+    return "ring" if lay.cp_comm == "p2p" else lay.cp_comm
 
 
 def _cp_text(lay: Layout) -> str:
-    """The CP size with its attention: "8 ring", "8 a2a" (just "1" without context parallelism)."""
-    return str(lay.cp) if lay.cp == 1 else f"{lay.cp} {'ring' if lay.cp_comm == 'p2p' else lay.cp_comm}"
+    """The CP size with its attention: "8 ring", "8 a2a", "8 a2a+p2p 2x4" (the a2a and ring levels; just "1"
+    without context parallelism)."""
+    if lay.cp == 1:
+        return "1"
+    return f"{lay.cp} {_comm_name(lay)}" + (f" {lay.cp_a2a}x{lay.cp // lay.cp_a2a}" if lay.cp_a2a else "")
 
 
 def _offload_text(lay: Layout) -> str:
@@ -262,13 +220,14 @@ def explain(lay: Layout, e: Estimate) -> str:
                    if SPECS[lay.schedule].zero_bubble else "") + ": without it this layout does not fit"]
                if lay.offload else [])
     zero1 = ", ZeRO-1's gather" if lay.dist_opt and lay.dp * lay.cp > 1 else ""
+    seq = f" in {lay.seq_splits} sequence pieces (Seq1F1B)" if lay.seq_splits > 1 else ""
     if lay.recompute == "lgd":
         offload.append("  recompute lgd: each layer's norms and SwiGLU activation are recomputed instead of kept "
                        "(--recompute-lgd, element-wise work, no GEMM): without it this layout does not fit")
     return "\n".join([
-        f"layout: tp {lay.tp}, cp {lay.cp}, pp {lay.pp}, {lay.vpp} chunk(s) per rank, dp {lay.dp}, --pipeline-schedule "
-        f"{lay.schedule}, micro-batch {lay.micro_batch}, recompute {lay.recompute}, distributed optimizer "
-        f"{'on' if lay.dist_opt else 'off'}",
+        f"layout: tp {lay.tp}, cp {_cp_text(lay)}, pp {lay.pp}, {lay.vpp} chunk(s) per rank, dp {lay.dp}, "
+        f"--pipeline-schedule {lay.schedule}{seq}, micro-batch {lay.micro_batch}, recompute {lay.recompute}, "
+        f"distributed optimizer {'on' if lay.dist_opt else 'off'}",
         f"  parameters (bf16, 2 B each)          {e.params / GIB:8.2f} GiB",
         f"  gradients (fp32, 4 B each)           {e.grads / GIB:8.2f} GiB",
         f"  optimizer (fp32 master, m, v: 12 B{'/dp' if lay.dist_opt else ''}) {e.optimizer / GIB:8.2f} GiB",
@@ -281,6 +240,10 @@ def explain(lay: Layout, e: Estimate) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if min(args.num_seq_splits) < 1:
+        sys.stderr.write(f"llamapipe plan: --num-seq-splits takes piece counts of at least 1, got "
+                         f"{' '.join(map(str, args.num_seq_splits))}\n")
+        return 2
     if args.profile:
         shaped = args.model is not None or any(getattr(args, name) is not None for name in SHAPE_FIELDS)
         try:
@@ -291,7 +254,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     m = model_from_args(args)
     dev = DEVICES[args.device]
     dev = dataclasses.replace(dev, tflops=args.device_tflops or dev.tflops, link_gbps=args.link_gbps or dev.link_gbps)
-    rows = rank(m, args, dev)
+    rows = checked(rank(m, args, dev), args, m, args.top)
     if not rows:
         sys.stderr.write(f"llamapipe plan: no layout fits {args.gpus} GPUs of {args.gpu_memory_gb:g} GiB "
                          f"(x {args.headroom:g} headroom) for this model at --seq-length {args.seq_length}\n")

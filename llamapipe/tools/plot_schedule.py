@@ -122,10 +122,7 @@ def _piece_costs(costs: Costs, k: int) -> Costs:
     """A Seq1F1B piece's costs: 1/K of a microbatch's time, message and activations (FLOPs-balanced pieces)."""
     if k < 1:
         raise ValueError(f"--num-seq-splits {k} must be at least 1")
-    if k == 1:
-        return costs
-    return dataclasses.replace(costs, f=costs.f / k, b=costs.b / k, w=costs.w / k, comm=costs.comm / k,
-                               act_mem=costs.act_mem / k, w_mem=costs.w_mem / k)
+    return costs.pieces(k)
 
 
 def _build(args: argparse.Namespace, costs: Costs):

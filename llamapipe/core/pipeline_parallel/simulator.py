@@ -20,7 +20,7 @@ each rank's release time, so `simulator_iterations` chains iterations with it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from llamapipe.core.pipeline_parallel.schedule_ir import (ALL, KIND_SPECS, PRODUCER, VOCAB_PASSES, Action, Plan,
                                                           needs, sends, vocab_needs)
@@ -64,6 +64,14 @@ class Costs:
 
     def duration(self, kind: str) -> float:
         return self._duration[kind]
+
+    def pieces(self, k: int) -> "Costs":
+        """A Seq1F1B piece's costs (seq_split.py, FLOPs-balanced pieces): 1/K of a microbatch's time, message and
+        activations (the output layer's head_* costs as given)."""
+        if k == 1:
+            return self
+        return replace(self, f=self.f / k, b=self.b / k, w=self.w / k, comm=self.comm / k, act_mem=self.act_mem / k,
+                       w_mem=self.w_mem / k)
 
     def mem_delta(self, kind: str) -> float:
         return self._mem_delta[kind]
