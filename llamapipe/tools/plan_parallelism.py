@@ -54,9 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context-parallel-size", type=int, default=1,
                    help="also rank layouts that split each sequence over up to this many ranks "
                         "(--context-parallel-size; ring, a2a and a2a+p2p attention)")
-    p.add_argument("--num-seq-splits", type=int, nargs="+", default=list(SEQ_SPLITS), metavar="K",
+    p.add_argument("--num-seq-splits", type=int, nargs="+", default=None, metavar="K",
                    help="Seq1F1B pieces per microbatch to rank besides the unsplit layouts (--num-seq-splits; "
-                        "1 alone: none)")
+                        f"1 alone: none); default {' '.join(map(str, SEQ_SPLITS))} from --seq-length "
+                        f"{LONG_SEQUENCE} on, where pieces pay, else none (their plans are slow to simulate on "
+                        "deep pipelines)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--explain", type=int, default=None, metavar="N", help="memory breakdown of row N (1 = top)")
     p.add_argument("--profile", default=None, metavar="JSON",
@@ -80,11 +82,21 @@ def model_from_args(args: argparse.Namespace) -> LlamaConfig:
     return family.config_class(**fields)
 
 
+LONG_SEQUENCE = 32768      # from here on `plan` ranks Seq1F1B rows without being asked
+
+
+def seq_splits_of(args: argparse.Namespace) -> tuple[int, ...]:
+    """The Seq1F1B piece counts to rank: --num-seq-splits, else SEQ_SPLITS for long sequences, else none."""
+    if args.num_seq_splits is not None:
+        return tuple(args.num_seq_splits)
+    return SEQ_SPLITS if args.seq_length >= LONG_SEQUENCE else (1,)
+
+
 def rank(m: LlamaConfig, args: argparse.Namespace, dev) -> list[tuple[Layout, Estimate]]:
     budget = args.headroom * args.gpu_memory_gb * GIB
     rows = []
     for lay in layouts(m, args.gpus, args.global_batch_size, args.max_micro_batch_size,
-                       args.max_context_parallel_size, args.seq_length, tuple(args.num_seq_splits)):
+                       args.max_context_parallel_size, args.seq_length, seq_splits_of(args)):
         if shape_refusal(args, lay, m) is not None:     # the trainer's own checks, as the dry run runs them
             continue
         est = estimate(m, lay, args.seq_length, args.global_batch_size, dev)
@@ -240,7 +252,7 @@ def explain(lay: Layout, e: Estimate) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if min(args.num_seq_splits) < 1:
+    if args.num_seq_splits is not None and min(args.num_seq_splits) < 1:
         sys.stderr.write(f"llamapipe plan: --num-seq-splits takes piece counts of at least 1, got "
                          f"{' '.join(map(str, args.num_seq_splits))}\n")
         return 2
