@@ -200,8 +200,8 @@ def test_startup_block_at_dp1_says_a_sharding_strategy_is_inactive_and_megatrons
 
 def test_main_logs_the_block_once_after_the_notices(monkeypatch, llamapipe_log):
     import llamapipe.train
-    import llamapipe.training.loop
-    monkeypatch.setattr(llamapipe.training.loop, "pretrain", lambda config: 0)
+    import llamapipe.training.pretrain
+    monkeypatch.setattr(llamapipe.training.pretrain, "pretrain", lambda config: 0)
     assert llamapipe.train.main(["--mock-data", "--model", "tiny", "--overlap-grad-reduce"]) == 0
     start = [line for line in llamapipe_log if line.startswith(("notice:", "run:"))]
     assert start[0].startswith("notice: --overlap-grad-reduce has no effect at data-parallel size 1")
