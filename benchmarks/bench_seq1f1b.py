@@ -2,7 +2,8 @@
 against the same schedule on whole microbatches (issue 45's benchmark).
 
 Two gloo ranks (one core each), LlamaModel with 8 layers, hidden 256, sequence 4096, micro-batch 1, 8
-microbatches, fp32. Variants 1F1B and ZB-V, each with K = 1 and K = 4 (--num-seq-splits), run one step each in
+microbatches, fp32. Variants 1F1B and ZB-V, each with K = 1 and K = 4 (--num-seq-splits; ZB-V's K = 4 also with
+pieces of equal length), run one step each in
 alternating rounds (the first round is warm-up); per variant the medians and spread over the timed rounds of:
 the step's wall time (slowest rank), each rank's peak saved activation bytes between actions (`ActivationProbe`:
 forwards not yet backward; what a deferred W keeps after its B is not in it), and the per-rank timers'
@@ -24,7 +25,14 @@ import torch
 from benchmarks.launch import run_distributed
 from benchmarks.results_io import write_json
 
-VARIANTS = (("1f1b", 1, 1), ("1f1b", 1, 4), ("zbv", 2, 1), ("zbv", 2, 4))   # (schedule, chunks per rank, K)
+# (schedule, chunks per rank, K, --seq1f1b-balance-method); ZB-V's pieces also by equal length: its order is
+# list-scheduled at unit costs, and FLOPs-equal pieces need not take equal time on this CPU
+VARIANTS = (("1f1b", 1, 1, "flops"), ("1f1b", 1, 4, "flops"), ("zbv", 2, 1, "flops"), ("zbv", 2, 4, "flops"),
+            ("zbv", 2, 4, "length"))
+
+
+def _name(schedule: str, k: int, method: str) -> str:
+    return f"{schedule}-k{k}" + ("-length" if method == "length" else "")
 
 
 def _config(layers: int, hidden: int, seq: int):
@@ -64,20 +72,20 @@ def worker(rank: int, world: int, layers: int, hidden: int, seq: int, m: int, ro
     config = _config(layers, hidden, seq)
     ps0 = initialize_model_parallel(1, world)
     setups = {}
-    for schedule, vpp, k in VARIANTS:
+    for schedule, vpp, k, method in VARIANTS:
         ps = dataclasses.replace(ps0, vpp_size=vpp)
         chunks = _chunks(ps, config, schedule, vpp)
         probe, timers = ActivationProbe(chunks), StepTimers(level=2)
-        splits = SeqSplits.for_model(k, "flops", hidden, config.ffn_hidden_size, config.num_attention_heads,
+        splits = SeqSplits.for_model(k, method, hidden, config.ffn_hidden_size, config.num_attention_heads,
                                      config.head_dim, config.num_query_groups) if k > 1 else None
         fb = get_forward_backward_func(ps, schedule, options=RuntimeOptions(observers=(probe, timers),
                                                                             seq_splits=splits))
-        setups[(schedule, vpp, k)] = (chunks, fb, probe, timers)
-    out = {f"{s}-k{k}": {"step_s": [], "peak_bytes": [], "timers": []} for s, _, k in VARIANTS}
+        setups[(schedule, vpp, k, method)] = (chunks, fb, probe, timers)
+    out = {_name(s, k, method): {"step_s": [], "peak_bytes": [], "timers": []} for s, _, k, method in VARIANTS}
     g = torch.Generator().manual_seed(1)
     try:
         for r in range(rounds + 1):
-            for (schedule, vpp, k), (chunks, fb, probe, timers) in setups.items():
+            for (schedule, vpp, k, method), (chunks, fb, probe, timers) in setups.items():
                 batches = [{"tokens": torch.randint(0, 1024, (1, seq), generator=g),
                             "labels": torch.randint(0, 1024, (1, seq), generator=g)} for _ in range(m)]
                 dist.barrier()
@@ -93,7 +101,7 @@ def worker(rank: int, world: int, layers: int, hidden: int, seq: int, m: int, ro
                 if r == 0:
                     timers.interval()
                     continue
-                row = out[f"{schedule}-k{k}"]
+                row = out[_name(schedule, k, method)]
                 row["step_s"].append(float(took))
                 row["peak_bytes"].append(probe.peaks[-1])
                 row["timers"].append(timers.interval())
@@ -119,8 +127,8 @@ def summarize(results: list[dict]) -> dict:
                           "forward_s": t.get("forward-compute", 0.0), "backward_s": t.get("backward-compute", 0.0),
                           "weight_s": t.get("backward-weight-compute", 0.0)})
         rows[name] = {"step_s": step, "step_spread_s": spread, "ranks": ranks}
-    for schedule in ("1f1b", "zbv"):
-        base, split = rows[f"{schedule}-k1"], rows[f"{schedule}-k4"]
+    for schedule, name in (("1f1b", "1f1b-k4"), ("zbv", "zbv-k4"), ("zbv", "zbv-k4-length")):
+        base, split = rows[f"{schedule}-k1"], rows[name]
         split["peak_ratio"] = max(r["peak_bytes"] for r in split["ranks"]) / max(r["peak_bytes"] for r in base["ranks"])
         split["step_ratio"] = split["step_s"] / base["step_s"]
     return rows
@@ -138,14 +146,14 @@ def main(argv=None) -> dict:
     results = run_distributed(worker, 2, args.layers, args.hidden, args.seq, args.microbatches, args.rounds,
                               timeout=3600)
     rows = summarize(results)
-    print(f"{'variant':<9} {'step s':>8} {'spread':>7} {'vs K=1':>7} {'peak MB r0/r1':>15} {'vs K=1':>7} "
+    print(f"{'variant':<13} {'step s':>8} {'spread':>7} {'vs K=1':>7} {'peak MB r0/r1':>15} {'vs K=1':>7} "
           f"{'bubble r0/r1':>13}  compute/comm/idle s (r0; r1)")
     for name, row in rows.items():
         ranks = row["ranks"]
         peaks = "/".join(f"{r['peak_bytes'] / 2**20:.0f}" for r in ranks)
         bubbles = "/".join(f"{r['bubble']:.3f}" for r in ranks)
         split = "; ".join(f"{r['compute_s']:.1f}/{r['communication_s']:.1f}/{r['idle_s']:.1f}" for r in ranks)
-        print(f"{name:<9} {row['step_s']:>8.2f} {row['step_spread_s']:>7.2f} {row.get('step_ratio', 1.0):>7.3f} "
+        print(f"{name:<13} {row['step_s']:>8.2f} {row['step_spread_s']:>7.2f} {row.get('step_ratio', 1.0):>7.3f} "
               f"{peaks:>15} {row.get('peak_ratio', 1.0):>7.3f} {bubbles:>13}  {split}")
     write_json(args.out, {"args": vars(args), "rows": rows}, indent=1)
     return rows
