@@ -156,7 +156,9 @@ def resolved(load_dir: str, run: Any, rank: int, *, wants_optimizer: bool) -> It
     """The directory the load reads for `--load load_dir`: a Megatron save is staged first (rank 0; every rank
     gets its one error line) and removed after the load."""
     from llamapipe.training.checkpointing.save_load import _barrier, _from_rank0
-    kind, directory = _from_rank0(source(load_dir) if rank == 0 else None)
+    # every rank looks for itself (files only): loading our own checkpoints takes no collective, so a rank may
+    # load alone, as resharding tools and tests do; only a Megatron save's staging is agreed on below
+    kind, directory = source(load_dir)
     if kind == "ours":
         yield directory
         return
