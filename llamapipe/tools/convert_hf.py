@@ -130,14 +130,7 @@ def _write_import(save_dir: str, overwrite: bool, write: Callable[[Callable], st
 def export_hf(load: str, hf_dir: str, tokenizer_model: str | None = None,
               tokenizer_type: str | None = None) -> tuple[str, list[str]]:
     """Write the checkpoint in `load` as an HF directory; returns (checkpoint dir, tokenizer files written)."""
-    if os.path.isfile(os.path.join(load, cio.METADATA)):
-        path = load
-    else:
-        found = cio.latest_checkpoint(load)
-        if found is None:
-            raise ValueError(f"--load {load} holds no complete checkpoint")
-        path = found[1]
-    reader = cio.CheckpointReader(path)
+    path, reader = cio.open_checkpoint(load)
     config = config_from_dict(reader.meta["model_config"])
     tokenizer = _run_tokenizer(reader.meta, path, tokenizer_model, tokenizer_type)
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:

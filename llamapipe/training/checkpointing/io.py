@@ -167,6 +167,19 @@ class CheckpointReader:
         return safe_torch_load(os.path.join(self.path, fname))
 
 
+def open_checkpoint(load: str) -> tuple[str, CheckpointReader]:
+    """(checkpoint dir, its reader) for `load`: one iter dir (it holds metadata.json), else the newest complete
+    checkpoint of the save directory `load`; ValueError, one line, when there is none."""
+    if os.path.isfile(os.path.join(load, METADATA)):
+        path = load
+    else:
+        found = latest_checkpoint(load)
+        if found is None:
+            raise ValueError(f"--load {load} holds no complete checkpoint")
+        path = found[1]
+    return path, CheckpointReader(path)
+
+
 def read_model_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
     """Any complete checkpoint -> the full logical (tp=1, unpadded) model state dict (model files verified)."""
     reader = CheckpointReader(ckpt_dir)

@@ -38,14 +38,7 @@ def megatron_args(config: LlamaConfig, seq_length: int, iteration: int, **more) 
 def export_megatron(load: str, save_dir: str, *, replace: bool = False) -> str:
     """Write our checkpoint in `load` (any layout) as a Megatron torch_dist save in `save_dir`; returns its iter dir.
     The iter dir is written as iter_X.tmp and renamed; `replace`: an iter_X already there is replaced."""
-    if os.path.isfile(os.path.join(load, cio.METADATA)):
-        path = load
-    else:
-        found = cio.latest_checkpoint(load)
-        if found is None:
-            raise ValueError(f"--load {load} holds no complete checkpoint")
-        path = found[1]
-    reader = cio.CheckpointReader(path)
+    path, reader = cio.open_checkpoint(load)
     config = config_from_dict(reader.meta["model_config"])
     if config.family != "llama":
         raise ValueError(f"checkpoint {path} is a {config.family} model; only llama exports to Megatron")
