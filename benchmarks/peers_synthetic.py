@@ -87,7 +87,7 @@ def torch_pipelining(shape, name: str):
     from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
     from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
     from llamapipe.core.parallel_state import initialize_model_parallel
-    from benchmarks.schedules_real import _CapturedWeightGrads
+    from benchmarks.torch_adapter import CapturedWeightGrads
     kinds = {"torch-1f1b": ("1f1b", Schedule1F1B, 1), "torch-interleaved": ("interleaved", ScheduleInterleaved1F1B, 2),
              "torch-zbv": ("zbv", ScheduleZBVZeroBubble, 2), "torch-dualpipev": ("dualpipev", ScheduleDualPipeV, 2)}
     ours_name, cls, vpp = kinds[name]
@@ -96,7 +96,7 @@ def torch_pipelining(shape, name: str):
     ids = [stage_of(ps.pp_rank, c, ps.pp_size, SPECS[ours_name].placement(vpp)) for c in range(vpp)]
     chunks = [SleepStage(_per_chunk(shape, vpp), shape.sleep_s, s == 0, s == n - 1) for s in ids]
     b, s, h = shape.micro_batch, shape.seq, shape.hidden
-    dw = _CapturedWeightGrads() if name in ("torch-zbv", "torch-dualpipev") else None
+    dw = CapturedWeightGrads() if name in ("torch-zbv", "torch-dualpipev") else None
 
     def io(chunk):
         hidden = torch.empty(b, s, h, device="meta", requires_grad=not chunk.pre_process)

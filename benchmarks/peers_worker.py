@@ -48,7 +48,7 @@ def torch_pipelining(shape, name: str):
     from llamapipe.core.parallel_state import initialize_model_parallel
     from llamapipe.core.pipeline_parallel.schedule_ir import stage_of
     from llamapipe.core.pipeline_parallel.schedule_specs import SPECS
-    from benchmarks.schedules_real import _CapturedWeightGrads, _static_io, _TorchStage
+    from benchmarks.torch_adapter import CapturedWeightGrads, TorchStage, static_io
     from llamapipe.model.llama import LlamaModel
     ps, config = initialize_model_parallel(1, dist.get_world_size()), _our_config(shape)
     kinds = {"torch-1f1b": ("1f1b", Schedule1F1B), "torch-interleaved": ("interleaved", ScheduleInterleaved1F1B),
@@ -61,9 +61,9 @@ def torch_pipelining(shape, name: str):
                          post_process=s == stages_n - 1) for s in ids]
     batches = _batches(shape)
     tokens, labels = torch.cat([b["tokens"] for b in batches]), torch.cat([b["labels"] for b in batches])
-    dw = _CapturedWeightGrads() if name in ("torch-zbv", "torch-dualpipev") else None
-    stages = [PipelineStage(_TorchStage(c), s, stages_n, torch.device("cpu"), group=ps.pp_group, dw_builder=dw,
-                            **_static_io(c, config, tokens, shape.microbatches)) for s, c in zip(ids, chunks)]
+    dw = CapturedWeightGrads() if name in ("torch-zbv", "torch-dualpipev") else None
+    stages = [PipelineStage(TorchStage(c), s, stages_n, torch.device("cpu"), group=ps.pp_group, dw_builder=dw,
+                            **static_io(c, config, tokens, shape.microbatches)) for s, c in zip(ids, chunks)]
 
     def loss_fn(logits, target):
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())

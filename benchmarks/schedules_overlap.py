@@ -104,8 +104,8 @@ def _ours(config, ps0, name: str, vpp: int, m: int, batches: list, tokens: float
 
 def _torch_zbv(config, ps, m: int, batches: list, tokens: float) -> TrainIteration:
     """torch's ScheduleZBVZeroBubble step, then the same synchronous optimizer step on its chunks."""
-    from benchmarks.schedules_real import _torch_step
-    step = _torch_step(config, ps, "torch-zbv", m, torch.cat([b["input_ids"] for b in batches]),
+    from benchmarks.torch_adapter import torch_step
+    step = torch_step(config, ps, "torch-zbv", m, torch.cat([b["input_ids"] for b in batches]),
                        torch.cat([b["labels"] for b in batches]))
     return TrainIteration(step.chunks, ps, lambda: [{"loss_sum": x} for x in step()], tokens, False)
 

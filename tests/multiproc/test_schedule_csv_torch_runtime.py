@@ -2,7 +2,7 @@
 `_PipelineScheduleRuntime` (`_load_csv`, lowered to its send/recv actions, with its I/W split) on 2 gloo ranks:
 it runs to the end, every deferred weight gradient runs once, and its per-microbatch losses equal our executor's
 on the same plan (fp32, rel 1e-5), and so do every parameter's gradients (relative L2 1e-5). The model is our
-LlamaModel behind torch's stage interface, as the schedule benchmark runs it (benchmarks/schedules_real.py), with
+LlamaModel behind torch's stage interface, as the schedule benchmark runs it (benchmarks/torch_adapter.py), with
 the stages' input and output given (torch's static mode: its inference on the first step would run a backward on
 uninitialized tensors, whose weight gradients our linears keep; tests/multiproc/test_torch_adapter_grads.py)."""
 from __future__ import annotations
@@ -23,8 +23,8 @@ def _worker(rank: int, world: int, csv_text: str, m: int) -> dict:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-    from benchmarks.schedules_real import (_CapturedWeightGrads, _static_io, _TorchStage, llama_chunks, llama_config,
-                                           loss_step)
+    from benchmarks.schedules_real import llama_chunks, llama_config, loss_step
+    from benchmarks.torch_adapter import CapturedWeightGrads, TorchStage, static_io
     from llamapipe.core.parallel_state import initialize_model_parallel
     from llamapipe.core.pipeline_parallel import executor
     from llamapipe.core.pipeline_parallel.schedule_csv import from_csv
@@ -39,9 +39,9 @@ def _worker(rank: int, world: int, csv_text: str, m: int) -> dict:
                               data_iterator=[iter(batches) for _ in ours], parallel_state=ps, num_microbatches=m)
 
     tokens, labels = torch.cat([b["input_ids"] for b in batches]), torch.cat([b["labels"] for b in batches])
-    theirs, dw = llama_chunks(config, ps, "v-half", 2), _CapturedWeightGrads()
-    stages = [PipelineStage(_TorchStage(c), plan.stage_of(ps.pp_rank, i), 2 * world, torch.device("cpu"),
-                            group=ps.pp_group, dw_builder=dw, **_static_io(c, config, tokens, m))
+    theirs, dw = llama_chunks(config, ps, "v-half", 2), CapturedWeightGrads()
+    stages = [PipelineStage(TorchStage(c), plan.stage_of(ps.pp_rank, i), 2 * world, torch.device("cpu"),
+                            group=ps.pp_group, dw_builder=dw, **static_io(c, config, tokens, m))
               for i, c in enumerate(theirs)]
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The schedule benchmark's torch adapter (benchmarks/schedules_real.py `_torch_step`) gives torch's schedules the
+"""The schedule benchmark's torch adapter (benchmarks/torch_adapter.py `torch_step`) gives torch's schedules the
 gradients ours give: for torch's Schedule1F1B, ScheduleZBVZeroBubble (its I/W split through our deferred weight
 gradients) and ScheduleDualPipeV on 2 gloo ranks, every parameter's gradient after one step equals our executor's
 on the same plan family and one process running the whole model (fp32, relative L2 error 1e-5).
@@ -29,7 +29,8 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _worker(rank: int, world: int, name: str) -> dict:
-    from benchmarks.schedules_real import TORCH_EQUIVALENT, _torch_step, llama_chunks, llama_config, loss_step
+    from benchmarks.schedules_real import TORCH_EQUIVALENT, llama_chunks, llama_config, loss_step
+    from benchmarks.torch_adapter import torch_step
     from llamapipe.core.parallel_state import initialize_model_parallel
     from llamapipe.core.pipeline_parallel import executor
     from llamapipe.core.pipeline_parallel.schedules import cached_plan
@@ -46,7 +47,7 @@ def _worker(rank: int, world: int, name: str) -> dict:
     executor.run(cached_plan(ours_name, world, vpp, M), model_chunks=ours, forward_step_func=loss_step,
                  data_iterator=[iter(batches) for _ in ours], parallel_state=ps, num_microbatches=M)
 
-    step = _torch_step(config, ps0, name, M, torch.cat([b["input_ids"] for b in batches]),
+    step = torch_step(config, ps0, name, M, torch.cat([b["input_ids"] for b in batches]),
                        torch.cat([b["labels"] for b in batches]))
     step()
 
