@@ -4,10 +4,10 @@ import pytest
 import torch
 import transformers
 
-from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.model import families
 from llamapipe.model.qwen2 import Qwen2Config, Qwen2Model
 from llamapipe.model.qwen2.hf import from_hf, to_hf
+from tests.hf_family import assert_grads_in_b_match_hf, assert_hf_round_trip
 
 VOCAB = 1003
 
@@ -55,40 +55,17 @@ def test_qwen2_bias_grads_match_hf_and_are_computed_in_b():
     """Bias gradients equal HF's; under a weight-gradient store (zero-bubble B/W split) they are already there
     after B, while the weights' wait for W."""
     hf = _hf_model()
-    ours = _ours(hf)
-    ids = torch.randint(0, VOCAB, (2, 20))
-    hf_loss = hf(input_ids=ids, labels=ids).loss
-    hf_loss.backward()
-    store = WeightGradStore()
-    with store.capture("mb0"):
-        ours(ids[:, :-1], labels=ids[:, 1:]).mean().backward()
-    attention = ours.layers["1"].attention
-    assert attention.q_proj.weight.grad is None, "the weight gradient is deferred to W"
-    hf_params = dict(hf.named_parameters())
-    for p in "qkv":
-        torch.testing.assert_close(getattr(attention, f"{p}_proj").bias.grad,
-                                   hf_params[f"model.layers.1.self_attn.{p}_proj.bias"].grad, rtol=1e-4, atol=1e-7)
-    store.run("mb0")
-    torch.testing.assert_close(attention.q_proj.weight.grad, hf_params["model.layers.1.self_attn.q_proj.weight"].grad,
-                               rtol=1e-4, atol=1e-7)
+    assert_grads_in_b_match_hf(hf, _ours(hf), torch.randint(0, VOCAB, (2, 20)),
+                               {f"{p}_proj.bias": f"model.layers.1.self_attn.{p}_proj.bias" for p in "qkv"},
+                               ("q_proj.weight", "model.layers.1.self_attn.q_proj.weight"))
 
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_qwen2_to_hf_round_trip(tie):
     """to_hf(from_hf(x)) gives back exactly HF's tensors and a config transformers builds Qwen2 from."""
-    hf = _hf_model(tie)
-    config, state_dict = from_hf(hf.state_dict(), hf.config.to_dict())
+    config, state_dict, _ = assert_hf_round_trip(_hf_model(tie), from_hf, to_hf, "qwen2", "Qwen2ForCausalLM")
     assert isinstance(config, Qwen2Config) and config.family == "qwen2"
     assert "layers.0.attention.v_proj.bias" in state_dict
-    hf_sd, hf_cfg = to_hf(config, state_dict)
-    original = hf.state_dict()
-    assert set(hf_sd) == set(original)
-    for name, tensor in original.items():
-        assert torch.equal(hf_sd[name], tensor), name
-    assert hf_cfg["model_type"] == "qwen2" and hf_cfg["architectures"] == ["Qwen2ForCausalLM"]
-    rebuilt = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_cfg))
-    assert type(rebuilt).__name__ == "Qwen2ForCausalLM"
-    rebuilt.load_state_dict(hf_sd)
 
 
 def test_qwen2_refuses_sliding_window():
