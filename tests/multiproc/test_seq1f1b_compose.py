@@ -16,10 +16,13 @@ from tests.multiproc.test_pipeline_llama import CONFIG, _sgd_steps, assert_match
 # (layout, schedule, vpp, microbatches, K, uneven pieces, packed documents)
 CASES = [("cp2", "1f1b", 1, 4, 2, True, False), ("cp2", "zbv", 2, 4, 2, False, False),
          ("cp2", "zb-h1", 1, 4, 2, True, True), ("cp2-allgather", "zbv", 2, 4, 2, True, True),
-         ("tp2-sp", "zbv", 2, 4, 2, False, False)]
+         ("tp2-sp", "zbv", 2, 4, 2, False, False), ("cp2-p2p", "zbv", 2, 4, 2, True, True),
+         ("cp2-p2p", "1f1b", 1, 4, 2, True, False), ("cp4-a2a+p2p", "1f1b", 1, 2, 2, False, True)]
 LAYOUTS = {"cp2": (dict(tp=1, pp=2, cp=2), dict(cp_comm_type="a2a")),
            "cp2-allgather": (dict(tp=1, pp=2, cp=2), dict(cp_comm_type="allgather")),
-           "tp2-sp": (dict(tp=2, pp=2), dict(sequence_parallel=True))}
+           "tp2-sp": (dict(tp=2, pp=2), dict(sequence_parallel=True)),
+           "cp2-p2p": (dict(tp=1, pp=2, cp=2), dict(cp_comm_type="p2p")),
+           "cp4-a2a+p2p": (dict(tp=1, pp=1, cp=4), dict(cp_comm_type="a2a+p2p", cp_a2a_size=2))}
 
 
 def compose_worker(rank: int, world: int, cases: list) -> dict:
@@ -36,7 +39,7 @@ def compose_worker(rank: int, world: int, cases: list) -> dict:
             for case in (c for c in cases if c[0] == layout):
                 _, schedule, vpp, m, k, uneven, documents = case
                 ps = dataclasses.replace(ps0, vpp_size=vpp)
-                chunks = llama_chunks(ps, schedule, 2, vpp, **model_kw)
+                chunks = llama_chunks(ps, schedule, sizes["pp"], vpp, **model_kw)
                 splits = (SeqSplits(k, "flops", linear=1.0, pair=1.0, align=align) if uneven else   # 12 + 4 tokens
                           SeqSplits.for_model(k, "flops", CONFIG.hidden_size, CONFIG.ffn_hidden_size,
                                               CONFIG.num_attention_heads, CONFIG.head_dim, CONFIG.num_query_groups,
