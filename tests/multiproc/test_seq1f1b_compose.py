@@ -1,7 +1,9 @@
 """Seq1F1B (--num-seq-splits) composed with other parallelism, on the real LlamaModel (tiny, fp32, gloo), in one
 launch of 4 ranks: pp 2 x cp 2 (a2a: each piece cut into the 2 x cp load-balanced chunks, gathered whole per head
-group where it meets the earlier pieces' cached keys) under 1F1B with uneven pieces, ZB-V, and ZB-H1 with packed documents (a piece attends within its documents
-over the gathered sequence), and pp 2 x tp 2 with
+group where it meets the earlier pieces' cached keys) under 1F1B with uneven pieces, ZB-V, and ZB-H1 with packed
+documents (a piece attends within its documents over the gathered sequence), allgather under ZB-V, the ring (p2p,
+Megatron's default: the piece's and the earlier pieces' shards round the ring) under ZB-V with uneven pieces and
+packed documents and under 1F1B, pp 1 x cp 4 with a2a+p2p 2 x 2 (1F1B, packed documents), and pp 2 x tp 2 with
 sequence parallelism under ZB-V. 3 SGD steps give the single-rank run's per-step losses (rel 1e-5) and first-step
 gradients."""
 from __future__ import annotations
