@@ -26,9 +26,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from llamapipe.core.config import ConfigError
 from llamapipe.core.context_parallel.kernels import attend, attend_backward
 from llamapipe.core.context_parallel.pieces import allgather_piece_attention
+from llamapipe.core.context_parallel.ring_pieces import ring_piece_attention
 from llamapipe.core.context_parallel.ulysses import UlyssesGroup, check_query_groups, gather_heads, scatter_heads
 from llamapipe.core.document_attention import same_document
 from llamapipe.core.pipeline_parallel.seq_split import Piece
@@ -107,26 +107,28 @@ def cached_piece_attention(cache: PieceKVCache, piece: Piece, q: torch.Tensor, k
       piece, in global order, for this rank's heads, which is what the cache keeps and `piece_attention`
       attends (the earlier pieces whole, for the same heads: all on this rank); the reverse all-to-all returns
       this rank's tokens;
-    - allgather: the cache keeps this rank's shards, and `allgather_piece_attention` gathers the piece's and
-      each earlier piece's keys/values over the CP group (core/context_parallel/pieces.py)."""
+    - allgather / p2p: the cache keeps this rank's shards; `allgather_piece_attention` gathers the piece's and
+      each earlier piece's keys/values over the CP group (core/context_parallel/pieces.py), `ring_piece_attention`
+      passes them around the ring (core/context_parallel/ring_pieces.py);
+    - a2a+p2p: the all-to-all over the a2a level gathers each piece, for this rank's heads, in the load-balanced
+      layout of the p2p level; the cache keeps that and the ring runs over the p2p level."""
     if cp_group is None:
         past_k, past_v, k, v = cache.extend(piece, k, v)
         return piece_attention(q, past_k, past_v, k, v, grouped, document_ids)
+    scale = 1.0 / math.sqrt(q.shape[-1])
     if not isinstance(cp_group, UlyssesGroup):
-        if cp_comm_type != "allgather":     # refused by the arguments: arguments/pipeline.check_seq_splits
-            raise ConfigError(f"num_seq_splits under context parallelism needs cp_comm_type a2a or allgather, not "
-                              f"{cp_comm_type}", "num_seq_splits", "cp_comm_type")
         past_k, past_v, k, v = cache.extend(piece, k, v)
-        return allgather_piece_attention(q, k, v, past_k, past_v, cp_group, 1.0 / math.sqrt(q.shape[-1]),
-                                         document_ids)
+        attend_cp = allgather_piece_attention if cp_comm_type == "allgather" else ring_piece_attention
+        return attend_cp(q, k, v, past_k, past_v, cp_group, scale, document_ids)
     a2a, p2p = cp_group.levels()
-    if p2p.size() > 1:
-        raise ConfigError("num_seq_splits under context parallelism needs cp_comm_type a2a or allgather, not "
-                          "a2a+p2p", "num_seq_splits", "cp_comm_type")
     check_query_groups(k.shape[1], a2a)
     q, k, v = (scatter_heads(t, a2a) for t in (q, k, v))
     past_k, past_v, k, v = cache.extend(piece, k, v)
-    return gather_heads(piece_attention(q, past_k, past_v, k, v, grouped, document_ids), a2a)
+    if p2p.size() > 1:
+        out = ring_piece_attention(q, k, v, past_k, past_v, p2p, scale, document_ids)
+    else:
+        out = piece_attention(q, past_k, past_v, k, v, grouped, document_ids)
+    return gather_heads(out, a2a)
 
 
 def piece_attention(q: torch.Tensor, past_k: list, past_v: list, k: torch.Tensor, v: torch.Tensor, grouped: bool,

@@ -17,6 +17,7 @@ gradients and ZeRO-1 shards span dp x cp.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 from llamapipe.core.pipeline_parallel.simulator import Costs, run_timeline
@@ -68,7 +69,9 @@ def context_parallel_seconds(m: LlamaConfig, lay: Layout, seq: int, dev: Device)
     attention (hidden when attention is slower); the all-gather and its reduce-scatter are not overlapped.
     a2a (Ulysses): `a2a_seconds`, nothing overlaps it. a2a+p2p with levels A x P: the all-to-alls over A, then a
     ring over P of seq / P tokens for 1/A of the query groups (the same bytes a step as the plain ring's, P - 1
-    steps instead of cp - 1), overlapped with the same attention."""
+    steps instead of cp - 1), overlapped with the same attention. With Seq1F1B pieces the ring and the all-gather
+    send each piece with the earlier pieces' shards (sum of the pieces' ends / the sequence: (K + 1) / 2 for equal
+    pieces, more for the FLOPs-balanced ones, which start long)."""
     if lay.cp == 1:
         return 0.0
     a2a = {"a2a": lay.cp, "a2a+p2p": lay.cp_a2a}.get(lay.cp_comm, 1)
@@ -77,7 +80,9 @@ def context_parallel_seconds(m: LlamaConfig, lay: Layout, seq: int, dev: Device)
     if ring == 1:
         return exposed
     kv = 2 * m.num_query_groups * m.head_dim / lay.tp * PARAM_BYTES[lay.precision]     # bytes of one token's K and V
-    kv_bytes = seq / lay.cp * lay.micro_batch * kv
+    # Seq1F1B: each piece's message carries this rank's shards of the earlier pieces too (ring_pieces.py, pieces.py)
+    resent = sum(itertools.accumulate(piece_lengths(m, lay, seq))) / (seq // lay.cp)
+    kv_bytes = seq / lay.cp * lay.micro_batch * kv * resent
     gbps = dev.link_gbps if lay.tp * lay.cp <= dev.gpus_per_node else dev.internode_gbps
     layers = m.num_layers / (lay.pp * lay.vpp)
     comm = layers * 3 * (ring - 1) * kv_bytes * 8 / (gbps * 1e9)

@@ -7,8 +7,8 @@ attention (the ring, a2a where each rank gets whole query groups, a2a+p2p at eve
 divides the query groups) and Seq1F1B (--num-seq-splits K for the schedules with a Seq1F1B builder, where K
 pieces of a multiple of tp tokens divide each CP rank's sequence). `trainer_flags` is a layout's pretrain_llama.py
 flags; `refusal` runs them through the dry run's own argument checks (`training.dry_run.main.dry_run_config`), so
-the planner offers only what the trainer and the dry run accept (Seq1F1B with context parallelism, for one, is
-refused while the runtime cannot run it).
+the planner offers only what the trainer and the dry run accept (Seq1F1B rows come with every CP attention it
+ranks: the ring, a2a and a2a+p2p).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Seq1F1B through the CLI (--num-seq-splits): pp 2 with every microbatch in K sequence pieces trains with the
 single process's losses (fp32, rel 1e-5), also with packed documents (--reset-attention-mask) and evaluation; so do
-dp 2 with ZeRO-1 (--use-distributed-optimizer) and ZeRO-3 (FSDP2), and cp 2 (a2a) with packed documents."""
+dp 2 with ZeRO-1 (--use-distributed-optimizer) and ZeRO-3 (FSDP2), and cp 2 (a2a, and the ring: Megatron's
+default --cp-comm-type) with packed documents."""
 import pytest
 
 from tests.cli import train
@@ -20,6 +21,7 @@ CASES = {
     "zero1-dp2-k2": (["--use-distributed-optimizer", "--num-seq-splits", "2"], []),
     "zero3-dp2-k2": (["--data-parallel-sharding-strategy", "optim_grads_params", "--num-seq-splits", "2"], []),
     "cp2-a2a-k2-packed": (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--num-seq-splits", "2"], PACKED),
+    "cp2-p2p-k2-packed": (["--context-parallel-size", "2", "--num-seq-splits", "2"], PACKED),   # Megatron's default ring
 }
 
 

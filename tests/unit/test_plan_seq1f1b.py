@@ -109,6 +109,23 @@ def test_a2a_p2p_messages_between_its_limits_and_by_hand():
     assert rank_memory(M8B, lay, SEQ, 16)[0].comm == rank_memory(M8B, a2a, SEQ, 16)[0].comm     # one a2a buffer
 
 
+def test_seq1f1b_ring_and_allgather_resend_the_earlier_pieces():
+    """Under the ring and the all-gather each piece's message carries the earlier pieces' shards
+    (core/context_parallel/ring_pieces.py, pieces.py): K/V bytes x the sum of the pieces' ends over the tokens,
+    above (K + 1) / 2 for FLOPs-balanced pieces (they start long); a2a sends each piece once."""
+    for k in (2, 4):
+        tokens = SEQ // 8
+        bounds = SeqSplits.for_model(k, "flops", M8B.hidden_size, M8B.ffn_hidden_size, M8B.num_attention_heads,
+                                     M8B.head_dim, M8B.num_query_groups, align=1).bounds(tokens)
+        resent = sum(bounds[1:]) / tokens
+        assert resent > (k + 1) / 2
+        for comm in ("allgather", "a2a"):
+            plain = Layout(1, 4, 1, 2, "1f1b", 1, "none", False, cp=8, cp_comm=comm)
+            split = Layout(1, 4, 1, 2, "1f1b", 1, "none", False, cp=8, cp_comm=comm, seq_splits=k)
+            ratio = context_parallel_seconds(M8B, split, SEQ, H100) / context_parallel_seconds(M8B, plain, SEQ, H100)
+            assert ratio == pytest.approx(resent if comm == "allgather" else 1.0, rel=1e-12), comm
+
+
 def test_candidates_and_the_dry_runs_checks_agree():
     """Seq1F1B rows for the schedules with a Seq1F1B builder, K dividing each CP rank's tokens; a2a+p2p levels
     that divide the query groups per tp rank; every candidate's verdict is the dry run's own on its flags."""

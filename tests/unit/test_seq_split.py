@@ -106,9 +106,6 @@ def test_simulator_refuses_wrong_piece_order() -> None:
      "--num-seq-splits 3 does not divide the sequence of 32 tokens (--seq-length 32)"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe", "--num-seq-splits", "2"], 2,
      "--num-seq-splits 2 needs --pipeline-schedule one of 1f1b, interleaved, zb-h1, zbv, got gpipe"),
-    (["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--num-seq-splits", "2"], 4,
-     "--num-seq-splits 2 with --context-parallel-size 2 needs --cp-comm-type a2a or allgather, got p2p: its ring "
-     "does not carry the earlier pieces' cached keys yet"),
     (["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "a2a",
       "--num-seq-splits", "3", "--seq-length", "40", "--global-batch-size", "4"], 4,
      "--num-seq-splits 3 does not divide the context-parallel shard: each piece is cut into 2 x "
@@ -134,16 +131,24 @@ def test_splits_reach_the_config() -> None:
     assert (par.num_seq_splits, par.seq_split_balance) == (4, "length")
 
 
-def test_splits_with_a2a_context_parallelism_reach_the_config() -> None:
-    """pp 2 x cp 2 (a2a) with K 2: accepted; the pieces align to the 2 x cp chunks of the load-balanced layout."""
+@pytest.mark.parametrize("layout,comm,align", [
+    (["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"], "p2p", 4),
+    (["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "a2a"], "a2a", 4),
+    (["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "allgather"],
+     "allgather", 4),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
+     "a2a+p2p", 8)])
+def test_splits_with_context_parallelism_reach_the_config(layout, comm, align) -> None:
+    """K 2 with CP under p2p (Megatron's default, no flag), a2a, allgather and a2a+p2p: accepted; the pieces align
+    to the 2 x cp chunks of the load-balanced layout."""
     from llamapipe.training.arguments.parser import build_parser, config_from_args
     from llamapipe.training.setup import seq_splits
-    argv = ["--mock-data", "--model", "tiny", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
-            "--cp-comm-type", "a2a", "--num-seq-splits", "2", "--seq-length", "40", "--global-batch-size", "4"]
+    argv = ["--mock-data", "--model", "tiny", *layout, "--num-seq-splits", "2", "--seq-length", "48",
+            "--global-batch-size", "4"]
     config = config_from_args(build_parser().parse_args(argv), 4)
     splits = seq_splits(config)
-    assert (config.parallel.num_seq_splits, splits.align) == (2, 4)
-    assert all((b - a) % 4 == 0 for a, b in zip(splits.bounds(40), splits.bounds(40)[1:]))
+    assert (config.parallel.num_seq_splits, config.parallel.cp_comm_type, splits.align) == (2, comm, align)
+    assert all((b - a) % align == 0 for a, b in zip(splits.bounds(48), splits.bounds(48)[1:]))
 
 
 def test_plot_schedule_draws_pieces(tmp_path, capsys) -> None:

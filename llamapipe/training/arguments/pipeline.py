@@ -121,10 +121,9 @@ def _check_layout(args: argparse.Namespace, num_layers: int, par: ParallelConfig
 GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 
 
-def check_seq_splits(args: argparse.Namespace, schedule: str, pp: int, tp: int, cp: int, sequence_parallel: bool,
-                     vocab_parallel: bool, offload: bool, cp_comm_type: str = "p2p") -> int:
+def check_seq_splits(args: argparse.Namespace, schedule: str, pp: int, vocab_parallel: bool, offload: bool) -> int:
     """--num-seq-splits K (Seq1F1B): K itself, after the checks that make each a one-line error (the sequence
-    length: `check_seq_pieces`)."""
+    length: `check_seq_pieces`). Every --cp-comm-type runs with pieces (model/piece_attention.py)."""
     k = args.num_seq_splits
     if k < 1:
         raise ArgumentError(f"--num-seq-splits must be at least 1, got {k}")
@@ -134,10 +133,6 @@ def check_seq_splits(args: argparse.Namespace, schedule: str, pp: int, tp: int, 
     if pp > 1 and (spec is None or spec.seq_builder is None):
         supported = ", ".join(name for name, s in SPECS.items() if s.seq_builder is not None)
         raise ArgumentError(f"--num-seq-splits {k} needs --pipeline-schedule one of {supported}, got {schedule}")
-    if cp > 1 and cp_comm_type not in ("a2a", "allgather"):
-        raise ArgumentError(f"--num-seq-splits {k} with --context-parallel-size {cp} needs --cp-comm-type a2a or "
-                            f"allgather, got {cp_comm_type}: its ring does not carry the earlier pieces' cached keys "
-                            "yet")
     for flag, on in (("--enable-vocab-parallel", vocab_parallel), ("--cpu-offload", offload)):
         if on:
             raise ArgumentError(f"--num-seq-splits {k} does not run with {flag} yet")

@@ -105,8 +105,7 @@ def parallel_config(args: argparse.Namespace, world_size: int, num_layers: int) 
                             f"its W, but --pipeline-schedule {schedule} runs them together; use a zero-bubble schedule "
                             "(zb-h1, zbv, v-half, auto)")
     modules, fraction, min_numel, delta = check_offload_modules(args)
-    seq_splits = check_seq_splits(args, schedule, pp, tp, cp, sequence_parallel, args.enable_vocab_parallel and pp > 1,
-                                  offload_chunks > 0, cp_comm_type)
+    seq_splits = check_seq_splits(args, schedule, pp, args.enable_vocab_parallel and pp > 1, offload_chunks > 0)
     limit = args.pipeline_memory_limit
     return ParallelConfig(world_size=world_size, tp_size=tp, pp_size=pp, vpp_size=vpp,
                           dp_size=world_size // (tp * cp * pp), cp_size=cp, cp_comm_type=cp_comm_type, order=order,
