@@ -121,3 +121,11 @@ def test_the_flag_defaults_below_the_collective_timeout_and_refuses_one_above_it
         logging_of("--hang-report-seconds", "-1")
     with pytest.raises(ArgumentError, match="--hang-report-seconds nan is not a finite number"):
         logging_of("--hang-report-seconds", "nan")
+
+
+def test_keep_waiting_with_the_watch_off_is_a_notice(llamapipe_log):
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
+    from tests.cli import TINY
+    config_from_args(build_parser().parse_args(TINY + ["--hang-report-seconds", "0", "--hang-report-keep-waiting"]), 1)
+    assert "notice: --hang-report-keep-waiting has no effect with --hang-report-seconds 0: no hang is reported" \
+        in llamapipe_log

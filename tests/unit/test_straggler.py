@@ -96,3 +96,17 @@ def test_log_straggler_reaches_the_config_and_megatrons_controller_flags_are_not
     notices = check_compat(args)
     assert any("--disable-straggler-on-startup has no effect" in n for n in notices)
     assert any("--straggler-ctrlr-port 65535 has no effect" in n for n in notices)
+
+
+def test_straggler_options_without_log_straggler_are_notices(llamapipe_log):
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
+    from tests.unit.test_megatron_flags import BASE
+    config_from_args(build_parser().parse_args(BASE + ["--straggler-minmax-count", "3", "--straggler-threshold",
+                                                       "1.2"]), 1)
+    assert "notice: --straggler-minmax-count 3 has no effect without --log-straggler: no rank is compared" \
+        in llamapipe_log
+    assert "notice: --straggler-threshold 1.2 has no effect without --log-straggler: no rank is compared" \
+        in llamapipe_log
+    llamapipe_log.clear()
+    config_from_args(build_parser().parse_args(BASE + ["--log-straggler", "--straggler-minmax-count", "3"]), 1)
+    assert not [line for line in llamapipe_log if "straggler" in line]
