@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
 from llamapipe.tools.plot_schedule import main as plot_schedule
 from llamapipe.training.checkpointing.catalog import incomplete_reason, iter_dir, read_tracker
-from tests.cli import TINY, torchrun
+from tests.cli import ROOT, TINY, torchrun
 
 SECONDS = 2
 BASE = ["--num-layers", "4", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4",
@@ -58,6 +59,8 @@ def test_a_stopped_rank_is_named_by_one_report_and_the_run_exits_with_its_checkp
     assert waiter in reports[0], reports[0]
     assert f"hang: rank {1 - stopped} " in out and f"hang: rank {stopped} " in out    # every rank's position
     assert "Traceback" not in proc.stdout     # ours (torchrun's own summary of the failed rank is on stderr)
+    ours = [f for f in re.findall(r'File "([^"]+)"', proc.stderr) if f.startswith(ROOT) and "site-packages" not in f]
+    assert not ours, proc.stderr[-4000:]     # torchrun's traceback on stderr has no frame of ours
     with open(os.path.join(save, "hang_report.json")) as f:
         record = json.load(f)
     assert record["report"]["stopped"] == stopped and len(record["positions"]) == 2
