@@ -101,6 +101,7 @@ class HangWatch:
         self.position.enter(f"before {what}")
         if self.stall is not None:
             self.stall.point(name)
+        self.position.enter(f"in {what}")       # joined it: the position line says so beside what it waits for
         with self.position.waiting(what, peers, collective=True):
             yield
         self.position.enter(f"after {what}")
