@@ -30,9 +30,10 @@ def test_a_rank_slowed_20_percent_is_named_after_consecutive_intervals_and_stage
     assert first["straggler_rank"] == -1, "one interval names nobody"
     second = detector.fields(_interval([10.0, 10.0, 20.0, 24.0], [1.0, 1.0, 2.0, 2.0]))
     assert second["straggler_rank"] == 3 and second["straggler_named_ratio"] == pytest.approx(1.2)
+    assert second["straggler_named_against"] == "replicas"
     assert [r for r, _ in second["straggler_slowest"]] == [3, 2] and len(second["straggler_fastest"]) == 2
     assert second["straggler_compute_ms"] == pytest.approx([10.0, 10.0, 20.0, 24.0])
-    assert "STRAGGLER rank 3 (1.20x" in line_part(second)
+    assert "STRAGGLER rank 3 (1.20x the compute of the fastest rank doing its work" in line_part(second)
     assert "slowest rank 3 1.20x fastest rank" in line_part(first) and "STRAGGLER" not in line_part(first)
 
 
@@ -57,7 +58,9 @@ def test_at_data_parallel_size_1_a_stage_is_named_only_well_past_its_expected_co
     assert fields["straggler_rank"] == -1 and fields["straggler_slowest_rank"] == 2
     for _ in range(CONSECUTIVE):
         fields = detector.fields(_interval([10.0, 10.0, 20.0, 10.0], [1.0, 1.0, 1.0, 1.0]))
-    assert fields["straggler_rank"] == 2
+    assert fields["straggler_rank"] == 2 and fields["straggler_named_against"] == "stages"
+    assert "STRAGGLER rank 2 (2.00x the fastest stage's compute per unit of the plan's expected cost" \
+        in line_part(fields)
 
 
 def test_the_timers_count_the_median_action_so_one_preempted_action_does_not_count():
