@@ -121,6 +121,11 @@ def test_the_flag_defaults_below_the_collective_timeout_and_refuses_one_above_it
         logging_of("--hang-report-seconds", "-1")
     with pytest.raises(ArgumentError, match="--hang-report-seconds nan is not a finite number"):
         logging_of("--hang-report-seconds", "nan")
+    with pytest.raises(ArgumentError, match=r"--hang-report-seconds 0.01 is below 1 s: .* give 0 \(off\) or at "
+                                            r"least 1$"):
+        logging_of("--hang-report-seconds", "0.01")
+    assert logging_of("--hang-report-seconds", "1").hang_report_seconds == 1.0
+    assert logging_of("--distributed-timeout-minutes", "0.02").hang_report_seconds == 0.0   # half of 1.2 s: off
 
 
 def test_keep_waiting_with_the_watch_off_is_a_notice(llamapipe_log):
