@@ -112,8 +112,8 @@ def restart_line(report: dict) -> str:
 
 
 def restart_notice(save_dir: Optional[str], load_dir: Optional[str]) -> Optional[str]:
-    """Under torchrun --max-restarts: a start-up notice (without its "notice: ") when a restarted attempt would not resume from the
-    failed attempt's newest checkpoint (that needs --load = --save)."""
+    """Under torchrun --max-restarts: a start-up notice (without its "notice: ") when a restarted attempt would
+    not resume from the failed attempt's newest checkpoint (that needs --load = --save)."""
     if not restartable() or (save_dir and load_dir and os.path.realpath(save_dir) == os.path.realpath(load_dir)):
         return None
     n = os.environ.get("TORCHELASTIC_MAX_RESTARTS")

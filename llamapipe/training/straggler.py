@@ -82,8 +82,8 @@ class StragglerDetector:
         fields["straggler_rank"] = -1 if named is None else named
         if named is not None:
             fields["straggler_named_ratio"] = ratio
-            fields["straggler_named_against"] = "stages" if len(set(self.stage_of)) == len(self.stage_of) else \
-                "replicas"
+            no_replicas = len(set(self.stage_of)) == len(self.stage_of)     # then stages by their expected costs
+            fields["straggler_named_against"] = "stages" if no_replicas else "replicas"
             self.named.append((len(self.named), named, ratio))
         return fields
 
