@@ -1,8 +1,8 @@
 """--hang-report-seconds through the CLI (issue 46 item 1): a rank stopped by the test hook LLAMAPIPE_TEST_STALL in
-iteration 2 of 1F1B, interleaved, ZB-V, DualPipeV, a schedule file, CP's ring, all-gather and all-to-all and the DP
-gradient reduction is named, with its action, by one report; the report comes within --hang-report-seconds + 10 s
-of the stop, the run exits 1 and the checkpoint of iteration 1 is intact and loadable. Two ranks, a tiny model,
---hang-report-seconds 2."""
+iteration 2 of 1F1B, interleaved, ZB-V, DualPipeV, a schedule file, the vocabulary-parallel output layer, CP's ring,
+all-gather and all-to-all and the DP gradient reduction is named, with its action, by one report; the report comes
+within --hang-report-seconds + 10 s of the stop, the run exits 1 and the checkpoint of iteration 1 is intact and
+loadable. Two ranks, a tiny model, --hang-report-seconds 2."""
 from __future__ import annotations
 
 import json
@@ -35,6 +35,9 @@ CASES = {
     "cp-ring": (["--context-parallel-size", "2"], "rank=1,iteration=2,action=F,microbatch=1", 1,
                 "stopped in F mb 1 chunk 0", "rank 0 (cp 0) waits in F mb 1 chunk 0 for rank 1's keys/values in the "
                                              "context-parallel ring"),
+    "vocab-parallel": (PP2 + ["--enable-vocab-parallel"], "rank=1,iteration=2,action=S,microbatch=1", 1,
+                       "stopped in S mb 1 chunk 0", "rank 0 (pp 0) waits in the vocabulary-parallel output layer's "
+                                                    "all-gather of mb 1 for rank 1, which did not join it"),
     "cp-allgather": (["--context-parallel-size", "2", "--cp-comm-type", "allgather"],
                      "rank=1,iteration=2,action=F,microbatch=1", 1, "stopped in F mb 1 chunk 0",
                      "rank 0 (cp 0) waits in the context-parallel all-gather of keys/values for rank 1, which did "
