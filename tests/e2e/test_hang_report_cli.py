@@ -1,8 +1,8 @@
 """--hang-report-seconds through the CLI (issue 46 item 1): a rank stopped by the test hook LLAMAPIPE_TEST_STALL in
 iteration 2 of 1F1B, interleaved, ZB-V, DualPipeV, a schedule file, the vocabulary-parallel output layer, CP's ring,
-all-gather and all-to-all and the DP gradient reduction is named, with its action, by one report; the report comes
-within --hang-report-seconds + 10 s of the stop, the run exits 1 and the checkpoint of iteration 1 is intact and
-loadable. Two ranks, a tiny model, --hang-report-seconds 2."""
+all-gather and all-to-all, the DP gradient reduction and the optimizer step is named, with its action, by one
+report; the report comes within --hang-report-seconds + 10 s of the stop, the run exits 1 and the checkpoint of
+iteration 1 is intact and loadable. Two ranks, a tiny model, --hang-report-seconds 2."""
 from __future__ import annotations
 
 import json
@@ -45,6 +45,9 @@ CASES = {
     "cp-a2a": (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], "rank=1,iteration=2,action=F,microbatch=1",
                1, "stopped in F mb 1 chunk 0", "rank 0 (cp 0) waits in the context-parallel all-to-all for rank 1, "
                                               "which did not join it"),
+    "optimizer": (["--use-distributed-optimizer"], "rank=1,iteration=2,action=optimizer", 1,
+                  "stopped before the optimizer step", "rank 0 (dp 0) waits in the optimizer step for rank 1, which "
+                                                       "did not join it"),
     "dp-reduction": ([], "rank=1,iteration=2,action=grad-reduce", 1, "stopped before the gradient reduction",
                      "rank 0 (dp 0) waits in the gradient reduction for rank 1, which did not join it"),
 }
