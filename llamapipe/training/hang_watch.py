@@ -13,8 +13,8 @@ that are not daemons (an asynchronous checkpoint writer) finish first, so a chec
 written; the main thread, blocked in a receive, ends with the process, without a traceback.
 
 LLAMAPIPE_TEST_STALL (tests only): `rank=1,iteration=2,action=F,microbatch=1` makes that global rank sleep forever
-before that action of that iteration (`action`: a plan kind, or `grad-reduce` for the data-parallel gradient
-reduction; `microbatch` and `chunk` optional).
+before that action of that iteration (`action`: a plan kind, `grad-reduce` for the data-parallel gradient
+reduction or `optimizer` for the optimizer step; `microbatch` and `chunk` optional).
 """
 from __future__ import annotations
 
@@ -101,6 +101,7 @@ class HangWatch:
         self.position.enter(f"before {what}")
         if self.stall is not None:
             self.stall.point(name)
+        self.position.enter(f"in {what}")       # joined it: the position line says so beside what it waits for
         with self.position.waiting(what, peers, collective=True):
             yield
         self.position.enter(f"after {what}")

@@ -102,11 +102,30 @@ def restart_line(report: dict) -> str:
     lost = report["iterations_lost"]
     where = {"training": "after iteration", "saving": "while saving iteration",
              "validating": "while validating at iteration"}.get(report["failed_while"], "at iteration")
+    resumed = report["resumed_from_iteration"]
+    start = (f"resumed from the checkpoint at iteration {resumed}" if resumed else
+             "started again from iteration 0 (nothing loaded)")
     return (f"restart {report['restart']} (torchrun --max-restarts): the failed attempt stopped {where} "
-            f"{report['failed_at_iteration']}; resumed from the checkpoint at iteration "
-            f"{report['resumed_from_iteration']}, so {lost} iteration{'s' if lost != 1 else ''} lost; the restart "
-            f"took {report['restart_seconds']:.1f} s (from the failed attempt's last progress record to this "
-            "resumed start: failure detection, start-up and the checkpoint load)")
+            f"{report['failed_at_iteration']}; {start}, so {lost} iteration{'s' if lost != 1 else ''} lost; "
+            f"the restart took {report['restart_seconds']:.1f} s (from the failed attempt's last progress record to "
+            "this resumed start: failure detection, start-up and the checkpoint load)")
+
+
+def restart_notice(save_dir: Optional[str], load_dir: Optional[str]) -> Optional[str]:
+    """Under torchrun --max-restarts: a start-up notice (without its "notice: ") when a restarted attempt would
+    not resume from the failed attempt's newest checkpoint (that needs --load = --save)."""
+    if not restartable() or (save_dir and load_dir and os.path.realpath(save_dir) == os.path.realpath(load_dir)):
+        return None
+    n = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+    if not save_dir:
+        what = "without --save a restarted attempt starts again from iteration 0"
+    elif not load_dir:
+        what = (f"without --load a restarted attempt starts again from iteration 0 and finds the failed attempt's "
+                f"checkpoints in --save {save_dir}")
+    else:
+        what = (f"a restarted attempt loads --load {load_dir} again, not the failed attempt's newer checkpoints in "
+                f"--save {save_dir}")
+    return f"torchrun --max-restarts {n}: {what}; pass the same directory as --save and --load to resume"
 
 
 def save_cost_line(iteration: int, save_s: float, iteration_s: Optional[float], save_interval: Optional[int]) -> str:

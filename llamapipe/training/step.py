@@ -123,7 +123,8 @@ class SynchronousStep:
             action, grad_norm = "nonfinite_loss", float("nan")
         else:
             extra = self.finalize_grads(tokens)
-            with self.region("optimizer"):
+            with self.region("optimizer"), hang_region(p.hang, "optimizer", "the optimizer step",
+                                                       range(p.ps.world_size)):    # its norm and ZeRO collectives
                 result = p.optimizer.step()
             grad_norm = result.grad_norm
             action = "apply" if result.update_successful else "found_inf" if result.found_inf else "nonfinite_norm"

@@ -82,6 +82,8 @@ class StragglerDetector:
         fields["straggler_rank"] = -1 if named is None else named
         if named is not None:
             fields["straggler_named_ratio"] = ratio
+            no_replicas = len(set(self.stage_of)) == len(self.stage_of)     # then stages by their expected costs
+            fields["straggler_named_against"] = "stages" if no_replicas else "replicas"
             self.named.append((len(self.named), named, ratio))
         return fields
 
@@ -113,6 +115,9 @@ def line_part(record: dict) -> Optional[str]:
     text = (f"slowest rank {record['straggler_slowest_rank']} {record['straggler_ratio']:.2f}x fastest rank "
             f"{record['straggler_fastest_rank']}")
     if record.get("straggler_rank", -1) >= 0:
-        text = (f"STRAGGLER rank {record['straggler_rank']} ({record['straggler_named_ratio']:.2f}x the compute of "
-                f"the fastest rank doing its work, {CONSECUTIVE} intervals in a row), " + text)
+        against = ("the fastest stage's compute per unit of the plan's expected cost"
+                   if record.get("straggler_named_against") == "stages" else
+                   "the compute of the fastest rank doing its work")
+        text = (f"STRAGGLER rank {record['straggler_rank']} ({record['straggler_named_ratio']:.2f}x {against}, "
+                f"{CONSECUTIVE} intervals in a row), " + text)
     return "straggler: " + text

@@ -73,7 +73,8 @@ class PipelineTrace:
             self.written = True
             log.warning(f"--pipeline-trace {self.path}: nothing traced and no file written: the window of "
                         f"iterations {self.start + 1}-{self.end} (--profile-step-start {self.start}, "
-                        f"--profile-step-end {self.end}) opens when {self.start} iterations are complete, and "
+                        f"--profile-step-end {self.end}) opens when {self.start} iteration"
+                        f"{'s are' if self.start != 1 else ' is'} complete, and "
                         "this run did not pass that point (it resumed after it)")
             return
         self.recorder.stop()

@@ -1,17 +1,19 @@
 """--hang-report-seconds through the CLI (issue 46 item 1): a rank stopped by the test hook LLAMAPIPE_TEST_STALL in
-iteration 2 of 1F1B, interleaved, ZB-V, DualPipeV, a schedule file, CP's ring and the DP gradient reduction is named,
-with its action, by one report; the report comes within --hang-report-seconds + 10 s of the stop, the run exits 1
-and the checkpoint of iteration 1 is intact and loadable. Two ranks, a tiny model, --hang-report-seconds 2."""
+iteration 2 of 1F1B, interleaved, ZB-V, DualPipeV, a schedule file, the vocabulary-parallel output layer, CP's ring,
+all-gather and all-to-all, the DP gradient reduction and the optimizer step is named, with its action, by one
+report; the report comes within --hang-report-seconds + 10 s of the stop, the run exits 1 and the checkpoint of
+iteration 1 is intact and loadable. Two ranks, a tiny model, --hang-report-seconds 2."""
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
 from llamapipe.tools.plot_schedule import main as plot_schedule
 from llamapipe.training.checkpointing.catalog import incomplete_reason, iter_dir, read_tracker
-from tests.cli import TINY, torchrun
+from tests.cli import ROOT, TINY, torchrun
 
 SECONDS = 2
 BASE = ["--num-layers", "4", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4",
@@ -33,6 +35,19 @@ CASES = {
     "cp-ring": (["--context-parallel-size", "2"], "rank=1,iteration=2,action=F,microbatch=1", 1,
                 "stopped in F mb 1 chunk 0", "rank 0 (cp 0) waits in F mb 1 chunk 0 for rank 1's keys/values in the "
                                              "context-parallel ring"),
+    "vocab-parallel": (PP2 + ["--enable-vocab-parallel"], "rank=1,iteration=2,action=S,microbatch=1", 1,
+                       "stopped in S mb 1 chunk 0", "rank 0 (pp 0) waits in the vocabulary-parallel output layer's "
+                                                    "all-gather of mb 1 for rank 1, which did not join it"),
+    "cp-allgather": (["--context-parallel-size", "2", "--cp-comm-type", "allgather"],
+                     "rank=1,iteration=2,action=F,microbatch=1", 1, "stopped in F mb 1 chunk 0",
+                     "rank 0 (cp 0) waits in the context-parallel all-gather of keys/values for rank 1, which did "
+                     "not join it"),
+    "cp-a2a": (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], "rank=1,iteration=2,action=F,microbatch=1",
+               1, "stopped in F mb 1 chunk 0", "rank 0 (cp 0) waits in the context-parallel all-to-all for rank 1, "
+                                              "which did not join it"),
+    "optimizer": (["--use-distributed-optimizer"], "rank=1,iteration=2,action=optimizer", 1,
+                  "stopped before the optimizer step", "rank 0 (dp 0) waits in the optimizer step for rank 1, which "
+                                                       "did not join it"),
     "dp-reduction": ([], "rank=1,iteration=2,action=grad-reduce", 1, "stopped before the gradient reduction",
                      "rank 0 (dp 0) waits in the gradient reduction for rank 1, which did not join it"),
 }
@@ -58,6 +73,8 @@ def test_a_stopped_rank_is_named_by_one_report_and_the_run_exits_with_its_checkp
     assert waiter in reports[0], reports[0]
     assert f"hang: rank {1 - stopped} " in out and f"hang: rank {stopped} " in out    # every rank's position
     assert "Traceback" not in proc.stdout     # ours (torchrun's own summary of the failed rank is on stderr)
+    ours = [f for f in re.findall(r'File "([^"]+)"', proc.stderr) if f.startswith(ROOT) and "site-packages" not in f]
+    assert not ours, proc.stderr[-4000:]     # torchrun's traceback on stderr has no frame of ours
     with open(os.path.join(save, "hang_report.json")) as f:
         record = json.load(f)
     assert record["report"]["stopped"] == stopped and len(record["positions"]) == 2

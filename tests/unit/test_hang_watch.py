@@ -121,3 +121,30 @@ def test_the_flag_defaults_below_the_collective_timeout_and_refuses_one_above_it
         logging_of("--hang-report-seconds", "-1")
     with pytest.raises(ArgumentError, match="--hang-report-seconds nan is not a finite number"):
         logging_of("--hang-report-seconds", "nan")
+    with pytest.raises(ArgumentError, match=r"--hang-report-seconds 0.01 is below 1 s: .* give 0 \(off\) or at "
+                                            r"least 1$"):
+        logging_of("--hang-report-seconds", "0.01")
+    assert logging_of("--hang-report-seconds", "1").hang_report_seconds == 1.0
+    assert logging_of("--distributed-timeout-minutes", "0.02").hang_report_seconds == 0.0   # half of 1.2 s: off
+
+
+def test_keep_waiting_with_the_watch_off_is_a_notice(llamapipe_log):
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
+    from tests.cli import TINY
+    config_from_args(build_parser().parse_args(TINY + ["--hang-report-seconds", "0", "--hang-report-keep-waiting"]), 1)
+    assert "notice: --hang-report-keep-waiting has no effect with --hang-report-seconds 0: no hang is reported" \
+        in llamapipe_log
+
+
+def test_a_rank_inside_a_collective_is_in_it_and_waits_for_its_peers():
+    watch = HangWatch(_ps(1), 60.0, False, None, DictStore(), 2, [].append)
+    try:
+        watch.begin_iteration(3)
+        with watch.collective("grad-reduce", "the gradient reduction", [0, 1]):
+            inside = watch.position.snapshot()
+        after = watch.position.snapshot()
+    finally:
+        watch.end_iteration()
+        position_module.install(None)
+    assert inside["phase"] == "in the gradient reduction" and inside["wait"]["peers"] == [0], inside
+    assert after["phase"] == "after the gradient reduction" and after["wait"] is None, after

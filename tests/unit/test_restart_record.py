@@ -60,3 +60,30 @@ def test_the_save_cost_line_gives_the_share_the_loss_and_youngs_interval():
                            "iteration) saves take 3.8% of the run and a failure loses 25 iterations (25.0 s)")
     assert "saving every 588 s (--save-interval 588) costs least" in line     # sqrt(2 x 2 x 86400) = 587.9
     assert save_cost_line(3, 0.5, None, None) == "checkpoint at iteration 3 saved in 0.50 s"
+
+
+def test_a_restartable_job_that_would_not_resume_is_told_at_start(tmp_path, monkeypatch, llamapipe_log):
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
+    from tests.cli import TINY
+    save, other = str(tmp_path / "ck"), str(tmp_path / "other")
+    os.mkdir(save)
+    os.mkdir(other)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    for flags, said in ((["--save", save], "without --load a restarted attempt starts again from iteration 0"),
+                        ([], "without --save a restarted attempt starts again from iteration 0"),
+                        (["--save", save, "--load", other], f"a restarted attempt loads --load {other} again")):
+        llamapipe_log.clear()
+        config_from_args(build_parser().parse_args(TINY + flags), 1)
+        [line] = [m for m in llamapipe_log if "torchrun --max-restarts" in m]
+        assert line.startswith("notice: torchrun --max-restarts 3: " + said) and line.endswith("to resume"), line
+    llamapipe_log.clear()
+    config_from_args(build_parser().parse_args(TINY + ["--save", save, "--load", save]), 1)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    config_from_args(build_parser().parse_args(TINY + ["--save", save]), 1)
+    assert not [m for m in llamapipe_log if "torchrun --max-restarts" in m]
+
+
+def test_a_restart_that_loaded_nothing_says_it_started_again():
+    line = restart_line({"restart": 1, "failed_while": "training", "failed_at_iteration": 5,
+                         "resumed_from_iteration": 0, "iterations_lost": 5, "restart_seconds": 3.0})
+    assert "stopped after iteration 5; started again from iteration 0 (nothing loaded), so 5 iterations lost" in line

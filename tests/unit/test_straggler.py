@@ -30,9 +30,10 @@ def test_a_rank_slowed_20_percent_is_named_after_consecutive_intervals_and_stage
     assert first["straggler_rank"] == -1, "one interval names nobody"
     second = detector.fields(_interval([10.0, 10.0, 20.0, 24.0], [1.0, 1.0, 2.0, 2.0]))
     assert second["straggler_rank"] == 3 and second["straggler_named_ratio"] == pytest.approx(1.2)
+    assert second["straggler_named_against"] == "replicas"
     assert [r for r, _ in second["straggler_slowest"]] == [3, 2] and len(second["straggler_fastest"]) == 2
     assert second["straggler_compute_ms"] == pytest.approx([10.0, 10.0, 20.0, 24.0])
-    assert "STRAGGLER rank 3 (1.20x" in line_part(second)
+    assert "STRAGGLER rank 3 (1.20x the compute of the fastest rank doing its work" in line_part(second)
     assert "slowest rank 3 1.20x fastest rank" in line_part(first) and "STRAGGLER" not in line_part(first)
 
 
@@ -57,7 +58,9 @@ def test_at_data_parallel_size_1_a_stage_is_named_only_well_past_its_expected_co
     assert fields["straggler_rank"] == -1 and fields["straggler_slowest_rank"] == 2
     for _ in range(CONSECUTIVE):
         fields = detector.fields(_interval([10.0, 10.0, 20.0, 10.0], [1.0, 1.0, 1.0, 1.0]))
-    assert fields["straggler_rank"] == 2
+    assert fields["straggler_rank"] == 2 and fields["straggler_named_against"] == "stages"
+    assert "STRAGGLER rank 2 (2.00x the fastest stage's compute per unit of the plan's expected cost" \
+        in line_part(fields)
 
 
 def test_the_timers_count_the_median_action_so_one_preempted_action_does_not_count():
@@ -96,3 +99,17 @@ def test_log_straggler_reaches_the_config_and_megatrons_controller_flags_are_not
     notices = check_compat(args)
     assert any("--disable-straggler-on-startup has no effect" in n for n in notices)
     assert any("--straggler-ctrlr-port 65535 has no effect" in n for n in notices)
+
+
+def test_straggler_options_without_log_straggler_are_notices(llamapipe_log):
+    from llamapipe.training.arguments.parser import build_parser, config_from_args
+    from tests.unit.test_megatron_flags import BASE
+    config_from_args(build_parser().parse_args(BASE + ["--straggler-minmax-count", "3", "--straggler-threshold",
+                                                       "1.2"]), 1)
+    assert "notice: --straggler-minmax-count 3 has no effect without --log-straggler: no rank is compared" \
+        in llamapipe_log
+    assert "notice: --straggler-threshold 1.2 has no effect without --log-straggler: no rank is compared" \
+        in llamapipe_log
+    llamapipe_log.clear()
+    config_from_args(build_parser().parse_args(BASE + ["--log-straggler", "--straggler-minmax-count", "3"]), 1)
+    assert not [line for line in llamapipe_log if "straggler" in line]

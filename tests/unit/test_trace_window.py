@@ -32,3 +32,4 @@ def test_a_run_resumed_after_the_window_writes_no_trace_and_says_why(tmp_path):
     assert not path.exists() and trace.written
     [line] = [m for m in handler.lines if "--pipeline-trace" in m]
     assert "nothing traced and no file written" in line and "iterations 2-3" in line and "resumed" in line
+    assert "opens when 1 iteration is complete" in line, line

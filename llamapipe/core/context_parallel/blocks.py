@@ -12,6 +12,7 @@ import torch.distributed as dist
 from llamapipe.core.context_parallel.kernels import attend, attend_backward
 from llamapipe.core.context_parallel.sharding import local_positions, unshard_sequence
 from llamapipe.core.document_attention import same_document
+from llamapipe.core.pipeline_parallel.position import waiting
 
 Block = tuple[int, int, int, int, bool]   # query chunks [q0, q1), key chunks [k0, k1), causal diagonal?
 Docs = Optional[tuple[torch.Tensor, torch.Tensor]]   # document ids (b, s_q) of the local queries, (b, s_k) of the keys
@@ -106,5 +107,7 @@ def docs_of(documents: Optional[torch.Tensor], cp_size: int, q_rank: int, k_rank
 def gather_kv(kv: torch.Tensor, group: Any) -> torch.Tensor:
     """(2, b, groups, s_local, d) on each rank -> (2, b, groups, s, d) in global sequence order."""
     parts = [torch.empty_like(kv) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, kv, group=group)
+    with waiting("the context-parallel all-gather of keys/values", dist.get_process_group_ranks(group),
+                 collective=True):      # a hang report names the CP ranks that did not join it
+        dist.all_gather(parts, kv, group=group)
     return unshard_sequence(parts, dim=3)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from llamapipe.core.config import ConfigError
 from llamapipe.core.context_parallel.sharding import shard_sequence, unshard_sequence
+from llamapipe.core.pipeline_parallel.position import waiting
 
 A2A_TYPES = ("a2a", "a2a+p2p")
 
@@ -98,7 +99,8 @@ def _exchange(x: torch.Tensor, level: SubGroup) -> torch.Tensor:
     per_part = x.shape[0] // level.size()
     splits = [per_part if r in level.members else 0 for r in ranks]
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, splits, splits, group=level.group)
+    with waiting("the context-parallel all-to-all", ranks, collective=True):    # every CP rank takes part
+        dist.all_to_all_single(out, x, splits, splits, group=level.group)
     return out
 
 

@@ -8,8 +8,8 @@ small dict per wait), so it stays on for every run; a watchdog thread (training/
 `snapshot()` when no progress was made for a while.
 
 One process is one rank, so the position is installed once per process (`install`): code that cannot be
-handed an observer (the CP ring, deep inside attention) reports its waits through the module's `waiting`,
-which does nothing when no position is installed.
+handed an observer (the CP ring, all-gather and all-to-all, deep inside attention) reports its waits through the
+module's `waiting`, which does nothing when no position is installed.
 """
 from __future__ import annotations
 

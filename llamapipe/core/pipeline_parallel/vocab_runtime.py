@@ -18,11 +18,13 @@ are broadcast over the pipeline and every rank runs its shard's backward (its we
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+from llamapipe.core.pipeline_parallel.position import waiting
 from llamapipe.core.tensor_parallel.vocab_pipeline import (EmbeddingPrepass, PipelineVocabEmbedding,
                                                           PipelineVocabOutput, VocabTargets)
 
@@ -73,9 +75,8 @@ class VocabStep:
         prepass = EmbeddingPrepass(self.embedding)
         self.partials = [forward_step_func(data_iterator, prepass)[0] for _ in range(num_microbatches)]
         total = torch.stack([p.detach() for p in self.partials])
-        start = time.perf_counter()
-        dist.reduce(total, dst=self.first_rank_global, group=self.group)
-        self.wait_s += time.perf_counter() - start
+        with self._collective("the vocabulary-parallel embedding's reduce"):
+            dist.reduce(total, dst=self.first_rank_global, group=self.group)
         like = dict(size=total.shape, dtype=total.dtype, device=total.device)
         self.embedded, self.grad_like = (total, None) if self.first_rank else (None, like)
         if not keep_graph:
@@ -89,9 +90,8 @@ class VocabStep:
             grads = torch.stack([self.embedding_grads.pop(mb) for mb in range(len(self.partials))])
         else:
             grads = torch.empty(**self.grad_like)
-        start = time.perf_counter()
-        dist.broadcast(grads, src=self.first_rank_global, group=self.group)
-        self.wait_s += time.perf_counter() - start
+        with self._collective("the vocabulary-parallel embedding's gradient broadcast"):
+            dist.broadcast(grads, src=self.first_rank_global, group=self.group)
         torch.autograd.backward(self.partials, list(grads.unbind(0)))
         self.partials, self.embedded, self.grad_like = [], None, None
 
@@ -108,10 +108,18 @@ class VocabStep:
 
     def _gathered(self, mb: int) -> torch.Tensor:
         work, parts = self.gathers.pop(mb)
-        start = time.perf_counter()
-        work.wait()
-        self.wait_s += time.perf_counter() - start
+        with self._collective(f"the vocabulary-parallel output layer's all-gather of mb {mb}"):
+            work.wait()
         return torch.stack(parts)                                          # (pp, 3, s, b)
+
+    @contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Blocked in a collective over the group: the seconds count as waiting, and a hang report names the
+        ranks that did not join it (`position.waiting`)."""
+        start = time.perf_counter()
+        with waiting(what, dist.get_process_group_ranks(self.group), collective=True):
+            yield
+        self.wait_s += time.perf_counter() - start
 
     def grad(self, mb: int) -> torch.Tensor:
         """T: the combined loss's gradient through this shard; returns the partial input gradient."""

@@ -77,8 +77,8 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="when a training step (or the gradient reduction around it) makes no progress for this "
                         "long, every rank logs where it is in its plan and one report names the rank that stopped "
                         "first and the chain of waits behind it (also --save/hang_report.json), then the run exits "
-                        "with status 1; 0: off; None: 300, or half of --distributed-timeout-minutes when that is "
-                        "shorter (docs/reliability.md)")
+                        "with status 1; 0: off, else at least 1; None: 300, or half of --distributed-timeout-minutes "
+                        "when that is shorter (docs/reliability.md)")
     g.add_argument("--hang-report-keep-waiting", action="store_true",
                    help="after a hang report, keep waiting (a step that resumes goes on) instead of exiting")
     g.add_argument("--use-distributed-optimizer", action="store_true",

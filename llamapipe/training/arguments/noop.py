@@ -12,6 +12,7 @@ import signal
 from llamapipe.core.config import FSDP_STRATEGIES, ParallelConfig
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, default_schedule
 from llamapipe.training.arguments.pipeline import virtual_stage_flag
+from llamapipe.training.restart_record import restart_notice
 
 _PROFILE_ITERS_DEFAULT = 3      # flags_training's default: a different value was given on purpose
 
@@ -80,6 +81,21 @@ def _exit_signal(args: argparse.Namespace) -> list[str]:
             "stops the run without saving"]
 
 
+def _reliability(args: argparse.Namespace) -> list[str]:
+    """The straggler detector's and the hang watch's options without the flag that turns each on; a job torchrun
+    may restart that would not resume (issue 46)."""
+    lines = []
+    if not args.log_straggler:
+        count, threshold = args.straggler_minmax_count, args.straggler_threshold
+        given = [f"--straggler-minmax-count {count}" if count != 1 else None,
+                 f"--straggler-threshold {threshold:g}" if threshold != 1.1 else None]
+        lines += [f"{flag} has no effect without --log-straggler: no rank is compared" for flag in given if flag]
+    if args.hang_report_keep_waiting and args.hang_report_seconds == 0:
+        lines.append("--hang-report-keep-waiting has no effect with --hang-report-seconds 0: no hang is reported")
+    restart = restart_notice(args.save, args.load)
+    return lines + ([restart] if restart else [])
+
+
 def noop_notices(args: argparse.Namespace, par: ParallelConfig) -> list[str]:
     """One 'notice: ...' line per flag given that does nothing with this layout."""
     lines = []
@@ -97,4 +113,5 @@ def noop_notices(args: argparse.Namespace, par: ParallelConfig) -> list[str]:
         lines.append(f"--decoupled-min-lr {args.decoupled_min_lr:g} has no effect without --decoupled-lr (as in "
                      "Megatron-LM): the embedding and output layer follow --lr and --min-lr")
     lines += _data_parallel(args, par) + _pipeline(args, par) + _checkpoint(args) + _exit_signal(args)
+    lines += _reliability(args)
     return ["notice: " + line for line in lines]

@@ -241,14 +241,22 @@ def logging_config(args: argparse.Namespace) -> LoggingConfig:
                          hang_report_keep_waiting=args.hang_report_keep_waiting)
 
 
+MIN_HANG_REPORT_SECONDS = 1.0     # shorter, one action of a healthy step would be taken for a hang
+
+
 def hang_report_seconds(args: argparse.Namespace) -> float:
     """--hang-report-seconds: below the collectives' timeout, which would end a hung step without a report."""
     timeout_s = args.distributed_timeout_minutes * 60
     seconds = args.hang_report_seconds
-    if seconds is None:
-        return min(300.0, timeout_s / 2)
+    if seconds is None:      # off when half the timeout is too short to tell a hang (collectives end it then)
+        default = min(300.0, timeout_s / 2)
+        return default if default >= MIN_HANG_REPORT_SECONDS else 0.0
     if seconds < 0:
         raise ArgumentError(f"--hang-report-seconds must be 0 (off) or positive, got {seconds:g}")
+    if 0 < seconds < MIN_HANG_REPORT_SECONDS:
+        raise ArgumentError(f"--hang-report-seconds {seconds:g} is below {MIN_HANG_REPORT_SECONDS:g} s: one action "
+                            "of a healthy step takes that long, and the run would be reported hung and ended; "
+                            f"give 0 (off) or at least {MIN_HANG_REPORT_SECONDS:g}")
     if seconds >= timeout_s:
         raise ArgumentError(f"--hang-report-seconds {seconds:g} must be below --distributed-timeout-minutes "
                             f"{args.distributed_timeout_minutes:g} ({timeout_s:g} s): a collective would time out "
