@@ -13,7 +13,7 @@ from llamapipe.core.pipeline_parallel.layout import stage_layer_ranges
 from llamapipe.core.pipeline_parallel.offload_plan import with_offload
 from llamapipe.core.pipeline_parallel.schedule_ir import Plan, splits_backward
 from llamapipe.core.pipeline_parallel.schedule_specs import SPECS, build, build_seq
-from llamapipe.core.pipeline_parallel.seq_split import SeqSplits
+from llamapipe.core.pipeline_parallel.seq_split import SeqSplits, piece_align
 from llamapipe.core.pipeline_parallel.simulator import verify
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.llama.counts import layer_matmul_parameters
@@ -90,15 +90,16 @@ def layout_plan(lay: Layout, m: int) -> Plan:
 
 
 def piece_lengths(m: LlamaConfig, lay: Layout, seq: int) -> tuple[int, ...]:
-    """Tokens of each Seq1F1B piece of one CP rank's share of a sequence, as the runtime cuts it (training/setup.py
-    `seq_splits`: equal FLOPs, --seq1f1b-balance-method's default, aligned to tp under sequence parallelism);
+    """Tokens of each Seq1F1B piece on one CP rank, as the runtime cuts them (training/setup.py `seq_splits`): the
+    whole sequence into K pieces of equal FLOPs (--seq1f1b-balance-method's default, aligned as `piece_align`: to
+    tp under sequence parallelism, to the 2 x cp chunks under CP), each piece then shared by the cp ranks;
     (seq / cp,) without splits."""
-    tokens = seq // lay.cp
     if lay.seq_splits == 1:
-        return (tokens,)
+        return (seq // lay.cp,)
     bounds = SeqSplits.for_model(lay.seq_splits, "flops", m.hidden_size, m.ffn_hidden_size, m.num_attention_heads,
-                                 m.head_dim, m.num_query_groups, align=lay.tp).bounds(tokens)
-    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+                                 m.head_dim, m.num_query_groups,
+                                 align=piece_align(lay.tp, lay.tp > 1, lay.cp)).bounds(seq)
+    return tuple((b - a) // lay.cp for a, b in zip(bounds, bounds[1:]))
 
 
 def stage_ranks(lay: Layout) -> list[int]:

@@ -36,6 +36,22 @@ def test_pieces_are_the_runtimes_cut_and_their_bytes_add_up_to_the_microbatch():
         assert split == pytest.approx(plain + kv_grads, rel=1e-12)
 
 
+def test_pieces_under_context_parallelism_are_the_runtimes_cut_of_the_whole_sequence():
+    """Under CP the runtime cuts the whole sequence into pieces (equal FLOPs over all 131,072 causal tokens, so the
+    first piece is long) and shares each piece among the cp ranks: the planner's per-rank pieces are those over cp,
+    not a cut of one rank's 16,384 tokens (which gave 9% less activation memory than the dry run at K 8)."""
+    from llamapipe.training.arguments.parser import build_parser as trainer_parser, config_from_args
+    from llamapipe.training.setup import seq_splits
+    for k, tp in ((4, 1), (8, 2)):
+        argv = (f"--mock-data --model llama3.1-8b --seq-length {SEQ} --context-parallel-size 8 --num-seq-splits {k} "
+                f"--tensor-model-parallel-size {tp} --global-batch-size 8").split()
+        argv += ["--sequence-parallel"] if tp > 1 else []
+        runtime = seq_splits(config_from_args(trainer_parser().parse_args(argv), 8 * tp)).bounds(SEQ)
+        lengths = piece_lengths(M8B, Layout(tp, 1, 1, 1, "1f1b", 1, "none", False, cp=8, seq_splits=k), SEQ)
+        assert lengths == tuple((b - a) // 8 for a, b in zip(runtime, runtime[1:])), (k, tp)
+        assert lengths[0] > 1.5 * SEQ // 8 // k      # the first piece holds far more than 1/K of the tokens
+
+
 @pytest.mark.parametrize("schedule,vpp", [("1f1b", 1), ("zb-h1", 1), ("zbv", 2), ("interleaved", 2)])
 def test_walk_of_pieces_equals_the_simulators_peak(schedule, vpp):
     """Equal pieces of 1/K of a microbatch (M_W half of M_B): the planner's walk of the Seq1F1B plan, with entry
@@ -114,10 +130,11 @@ def test_seq1f1b_ring_and_allgather_resend_the_earlier_pieces():
     (core/context_parallel/ring_pieces.py, pieces.py): K/V bytes x the sum of the pieces' ends over the tokens,
     above (K + 1) / 2 for FLOPs-balanced pieces (they start long); a2a sends each piece once."""
     for k in (2, 4):
-        tokens = SEQ // 8
+        # the runtime's pieces: the whole sequence cut by FLOPs into multiples of the 2 x cp chunks, each piece
+        # then shared by the 8 CP ranks
         bounds = SeqSplits.for_model(k, "flops", M8B.hidden_size, M8B.ffn_hidden_size, M8B.num_attention_heads,
-                                     M8B.head_dim, M8B.num_query_groups, align=1).bounds(tokens)
-        resent = sum(bounds[1:]) / tokens
+                                     M8B.head_dim, M8B.num_query_groups, align=2 * 8).bounds(SEQ)
+        resent = sum(bounds[1:]) / SEQ
         assert resent > (k + 1) / 2
         for comm in ("allgather", "a2a"):
             plain = Layout(1, 4, 1, 2, "1f1b", 1, "none", False, cp=8, cp_comm=comm)
