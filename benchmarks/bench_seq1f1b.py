@@ -10,6 +10,7 @@ forwards not yet backward; what a deferred W keeps after its B is not in it), an
 compute / communication / idle split (`StepTimers`, idle share = measured bubble). Not a timed test.
 
     python -m benchmarks.bench_seq1f1b --rounds 3
+    python -m benchmarks.bench_seq1f1b --rounds 3 --variants zbv-k1,zbv-k4 --out PATH    # some variants
 """
 from __future__ import annotations
 
@@ -60,7 +61,13 @@ def _chunks(ps, config, schedule: str, vpp: int) -> list:
             for s in (stage_of(ps.pp_rank, c, ps.pp_size, placement) for c in range(vpp))]
 
 
-def worker(rank: int, world: int, layers: int, hidden: int, seq: int, m: int, rounds: int) -> dict:
+def _selected(names: tuple[str, ...]) -> tuple:
+    """The VARIANTS named in `names` (all when empty), in VARIANTS' order."""
+    return tuple(v for v in VARIANTS if not names or _name(v[0], v[2], v[3]) in names)
+
+
+def worker(rank: int, world: int, layers: int, hidden: int, seq: int, m: int, rounds: int,
+           names: tuple[str, ...] = ()) -> dict:
     import torch.distributed as dist
     from llamapipe.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from llamapipe.core.pipeline_parallel.activation_memory import ActivationProbe
@@ -72,7 +79,7 @@ def worker(rank: int, world: int, layers: int, hidden: int, seq: int, m: int, ro
     config = _config(layers, hidden, seq)
     ps0 = initialize_model_parallel(1, world)
     setups = {}
-    for schedule, vpp, k, method in VARIANTS:
+    for schedule, vpp, k, method in _selected(names):
         ps = dataclasses.replace(ps0, vpp_size=vpp)
         chunks = _chunks(ps, config, schedule, vpp)
         probe, timers = ActivationProbe(chunks), StepTimers(level=2)
@@ -81,7 +88,8 @@ def worker(rank: int, world: int, layers: int, hidden: int, seq: int, m: int, ro
         fb = get_forward_backward_func(ps, schedule, options=RuntimeOptions(observers=(probe, timers),
                                                                             seq_splits=splits))
         setups[(schedule, vpp, k, method)] = (chunks, fb, probe, timers)
-    out = {_name(s, k, method): {"step_s": [], "peak_bytes": [], "timers": []} for s, _, k, method in VARIANTS}
+    out = {_name(s, k, method): {"step_s": [], "peak_bytes": [], "timers": []}
+           for s, _, k, method in _selected(names)}
     g = torch.Generator().manual_seed(1)
     try:
         for r in range(rounds + 1):
@@ -128,6 +136,8 @@ def summarize(results: list[dict]) -> dict:
                           "weight_s": t.get("backward-weight-compute", 0.0)})
         rows[name] = {"step_s": step, "step_spread_s": spread, "ranks": ranks}
     for schedule, name in (("1f1b", "1f1b-k4"), ("zbv", "zbv-k4"), ("zbv", "zbv-k4-length")):
+        if name not in rows or f"{schedule}-k1" not in rows:
+            continue
         base, split = rows[f"{schedule}-k1"], rows[name]
         split["peak_ratio"] = max(r["peak_bytes"] for r in split["ranks"]) / max(r["peak_bytes"] for r in base["ranks"])
         split["step_ratio"] = split["step_s"] / base["step_s"]
@@ -141,10 +151,16 @@ def main(argv=None) -> dict:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
+    p.add_argument("--variants", default="", help="comma-separated variants to run (default all): "
+                   + ", ".join(_name(s, k, method) for s, _, k, method in VARIANTS))
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_seq1f1b.json"))
     args = p.parse_args(argv)
+    names = tuple(n for n in args.variants.split(",") if n)
+    known = [_name(s, k, method) for s, _, k, method in VARIANTS]
+    if any(n not in known for n in names):
+        p.error(f"--variants {args.variants}: each must be one of {', '.join(known)}")
     results = run_distributed(worker, 2, args.layers, args.hidden, args.seq, args.microbatches, args.rounds,
-                              timeout=3600)
+                              names, timeout=3600)
     rows = summarize(results)
     print(f"{'variant':<13} {'step s':>8} {'spread':>7} {'vs K=1':>7} {'peak MB r0/r1':>15} {'vs K=1':>7} "
           f"{'bubble r0/r1':>13}  compute/comm/idle s (r0; r1)")

@@ -7,9 +7,11 @@ backward gives the key/value gradients of pieces 0..i-1), so the backward stream
 1F1B's one so the sequence's last piece has run its forward before the first backward, which is that piece's),
 then F/BW pairs, then the remaining BWs. ZB-H1: the same with one more warmup piece (ZB-H1's B-then-F steady
 state), B and W split and rank r's W's r units behind its B's (arXiv 2401.10241). ZB-V: the zero-bubble list
-scheduler on the V placement with the reversed backward order (`seq_zbv`). Interleaved comes from its own
-builder for m*K units with the backward units relabelled by `backward_order` and the forwards a relabelled
-backward needs pulled ahead of it (`relabelled`), kept only when the simulator finds no deadlock.
+scheduler on the V placement with the reversed backward order, at a few realistic F:B:W ratios, under the
+smallest activation cap whose simulated bubble is within half a point of plain ZB-V's over a few ratios (`seq_zbv`).
+Interleaved comes from its own builder for m*K units with the backward units relabelled by `backward_order` and
+the forwards a relabelled backward needs pulled ahead of it (`relabelled`), kept only when the simulator finds no
+deadlock.
 """
 from __future__ import annotations
 
@@ -56,26 +58,66 @@ def seq_zb_h1(pp: int, m: int, k: int) -> Plan:
     return Plan("zb-h1", pp, 1, n, "interleaved", tuple(actions), seq_splits=k)
 
 
-def seq_zbv(pp: int, m: int, k: int) -> Plan:
-    """ZB-V's V placement and B/W split for m*K pieces, list-scheduled at unit costs (builders_zb.greedy_plan)
-    with each sequence's B's in reverse, under the smallest activation cap (pieces per rank, from 2p + K - 1 up)
-    whose plan has no bubble at unit costs, else the smallest at which the order does not stall (ZB-V itself
-    holds 2p chunk units of whole microbatches)."""
+# The F:B:W cost ratios the ZB-V pieces' order is judged at (`bubble`): this CPU's measured ones (issue 45's
+# shape, sequence 4096: B 1.9 F, W 0.33 F; sequence 2048: B 1.5 F, W 0.4 F; the hardest first), B 1.25 F with
+# W 0.6 F, unit costs and B 2 F, W F. The order itself is list-scheduled at each of ORDER_RATIOS (B longer than F,
+# W shorter: its W's then fill gaps of about their real size) and the best judged kept.
+JUDGE_RATIOS = ((1.0, 1.9, 0.33), (1.0, 1.5, 0.4), (1.0, 1.25, 0.6), (1.0, 1.0, 1.0), (1.0, 2.0, 1.0))
+ORDER_RATIOS = ((1.0, 1.9, 0.33), (1.0, 1.6, 0.45), (1.0, 1.25, 0.6))
+# how much more idle (share of the makespan) than plain ZB-V a cap may leave: with many microbatches both idle
+# about 1%, and matching plain ZB-V's last tenths of a point took its memory (pp 4, 64 microbatches, K 8: 57 of 64)
+IDLE_SLACK = 0.005
+CAPS_TRIED = 12     # at most about this many caps, evenly spaced (each: a list schedule per ORDER_RATIOS, simulations)
+
+
+def bubble(plan: Plan, k: int, ratio: tuple[float, float, float]) -> float:
+    """The idle share of the makespan (all ranks) of `plan` at F:B:W `ratio`, a piece costing 1/K."""
     from llamapipe.core.pipeline_parallel.simulator import simulate
-    n, first = m * k, None
-    for cap in range(2 * pp + k - 1, 2 * pp * k + 1):
-        try:
-            plan = dataclasses.replace(greedy_plan("zbv", pp, 2, n, "v", Costs(), cap, backward_order(n, k)),
-                                       seq_splits=k)
-        except AssertionError:      # the cap holds back a forward that a backward needs
-            continue
-        if simulate(plan).bubble_rate < 1e-9:
-            return plan
-        first = first or plan
-    if first is None:
+    f, b, w = ratio
+    return simulate(plan, Costs(f=f, b=b, w=w).pieces(k)).makespan_bubble_rate
+
+
+def _judged(plan: Plan, k: int, plain: list[float], best: float) -> list[float] | None:
+    """`plan`'s idle at each of JUDGE_RATIOS; None as soon as one is too high to fit and to beat `best`."""
+    ours = []
+    for ratio, theirs in zip(JUDGE_RATIOS, plain):
+        ours.append(bubble(plan, k, ratio))
+        if ours[-1] > theirs + IDLE_SLACK and ours[-1] >= best:
+            return None
+    return ours
+
+
+def seq_zbv(pp: int, m: int, k: int) -> Plan:
+    """ZB-V's V placement and B/W split for m*K pieces, list-scheduled (builders_zb.greedy_plan) at each of
+    ORDER_RATIOS with each sequence's B's in reverse, under the smallest activation cap (pieces per rank, from
+    2p + K - 1 up to plain ZB-V's peak 2pK, in steps that try about CAPS_TRIED) at which an order idles at most
+    IDLE_SLACK more than plain ZB-V at each of JUDGE_RATIOS (of those, the one with the least worst excess), else
+    the order with the least worst idle. An order built at unit costs fills its gaps with W's of the wrong length:
+    at B 1.9 F, W 0.33 F it idled 2.1x plain ZB-V (pp 2, 8 microbatches, K 4; docs/schedules.md)."""
+    from llamapipe.core.pipeline_parallel.builders import zbv
+    n, best, low, high = m * k, (float("inf"), None), 2 * pp + k - 1, 2 * pp * k
+    plain = [bubble(zbv(pp, m), 1, ratio) for ratio in JUDGE_RATIOS]
+    for cap in range(low, high + 1, max(1, -(-(high - low) // CAPS_TRIED))):
+        fits = []
+        for f, b, w in ORDER_RATIOS:
+            try:
+                plan = dataclasses.replace(greedy_plan("zbv", pp, 2, n, "v", Costs(f=f, b=b, w=w), cap,
+                                                       backward_order(n, k)), seq_splits=k)
+            except AssertionError:      # the cap holds back a forward that a backward needs
+                continue
+            ours = _judged(plan, k, plain, best[0])
+            if ours is None:
+                continue
+            if all(o <= p + IDLE_SLACK for o, p in zip(ours, plain)):
+                fits.append((max(o - p for o, p in zip(ours, plain)), plan))
+            elif max(ours) < best[0]:
+                best = (max(ours), plan)
+        if fits:
+            return min(fits, key=lambda fit: fit[0])[1]
+    if best[1] is None:
         raise ConfigError(f"num_seq_splits {k} with pipeline_schedule zbv at pp {pp} and {m} microbatches "
                           "finds no order", "num_seq_splits")
-    return first
+    return best[1]
 
 
 def relabelled(plan: Plan, k: int) -> Plan:
