@@ -25,15 +25,21 @@ def assert_grads_in_b_match_hf(hf, ours, ids: torch.Tensor, in_b: dict, deferred
     torch.testing.assert_close(ours_param(deferred[0]).grad, hf_params[deferred[1]].grad, rtol=1e-4, atol=1e-7)
 
 
-def assert_hf_round_trip(hf, from_hf, to_hf, model_type: str, architecture: str):
-    """to_hf(from_hf(x)) gives back exactly HF's tensors and a config transformers builds `architecture` from;
-    returns (our config, our state dict, the rebuilt HF model)."""
+def exact_round_trip(hf, from_hf, to_hf) -> tuple:
+    """to_hf(from_hf(x)) gives back exactly HF's tensors: (our config, our state dict, HF's state dict, config)."""
     config, state_dict = from_hf(hf.state_dict(), hf.config.to_dict())
     hf_sd, hf_cfg = to_hf(config, state_dict)
     original = hf.state_dict()
     assert set(hf_sd) == set(original)
     for name, tensor in original.items():
         assert torch.equal(hf_sd[name], tensor), name
+    return config, state_dict, hf_sd, hf_cfg
+
+
+def assert_hf_round_trip(hf, from_hf, to_hf, model_type: str, architecture: str):
+    """`exact_round_trip` and a config transformers builds `architecture` from; returns (our config, our state
+    dict, the rebuilt HF model)."""
+    config, state_dict, hf_sd, hf_cfg = exact_round_trip(hf, from_hf, to_hf)
     assert hf_cfg["model_type"] == model_type and hf_cfg["architectures"] == [architecture]
     rebuilt = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_cfg))
     assert type(rebuilt).__name__ == architecture

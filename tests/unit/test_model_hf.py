@@ -8,6 +8,7 @@ from llamapipe.core.tensor_parallel.weight_grad_store import WeightGradStore
 from llamapipe.model.llama import LlamaConfig
 from llamapipe.model.llama.hf import from_hf, to_hf
 from llamapipe.model.llama import LlamaModel
+from tests.hf_family import exact_round_trip
 
 VOCAB = 1003
 
@@ -93,13 +94,7 @@ def test_vocab_padding_is_excluded_from_loss():
 @pytest.mark.parametrize("tie", [False, True])
 def test_to_hf_round_trip(tie):
     """to_hf(from_hf(x)) gives back exactly HF's tensors and a config transformers accepts."""
-    hf = _hf_model(tie)
-    config, state_dict = from_hf(hf.state_dict(), hf.config.to_dict())
-    hf_sd, hf_cfg = to_hf(config, state_dict)
-    original = hf.state_dict()
-    assert set(hf_sd) == set(original)
-    for name, tensor in original.items():
-        assert torch.equal(hf_sd[name], tensor), name
+    _, _, hf_sd, hf_cfg = exact_round_trip(_hf_model(tie), from_hf, to_hf)
     rebuilt = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg))
     rebuilt.load_state_dict(hf_sd)
     assert rebuilt.config.rope_parameters["rope_theta"] == 50000.0

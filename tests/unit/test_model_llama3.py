@@ -10,6 +10,7 @@ from llamapipe.model.llama import LlamaConfig, LlamaModel
 from llamapipe.model.llama.config import RopeScaling
 from llamapipe.model.llama.hf import config_to_hf, from_hf, to_hf
 from llamapipe.training.arguments.parser import ArgumentError, build_parser, config_from_args
+from tests.hf_family import exact_round_trip
 
 VOCAB, ORIGINAL = 1003, 64      # a context of 64 "trained" positions, scaled up to 512
 
@@ -70,12 +71,7 @@ def test_export_round_trip_is_bit_equal(tie, factor):
     """to_hf(from_hf(x)) gives back HF's tensors exactly (tied: one embedding tensor, lm_head its alias) and a
     config.json with Meta's rope_scaling dict, which transformers reads back as the same RoPE parameters."""
     hf = _hf(tie, factor)
-    config, state_dict = from_hf(hf.state_dict(), hf.config.to_dict())
-    hf_sd, hf_cfg = to_hf(config, state_dict)
-    original = hf.state_dict()
-    assert set(hf_sd) == set(original)
-    for name, tensor in original.items():
-        assert torch.equal(hf_sd[name], tensor), name
+    config, _, hf_sd, hf_cfg = exact_round_trip(hf, from_hf, to_hf)
     assert hf_cfg["rope_scaling"] == {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL}
     assert hf_cfg["tie_word_embeddings"] is tie
