@@ -79,18 +79,19 @@ def _wait(works: list, ring: _Ring, what: str = "keys/values") -> None:
 
 
 def _save(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-          group: Any, scale: float, documents: Optional[torch.Tensor]) -> torch.Tensor:
-    """End of either forward: keep only the local q, k, v, the output and its log-sum-exp (O(s / cp)), and the
-    document ids (b, s) when there are any."""
+          group: Any, scale: float, documents: Optional[torch.Tensor], *past: torch.Tensor) -> torch.Tensor:
+    """End of every forward (ring, all-gather, and a Seq1F1B piece's, whose `past` are the earlier pieces' local
+    keys/values): keep only the local tensors (O(s / cp)) and the document ids (b, s) when there are any."""
     out = out.to(q.dtype)
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, *past)
     ctx.group, ctx.scale, ctx.documents = group, scale, documents
     return out
 
 
 def _restore(ctx) -> tuple:
-    """Start of either backward: the saved tensors, the group, scale, CP size and rank, and a zero fp32 dq."""
-    q, k, v, out, lse = ctx.saved_tensors
+    """Start of every backward: the saved tensors (a piece's `past`: ctx.saved_tensors[5:]), the group, scale,
+    CP size and rank, and a zero fp32 dq."""
+    q, k, v, out, lse = ctx.saved_tensors[:5]
     group = ctx.group
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     return q, k, v, out, lse, group, ctx.scale, _size(group), _rank(group), dq

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from llamapipe.core.context_parallel.attention import _restore, _save
 from llamapipe.core.context_parallel.blocks import (accumulators, attention_blocks, backward_blocks, docs_of,
                                                     forward_blocks, gather_kv)
 from llamapipe.core.context_parallel.sharding import chunk_ids, shard_sequence
@@ -57,18 +58,13 @@ class _AllGatherPieceAttention(torch.autograd.Function):
         for i, (block, docs) in enumerate(earlier):
             kv = gather_kv(torch.stack([past[2 * i], past[2 * i + 1]]), group)
             forward_blocks(q, kv[0], kv[1], [block], 1, scale, out, lse, docs)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, *past)
-        ctx.group, ctx.scale, ctx.documents = group, scale, documents
-        return out
+        return _save(ctx, q, k, v, out, lse, group, scale, documents, *past)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse, *past = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        q, k, v, out, lse, group, scale, cp_size, cp_rank, dq = _restore(ctx)
+        past = ctx.saved_tensors[5:]
         own_blocks, own_docs, earlier = _plan(ctx.documents, q, cp_size, cp_rank, tuple(past))
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         grads = []
         for i, (block, docs) in enumerate(earlier):
             kv = gather_kv(torch.stack([past[2 * i], past[2 * i + 1]]), group)

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from llamapipe.core.context_parallel.attention import _rank, _Ring, _size, _wait
+from llamapipe.core.context_parallel.attention import _rank, _restore, _Ring, _save, _size, _wait
 from llamapipe.core.context_parallel.blocks import (accumulators, attention_blocks, backward_blocks, docs_of,
                                                     forward_blocks)
 from llamapipe.core.context_parallel.sharding import chunk_ids, local_positions
@@ -72,18 +72,13 @@ class _RingPieceAttention(torch.autograd.Function):
             if step + 1 < cp_size:
                 _wait(works, ring)
                 kv = kv_next
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, *past)
-        ctx.group, ctx.scale, ctx.documents = group, scale, documents
-        return out
+        return _save(ctx, q, k, v, out, lse, group, scale, documents, *past)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse, *past = ctx.saved_tensors
-        group, scale, documents = ctx.group, ctx.scale, ctx.documents
-        cp_size, cp_rank, ring = _size(group), _rank(group), _Ring(group)
+        q, k, v, out, lse, group, scale, cp_size, cp_rank, dq = _restore(ctx)
+        past, documents, ring = ctx.saved_tensors[5:], ctx.documents, _Ring(group)
         lengths = [t.shape[2] for t in past[::2]]
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([torch.cat([k, *past[::2]], dim=2), torch.cat([v, *past[1::2]], dim=2)])
         dkv_in, dkv_works = None, []
         for step in range(cp_size):
